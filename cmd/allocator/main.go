@@ -1,0 +1,85 @@
+// Command allocator runs one node of allot's Raft-replicated global quota
+// allocator: the Raft member (BoltDB log, file snapshots, TCP transport) and its
+// Connect API (Connect, gRPC, gRPC-Web over h2c), /metrics and /healthz.
+//
+//	allocator -id a1 -raft-addr 127.0.0.1:7001 -api-addr 127.0.0.1:8001 -data-dir /tmp/a1 \
+//	  -bootstrap -peer a1=127.0.0.1:7001=127.0.0.1:8001 -peer a2=... -peer a3=...
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/allot-dev/allot/pkg/allocator"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, os.Args[1:])
+	stop()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "allocator:", err)
+		os.Exit(1)
+	}
+}
+
+type peerList []allocator.Peer
+
+func (p *peerList) String() string { return fmt.Sprint(*p) }
+func (p *peerList) Set(s string) error {
+	peer, err := allocator.ParsePeer(s)
+	if err != nil {
+		return err
+	}
+	*p = append(*p, peer)
+	return nil
+}
+
+func run(ctx context.Context, args []string) error {
+	cfg := allocator.DefaultConfig()
+	var (
+		peers    peerList
+		ro       allocator.RunOptions
+		logLevel = zapcore.InfoLevel
+	)
+	fs := flag.NewFlagSet("allocator", flag.ContinueOnError)
+	fs.StringVar(&cfg.NodeID, "id", "", "Raft server ID of this node (unique, stable)")
+	fs.StringVar(&cfg.RaftAddr, "raft-addr", "127.0.0.1:7001", "Raft transport address (bind and advertise)")
+	fs.StringVar(&cfg.APIAddr, "api-addr", "127.0.0.1:8001", "Connect API address")
+	fs.StringVar(&cfg.DataDir, "data-dir", "", "directory for the Raft log, stable store and snapshots")
+	fs.BoolVar(&cfg.Bootstrap, "bootstrap", false, "bootstrap a new cluster from -peer when the data dir is empty")
+	fs.Var(&peers, "peer", "initial member id=raft_addr=api_addr (repeat; include this node)")
+	fs.StringVar(&ro.Join, "join", "", "API address of a member to ask to add this node")
+	fs.DurationVar(&cfg.HeartbeatTimeout, "heartbeat-timeout", cfg.HeartbeatTimeout, "Raft heartbeat timeout")
+	fs.DurationVar(&cfg.ElectionTimeout, "election-timeout", cfg.ElectionTimeout, "Raft election timeout")
+	fs.DurationVar(&cfg.LeaderLeaseTimeout, "leader-lease-timeout", cfg.LeaderLeaseTimeout, "Raft leader lease timeout")
+	fs.Uint64Var(&cfg.SnapshotThreshold, "snapshot-threshold", cfg.SnapshotThreshold, "log entries between snapshots")
+	fs.DurationVar(&cfg.LeaseMargin, "lease-margin", cfg.LeaseMargin, "lease deadline margin regions use (feeds the stated bound)")
+	fs.Int64Var(&cfg.MaxDriftPPM, "max-drift-ppm", cfg.MaxDriftPPM, "assumed max clock drift between machines (feeds the stated bound)")
+	fs.DurationVar(&cfg.MaxOneWayDelay, "max-store-delay", cfg.MaxOneWayDelay, "assumed max agent-to-store delay (feeds the stated bound)")
+	fs.DurationVar(&cfg.MaxLeaderSkew, "max-leader-skew", cfg.MaxLeaderSkew, "assumed max clock offset between allocator nodes (feeds the stated bound)")
+	fs.BoolVar(&cfg.StoreAsyncFailover, "store-async-failover", false, "regional stores fail over asynchronously (feeds the stated bound)")
+	fs.Var(&logLevel, "log-level", "log level: debug, info, warn, error")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	cfg.Peers = peers
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	zc := zap.NewProductionConfig()
+	zc.Level = zap.NewAtomicLevelAt(logLevel)
+	log, err := zc.Build()
+	if err != nil {
+		return fmt.Errorf("logger: %w", err)
+	}
+	defer func() { _ = log.Sync() }()
+	return allocator.Run(ctx, cfg, ro, log)
+}

@@ -1,0 +1,22 @@
+// Command allotctl is the operator CLI of allot: policy, bound, windows and
+// cluster membership. See `allotctl -h`.
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/signal"
+
+	"github.com/allot-dev/allot/pkg/ctl"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	err := ctl.Main(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "allotctl:", err)
+		os.Exit(1)
+	}
+}

@@ -1,0 +1,85 @@
+// Package fsm is allot's allocator state machine: the deterministic core that
+// a Raft group replicates to hold every global quota's pool for the current
+// window and to grant regions window-clamped, TTL'd chunks of it.
+//
+// FSM implements hashicorp/raft's raft.FSM. It is pure: it reads no clock,
+// draws no random numbers, does no I/O except writing a snapshot to the sink
+// raft hands it, and never lets map iteration order reach a result or a byte
+// of a snapshot. Time is an input: the leader stamps NowUnixMs on every
+// command and the state machine keeps now = max(stamp, previous now), so
+// windows never reopen. Applying the same log to two FSMs yields the same
+// results and byte-identical snapshots.
+//
+// # Commands
+//
+// A log entry is one byte of format version (FormatV1) followed by a JSON
+// Command (see Encode and Decode). There are four commands:
+//
+//   - Acquire grants a region chunks of up to MaxWants quotas in one entry.
+//     Each grant is at most the pool at that instant (and, for a fair_share
+//     quota under contention, at most the region's max-min fair share);
+//     with clamp on it expires at min(now+TTL, window end). A retry with the
+//     same region and request id returns the recorded result, Replayed set,
+//     and grants nothing.
+//   - Release returns unspent tokens of a grant to the pool of its window,
+//     if that window is still the current one; afterwards it is a no-op
+//     that returns 0, because the pool it came from is gone.
+//   - Publish installs a new policy version (current+1 exactly): its specs
+//     replace all quotas. A changed limit applies to the current window
+//     (pool = max(0, new limit - outstanding)); a changed window length
+//     drops the quota's windows and grants; a dropped quota goes with its
+//     windows. The last HistoryVersions versions are kept for audit.
+//   - SetMember records (or removes) the API address of an allocator
+//     member, so that every replica can direct clients to the leader.
+//
+// Apply returns *AcquireResult, *ReleaseResult, *PublishResult or
+// *SetMemberResult through
+// ApplyFuture.Response, or an error wrapping ErrUnknownQuota,
+// ErrInvalidArgument, ErrStaleVersion, ErrUnknownGrant or
+// ErrMalformedCommand whose message names the offending field. A command is
+// validated whole before anything changes: after an error the state,
+// including the time, is exactly as before. No input bytes make Apply panic.
+//
+// # Memory
+//
+// Per quota the FSM holds its spec, at most two windows (the current one and
+// the previous, kept for reporting) and the demand reports of the last two
+// TTLs. Older windows are collected when their quota is touched and by a
+// round-robin sweep of a few quotas per entry, so an entry costs O(quotas it
+// touches), never O(all quotas); until collected they are invisible to every
+// read, result and snapshot. Request ids are kept for two of the longest
+// window of the policy, and at most MaxIdempotencyRecords of them.
+//
+// # Usage
+//
+//	f := fsm.New()
+//	r, err := raft.NewRaft(conf, f, logs, stable, snaps, transport)
+//	...
+//	b, err := fsm.Encode(fsm.Command{Type: fsm.CmdAcquire, NowUnixMs: now, Acquire: &a})
+//	fut := r.Apply(b, timeout)
+//	if err := fut.Error(); err != nil { ... }   // not committed: retry with the same request id
+//	switch res := fut.Response().(type) {
+//	case *fsm.AcquireResult: ...
+//	case error: ...                             // rejected: errors.Is(res, fsm.ErrUnknownQuota) ...
+//	}
+//
+// # Caller duties
+//
+//  1. Stamp NowUnixMs on the leader, from its wall clock, when proposing;
+//     never on a follower and never from the client.
+//  2. Give every Acquire a request id that is stable across retries, and
+//     retry an uncommitted or unanswered Acquire with the same id. Retries
+//     more than two windows later, or after MaxIdempotencyRecords newer
+//     requests, are granted afresh.
+//  3. Answer the region only after the entry committed (ApplyFuture.Error
+//     is nil) and with the Response, so no acknowledged grant can be lost
+//     by a failover.
+//  4. Read with the read methods (Now, Policy, Window, Grant, Stats...),
+//     which take a read lock and return copies; never retain state across
+//     Restore.
+//  5. Upgrade every replica to understand a new command or snapshot format
+//     before any leader writes it: a replica that rejects an entry others
+//     accept diverges.
+//  6. Report demand on every Acquire when a quota uses fair_share: a region
+//     that reports none has no need, so under contention it gets no share.
+package fsm

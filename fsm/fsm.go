@@ -1,0 +1,693 @@
+package fsm
+
+import (
+	"fmt"
+	"math"
+	"slices"
+	"sort"
+	"strconv"
+	"sync"
+
+	"github.com/hashicorp/raft"
+
+	"github.com/allot-dev/allot/pkg/lease"
+)
+
+// Limits on command fields. Values beyond them are rejected with
+// ErrInvalidArgument; they keep every sum far from int64 overflow.
+const (
+	// MaxRegionBytes bounds a region name.
+	MaxRegionBytes = 64
+	// MaxRequestIDBytes bounds a request id.
+	MaxRequestIDBytes = 128
+	// MaxGrantIDBytes bounds a grant id in a Release.
+	MaxGrantIDBytes = 64
+	// MaxWants bounds the wants of one Acquire.
+	MaxWants = 1000
+	// MaxQuotaNameBytes bounds a quota name.
+	MaxQuotaNameBytes = 128
+	// MaxQuotas bounds the quotas of one policy.
+	MaxQuotas = 1_000_000
+	// MaxRegionsPerQuota bounds a quota's declared regions.
+	MaxRegionsPerQuota = 1000
+	// MaxLimit bounds a quota's limit (about 10^15 tokens per window).
+	MaxLimit = 1 << 50
+	// MaxWindowMs bounds a window length and a lease TTL (366 days).
+	MaxWindowMs = 366 * 24 * 3600 * 1000
+	// MaxDocumentBytes bounds a policy document.
+	MaxDocumentBytes = 8 << 20
+	// MaxAuthorBytes bounds a policy author.
+	MaxAuthorBytes = 256
+	// MaxReasonBytes bounds a policy reason.
+	MaxReasonBytes = 4096
+	// MaxNowUnixMs is the latest accepted leader stamp: 9999-12-31T23:59:59.999Z.
+	MaxNowUnixMs = 253402300799999
+	// MaxMemberIDBytes bounds a member's Raft server ID.
+	MaxMemberIDBytes = 256
+	// MaxAPIAddressBytes bounds a member's API address.
+	MaxAPIAddressBytes = 256
+	// MaxMembers bounds the member table.
+	MaxMembers = 1000
+)
+
+// Retention limits.
+const (
+	// HistoryVersions is the number of policy versions kept, documents
+	// included; older versions are dropped from PolicyHistory and snapshots.
+	HistoryVersions = 64
+	// MaxIdempotencyRecords bounds the retained request ids. The oldest are
+	// evicted first; a retry of an evicted request is granted afresh.
+	MaxIdempotencyRecords = 100_000
+	// MaxIdempotencyGrants bounds the grant results kept in retained
+	// records (an Acquire may carry up to MaxWants of them).
+	MaxIdempotencyGrants = 1_000_000
+	// gcPerApply is the number of quotas whose old windows each successful
+	// Apply collects, round robin, besides the quotas it touches.
+	gcPerApply = 4
+)
+
+// FSM is allot's allocator state machine. It implements raft.FSM; see the
+// package documentation. The zero value is not usable: call New.
+type FSM struct {
+	mu sync.RWMutex
+	s  *state
+}
+
+var _ raft.FSM = (*FSM)(nil)
+
+// New returns an empty state machine: no policy, no quotas, time zero.
+func New() *FSM {
+	return &FSM{s: newState()}
+}
+
+// state is everything Apply changes. It is only touched under FSM.mu.
+type state struct {
+	now           int64
+	history       []*PolicyRecord // ascending versions; the last is current
+	quotas        map[string]*quota
+	names         []string // quota names, sorted
+	maxWindowMs   int64
+	grants        map[string]*grantRef
+	idem          map[idemKey]*idemRecord
+	idemQ         []*idemRecord // insertion order, hence ascending at
+	idemHead      int
+	idemGrants    int
+	gcCursor      int
+	windows       int
+	tokensGranted int64
+	// lastGrantIndex is the log index of the latest entry that made a
+	// grant. Grant ids are "<log index>-<want>", so an entry at or below it
+	// could repeat an id and is rejected.
+	lastGrantIndex uint64
+	// members maps Raft server IDs to API addresses.
+	members map[string]string
+}
+
+func newState() *state {
+	return &state{
+		quotas:  map[string]*quota{},
+		grants:  map[string]*grantRef{},
+		idem:    map[idemKey]*idemRecord{},
+		members: map[string]string{},
+	}
+}
+
+type quota struct {
+	name    string
+	spec    *QuotaSpec        // points into the current PolicyRecord
+	windows []*window         // ascending index
+	demand  map[string]demand // by region; created lazily
+}
+
+type demand struct {
+	rate float64
+	at   int64
+}
+
+type window struct {
+	index    int64
+	limit    int64
+	granted  int64
+	released int64
+	regions  map[string]*ledger
+	grants   []*grant // in grant order
+}
+
+type ledger struct {
+	granted  int64
+	released int64
+	grants   int
+}
+
+type grant struct {
+	id        string
+	region    string
+	tokens    int64
+	released  int64
+	grantedAt int64
+	expires   int64
+}
+
+type grantRef struct {
+	q *quota
+	w *window
+	g *grant
+}
+
+type idemKind uint8
+
+const (
+	idemAcquire idemKind = 1
+	idemRelease idemKind = 2
+)
+
+type idemKey struct {
+	kind      idemKind
+	region    string
+	requestID string
+}
+
+type idemRecord struct {
+	key     idemKey
+	at      int64
+	acquire *AcquireResult // stored privately; callers get clones
+	release *ReleaseResult
+	dead    bool // superseded by a newer record with the same key
+}
+
+func (r *idemRecord) size() int {
+	if r.acquire != nil {
+		return len(r.acquire.Grants)
+	}
+	return 0
+}
+
+// remaining is the window's pool: max(0, limit - outstanding). Deriving it
+// keeps a limit lowered below the outstanding tokens from going negative and
+// keeps releases from refilling past the limit.
+func (w *window) remaining() int64 {
+	return max(0, w.limit-(w.granted-w.released))
+}
+
+func (q *quota) currentIndex(now int64) int64 {
+	return lease.WindowIndex(now, q.spec.WindowMs)
+}
+
+// visible reports whether window index idx is still part of the logical
+// state at now: the current window and the previous one. Older windows may
+// linger until collected but no result, view or snapshot shows them.
+func (q *quota) visible(idx, now int64) bool {
+	return idx >= q.currentIndex(now)-1
+}
+
+func (q *quota) freshDemand(r string, now int64) (demand, bool) {
+	d, ok := q.demand[r]
+	return d, ok && d.at >= now-2*q.spec.TTLMs
+}
+
+// Apply applies one committed log entry and returns *AcquireResult,
+// *ReleaseResult, *PublishResult or an error wrapping one of the sentinel
+// errors. An error leaves the state untouched. Entries other than
+// raft.LogCommand return nil.
+func (f *FSM) Apply(l *raft.Log) any {
+	if l == nil || l.Type != raft.LogCommand {
+		return nil
+	}
+	cmd, err := Decode(l.Data)
+	if err != nil {
+		return err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	s := f.s
+	if cmd.NowUnixMs < 0 || cmd.NowUnixMs > MaxNowUnixMs {
+		return fmt.Errorf("%s: now_unix_ms %d: must be in [0, %d]: %w", cmd.Type, cmd.NowUnixMs, int64(MaxNowUnixMs), ErrInvalidArgument)
+	}
+	now := max(cmd.NowUnixMs, s.now)
+	var res any
+	switch cmd.Type {
+	case CmdAcquire:
+		res, err = s.acquire(l.Index, now, cmd.Acquire)
+	case CmdRelease:
+		res, err = s.release(now, cmd.Release)
+	case CmdPublishPolicy:
+		res, err = s.publish(now, cmd.Publish)
+	case CmdSetMember:
+		res, err = s.setMember(cmd.Member)
+	}
+	if err != nil {
+		return fmt.Errorf("%s: %w", cmd.Type, err)
+	}
+	s.now = now
+	s.sweep()
+	return res
+}
+
+func checkName(field, v string, maxBytes int) error {
+	switch {
+	case v == "":
+		return fmt.Errorf("%s: must not be empty: %w", field, ErrInvalidArgument)
+	case len(v) > maxBytes:
+		return fmt.Errorf("%s: %d bytes, at most %d: %w", field, len(v), maxBytes, ErrInvalidArgument)
+	}
+	return nil
+}
+
+// grantID returns the id of the grant made for want number want of the
+// entry at log index index.
+func grantID(index uint64, want int) string {
+	b := strconv.AppendUint(make([]byte, 0, 24), index, 10)
+	b = append(b, '-')
+	return string(strconv.AppendInt(b, int64(want), 10))
+}
+
+func (s *state) lookupIdem(k idemKey, now int64) *idemRecord {
+	r, ok := s.idem[k]
+	if !ok || now-r.at > 2*s.maxWindowMs {
+		return nil
+	}
+	return r
+}
+
+func (s *state) record(r *idemRecord) {
+	if old, ok := s.idem[r.key]; ok { // expired but not yet pruned
+		old.dead = true
+		s.idemGrants -= old.size()
+	}
+	s.idem[r.key] = r
+	s.idemQ = append(s.idemQ, r)
+	s.idemGrants += r.size()
+}
+
+func (s *state) acquire(index uint64, now int64, a *Acquire) (*AcquireResult, error) {
+	if err := checkName("region", a.Region, MaxRegionBytes); err != nil {
+		return nil, err
+	}
+	if err := checkName("request_id", a.RequestID, MaxRequestIDBytes); err != nil {
+		return nil, err
+	}
+	key := idemKey{kind: idemAcquire, region: a.Region, requestID: a.RequestID}
+	if r := s.lookupIdem(key, now); r != nil && r.acquire != nil {
+		c := r.acquire.clone()
+		c.Replayed = true
+		return c, nil
+	}
+	if n := len(a.Wants); n < 1 || n > MaxWants {
+		return nil, fmt.Errorf("wants: %d entries, want 1 to %d: %w", n, MaxWants, ErrInvalidArgument)
+	}
+	qs := make([]*quota, len(a.Wants))
+	seen := make(map[string]int, len(a.Wants))
+	for i, w := range a.Wants {
+		if w.Quota == "" || len(w.Quota) > MaxQuotaNameBytes {
+			return nil, checkName(fmt.Sprintf("wants[%d].quota", i), w.Quota, MaxQuotaNameBytes)
+		}
+		q, ok := s.quotas[w.Quota]
+		if !ok {
+			return nil, fmt.Errorf("wants[%d].quota %q: %w", i, w.Quota, ErrUnknownQuota)
+		}
+		if j, dup := seen[w.Quota]; dup {
+			return nil, fmt.Errorf("wants[%d].quota %q: duplicate of wants[%d]: %w", i, w.Quota, j, ErrInvalidArgument)
+		}
+		seen[w.Quota] = i
+		if w.Tokens < 0 || w.Tokens > q.spec.Limit {
+			return nil, fmt.Errorf("wants[%d].tokens %d: must be in [0, limit %d]: %w", i, w.Tokens, q.spec.Limit, ErrInvalidArgument)
+		}
+		if !(w.DemandPerSecond >= 0) || math.IsInf(w.DemandPerSecond, 1) {
+			return nil, fmt.Errorf("wants[%d].demand_per_second %v: must be finite and >= 0: %w", i, w.DemandPerSecond, ErrInvalidArgument)
+		}
+		if len(q.spec.Regions) > 0 {
+			if _, ok := slices.BinarySearch(q.spec.Regions, a.Region); !ok {
+				return nil, fmt.Errorf("region %q: not declared for wants[%d].quota %q: %w", a.Region, i, w.Quota, ErrInvalidArgument)
+			}
+		}
+		qs[i] = q
+	}
+	if index <= s.lastGrantIndex {
+		// Raft never does this; grant ids would collide.
+		return nil, fmt.Errorf("log index %d: not after %d, which already made grants: %w", index, s.lastGrantIndex, ErrInvalidArgument)
+	}
+
+	// Validated: from here on nothing fails.
+	res := &AcquireResult{Region: a.Region, RequestID: a.RequestID, NowUnixMs: now, Grants: make([]GrantResult, len(a.Wants))}
+	for i, wt := range a.Wants {
+		q := qs[i]
+		s.collect(q, now)
+		w := s.openWindow(q, now)
+		if q.demand == nil {
+			q.demand = map[string]demand{}
+		}
+		q.demand[a.Region] = demand{rate: wt.DemandPerSecond, at: now}
+
+		asked := wt.Tokens
+		if asked == 0 {
+			asked = q.spec.ChunkTokens
+		}
+		avail := w.remaining()
+		if q.spec.Strategy == StrategyFairShare {
+			avail = min(avail, fairCap(q, w, a.Region, now))
+		}
+		n := min(asked, avail)
+		end := lease.WindowEnd(w.index, q.spec.WindowMs)
+		gr := GrantResult{Quota: q.name, Requested: asked, WindowIndex: w.index, WindowEndUnixMs: end}
+		if n > 0 {
+			g := &grant{
+				id:        grantID(index, i),
+				region:    a.Region,
+				tokens:    n,
+				grantedAt: now,
+				expires:   lease.ClampExpiry(now, q.spec.TTLMs, end, q.spec.Clamp),
+			}
+			w.add(g)
+			s.grants[g.id] = &grantRef{q: q, w: w, g: g}
+			s.tokensGranted = satAdd(s.tokensGranted, n)
+			s.lastGrantIndex = index
+			gr.GrantID, gr.Tokens, gr.ExpiresUnixMs, gr.TTLMs = g.id, n, g.expires, g.expires-now
+		}
+		gr.PoolRemaining = w.remaining()
+		gr.PoolExhausted = gr.PoolRemaining == 0 || n < asked
+		res.Grants[i] = gr
+	}
+	s.record(&idemRecord{key: key, at: now, acquire: res})
+	return res.clone(), nil
+}
+
+func (w *window) add(g *grant) {
+	w.granted += g.tokens
+	w.released += g.released
+	w.grants = append(w.grants, g)
+	if w.regions == nil {
+		w.regions = map[string]*ledger{}
+	}
+	l := w.regions[g.region]
+	if l == nil {
+		l = &ledger{}
+		w.regions[g.region] = l
+	}
+	l.granted += g.tokens
+	l.released += g.released
+	l.grants++
+}
+
+// openWindow returns q's window at now, opening it with a full pool on first
+// touch. collect must have run at now first.
+func (s *state) openWindow(q *quota, now int64) *window {
+	idx := q.currentIndex(now)
+	if n := len(q.windows); n > 0 && q.windows[n-1].index == idx {
+		return q.windows[n-1]
+	}
+	w := &window{index: idx, limit: q.spec.Limit}
+	q.windows = append(q.windows, w)
+	s.windows++
+	return w
+}
+
+// collect drops q's windows older than the previous one and its stale
+// demand reports.
+func (s *state) collect(q *quota, now int64) {
+	drop := 0
+	for drop < len(q.windows) && !q.visible(q.windows[drop].index, now) {
+		drop++
+	}
+	if drop > 0 {
+		for _, w := range q.windows[:drop] {
+			s.dropWindow(w)
+		}
+		q.windows = slices.Delete(q.windows, 0, drop)
+	}
+	for r := range q.demand {
+		if _, fresh := q.freshDemand(r, now); !fresh {
+			delete(q.demand, r) // deletion order does not matter
+		}
+	}
+	if len(q.demand) == 0 {
+		q.demand = nil
+	}
+}
+
+func (s *state) dropWindow(w *window) {
+	for _, g := range w.grants {
+		delete(s.grants, g.id)
+	}
+	s.windows--
+}
+
+func (s *state) dropWindows(q *quota) {
+	for _, w := range q.windows {
+		s.dropWindow(w)
+	}
+	q.windows = nil
+}
+
+// sweep runs after every successful Apply: it prunes idempotency records by
+// age and count, and collects the old windows of a few quotas round robin so
+// that quotas nobody touches are collected too, at O(1) cost per entry.
+func (s *state) sweep() {
+	retention := 2 * s.maxWindowMs
+	for s.idemHead < len(s.idemQ) {
+		r := s.idemQ[s.idemHead]
+		if !r.dead && s.now-r.at <= retention && len(s.idem) <= MaxIdempotencyRecords && s.idemGrants <= MaxIdempotencyGrants {
+			break
+		}
+		s.idemQ[s.idemHead] = nil
+		s.idemHead++
+		if !r.dead {
+			delete(s.idem, r.key)
+			s.idemGrants -= r.size()
+		}
+	}
+	if s.idemHead > 1024 && s.idemHead > len(s.idemQ)/2 {
+		s.idemQ = append([]*idemRecord(nil), s.idemQ[s.idemHead:]...)
+		s.idemHead = 0
+	}
+	for i := 0; i < gcPerApply && i < len(s.names); i++ {
+		if s.gcCursor >= len(s.names) {
+			s.gcCursor = 0
+		}
+		s.collect(s.quotas[s.names[s.gcCursor]], s.now)
+		s.gcCursor++
+	}
+}
+
+func (s *state) release(now int64, r *Release) (*ReleaseResult, error) {
+	if err := checkName("region", r.Region, MaxRegionBytes); err != nil {
+		return nil, err
+	}
+	if err := checkName("grant_id", r.GrantID, MaxGrantIDBytes); err != nil {
+		return nil, err
+	}
+	var key idemKey
+	if r.RequestID != "" {
+		if err := checkName("request_id", r.RequestID, MaxRequestIDBytes); err != nil {
+			return nil, err
+		}
+		key = idemKey{kind: idemRelease, region: r.Region, requestID: r.RequestID}
+		if rec := s.lookupIdem(key, now); rec != nil && rec.release != nil {
+			c := rec.release.clone()
+			c.Replayed = true
+			return c, nil
+		}
+	}
+	ref, ok := s.grants[r.GrantID]
+	if !ok || !ref.q.visible(ref.w.index, now) {
+		return nil, fmt.Errorf("grant_id %q: %w", r.GrantID, ErrUnknownGrant)
+	}
+	g := ref.g
+	if g.region != r.Region {
+		return nil, fmt.Errorf("region %q: grant %q was made to another region: %w", r.Region, r.GrantID, ErrInvalidArgument)
+	}
+	if unreleased := g.tokens - g.released; r.Tokens <= 0 || r.Tokens > unreleased {
+		return nil, fmt.Errorf("tokens %d: must be in [1, %d], the grant's unreleased tokens: %w", r.Tokens, unreleased, ErrInvalidArgument)
+	}
+
+	q, w := ref.q, ref.w
+	s.collect(q, now)
+	res := &ReleaseResult{GrantID: r.GrantID, NowUnixMs: now}
+	if w.index == q.currentIndex(now) {
+		g.released += r.Tokens
+		w.released += r.Tokens
+		w.regions[g.region].released += r.Tokens
+		res.Returned = r.Tokens
+	}
+	res.PoolRemaining = w.remaining()
+	if r.RequestID != "" {
+		s.record(&idemRecord{key: key, at: now, release: res})
+	}
+	return res.clone(), nil
+}
+
+func (s *state) setMember(m *SetMember) (*SetMemberResult, error) {
+	if err := checkName("id", m.ID, MaxMemberIDBytes); err != nil {
+		return nil, err
+	}
+	if m.Remove {
+		if m.APIAddress != "" {
+			return nil, fmt.Errorf("api_address: must be empty when remove is set: %w", ErrInvalidArgument)
+		}
+		_, had := s.members[m.ID]
+		delete(s.members, m.ID)
+		return &SetMemberResult{ID: m.ID, Removed: had}, nil
+	}
+	if err := checkName("api_address", m.APIAddress, MaxAPIAddressBytes); err != nil {
+		return nil, err
+	}
+	if _, had := s.members[m.ID]; !had && len(s.members) >= MaxMembers {
+		return nil, fmt.Errorf("id %q: the member table is full (%d): %w", m.ID, MaxMembers, ErrInvalidArgument)
+	}
+	s.members[m.ID] = m.APIAddress
+	return &SetMemberResult{ID: m.ID, APIAddress: m.APIAddress}, nil
+}
+
+func (s *state) current() *PolicyRecord {
+	if len(s.history) == 0 {
+		return nil
+	}
+	return s.history[len(s.history)-1]
+}
+
+func (s *state) version() uint64 {
+	if p := s.current(); p != nil {
+		return p.Version
+	}
+	return 0
+}
+
+// validateSpecs checks specs and returns normalized copies sorted by name.
+func validateSpecs(in []QuotaSpec) ([]QuotaSpec, error) {
+	if len(in) > MaxQuotas {
+		return nil, fmt.Errorf("quotas: %d entries, at most %d: %w", len(in), MaxQuotas, ErrInvalidArgument)
+	}
+	out := make([]QuotaSpec, len(in))
+	seen := make(map[string]int, len(in))
+	for i, q := range in {
+		field := fmt.Sprintf("quotas[%d]", i)
+		if err := checkName(field+".name", q.Name, MaxQuotaNameBytes); err != nil {
+			return nil, err
+		}
+		if j, dup := seen[q.Name]; dup {
+			return nil, fmt.Errorf("%s.name %q: duplicate of quotas[%d]: %w", field, q.Name, j, ErrInvalidArgument)
+		}
+		seen[q.Name] = i
+		switch {
+		case q.Limit < 1 || q.Limit > MaxLimit:
+			return nil, fmt.Errorf("%s.limit %d: must be in [1, %d]: %w", field, q.Limit, int64(MaxLimit), ErrInvalidArgument)
+		case q.WindowMs < 1 || q.WindowMs > MaxWindowMs:
+			return nil, fmt.Errorf("%s.window_ms %d: must be in [1, %d]: %w", field, q.WindowMs, MaxWindowMs, ErrInvalidArgument)
+		case q.TTLMs < 1 || q.TTLMs > MaxWindowMs:
+			return nil, fmt.Errorf("%s.ttl_ms %d: must be in [1, %d]: %w", field, q.TTLMs, MaxWindowMs, ErrInvalidArgument)
+		case q.ChunkTokens < 1 || q.ChunkTokens > q.Limit:
+			return nil, fmt.Errorf("%s.chunk_tokens %d: must be in [1, limit %d]: %w", field, q.ChunkTokens, q.Limit, ErrInvalidArgument)
+		case q.Clamp && q.TTLMs > q.WindowMs:
+			return nil, fmt.Errorf("%s.ttl_ms %d: must not exceed window_ms %d when clamp is set: %w", field, q.TTLMs, q.WindowMs, ErrInvalidArgument)
+		case q.FallbackPerRegion < 0 || q.FallbackPerRegion > MaxLimit:
+			return nil, fmt.Errorf("%s.fallback_per_region %d: must be in [0, %d]: %w", field, q.FallbackPerRegion, int64(MaxLimit), ErrInvalidArgument)
+		case len(q.Regions) > MaxRegionsPerQuota:
+			return nil, fmt.Errorf("%s.regions: %d entries, at most %d: %w", field, len(q.Regions), MaxRegionsPerQuota, ErrInvalidArgument)
+		}
+		switch q.Strategy {
+		case "":
+			q.Strategy = StrategyDemand
+		case StrategyDemand, StrategyFairShare:
+		default:
+			return nil, fmt.Errorf("%s.strategy %q: want %q or %q: %w", field, q.Strategy, StrategyDemand, StrategyFairShare, ErrInvalidArgument)
+		}
+		if len(q.Regions) == 0 {
+			q.Regions = nil
+		} else {
+			q.Regions = slices.Clone(q.Regions)
+			for j, r := range q.Regions {
+				if err := checkName(fmt.Sprintf("%s.regions[%d]", field, j), r, MaxRegionBytes); err != nil {
+					return nil, err
+				}
+			}
+			slices.Sort(q.Regions)
+			for j := 1; j < len(q.Regions); j++ {
+				if q.Regions[j] == q.Regions[j-1] {
+					return nil, fmt.Errorf("%s.regions: %q listed twice: %w", field, q.Regions[j], ErrInvalidArgument)
+				}
+			}
+		}
+		out[i] = q
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out, nil
+}
+
+func validatePublish(p *Publish, current uint64) ([]QuotaSpec, error) {
+	if p.ExpectedVersion != current+1 {
+		return nil, fmt.Errorf("expected_version %d: current version is %d, want %d: %w", p.ExpectedVersion, current, current+1, ErrStaleVersion)
+	}
+	if err := checkName("author", p.Author, MaxAuthorBytes); err != nil {
+		return nil, err
+	}
+	if len(p.Reason) > MaxReasonBytes {
+		return nil, fmt.Errorf("reason: %d bytes, at most %d: %w", len(p.Reason), MaxReasonBytes, ErrInvalidArgument)
+	}
+	if len(p.Document) > MaxDocumentBytes {
+		return nil, fmt.Errorf("document: %d bytes, at most %d: %w", len(p.Document), MaxDocumentBytes, ErrInvalidArgument)
+	}
+	return validateSpecs(p.Quotas)
+}
+
+func (s *state) publish(now int64, p *Publish) (*PublishResult, error) {
+	specs, err := validatePublish(p, s.version())
+	if err != nil {
+		return nil, err
+	}
+	rec := &PolicyRecord{
+		Version:         p.ExpectedVersion,
+		Author:          p.Author,
+		Reason:          p.Reason,
+		PublishedUnixMs: now,
+		Document:        slices.Clone(p.Document),
+		Quotas:          specs,
+	}
+	res := &PublishResult{Policy: rec.clone(true)}
+	quotas := make(map[string]*quota, len(specs))
+	names := make([]string, len(specs))
+	var maxW int64
+	for i := range specs {
+		spec := &specs[i]
+		names[i] = spec.Name
+		maxW = max(maxW, spec.WindowMs)
+		q, ok := s.quotas[spec.Name]
+		if !ok {
+			quotas[spec.Name] = &quota{name: spec.Name, spec: spec}
+			continue
+		}
+		switch {
+		case q.spec.WindowMs != spec.WindowMs:
+			if len(q.windows) > 0 {
+				res.WindowsReset = append(res.WindowsReset, q.name)
+			}
+			s.dropWindows(q)
+		case q.spec.Limit != spec.Limit:
+			// Only the current window takes the new limit; its pool becomes
+			// max(0, new limit - outstanding). The previous one is history.
+			if n := len(q.windows); n > 0 && q.windows[n-1].index == q.currentIndex(now) {
+				q.windows[n-1].limit = spec.Limit
+			}
+		}
+		q.spec = spec
+		quotas[spec.Name] = q
+	}
+	for _, name := range s.names {
+		if _, kept := quotas[name]; !kept {
+			s.dropWindows(s.quotas[name])
+			res.Removed = append(res.Removed, name)
+		}
+	}
+	s.quotas, s.names, s.maxWindowMs, s.gcCursor = quotas, names, maxW, 0
+	s.history = append(s.history, rec)
+	if n := len(s.history); n > HistoryVersions {
+		s.history = append([]*PolicyRecord(nil), s.history[n-HistoryVersions:]...)
+	}
+	return res, nil
+}
+
+// satAdd adds non-negative a and b, saturating at MaxInt64.
+func satAdd(a, b int64) int64 {
+	if a > math.MaxInt64-b {
+		return math.MaxInt64
+	}
+	return a + b
+}

@@ -1,0 +1,348 @@
+package fsm
+
+import (
+	"bytes"
+	"fmt"
+	"slices"
+	"testing"
+
+	"pgregory.net/rapid"
+)
+
+// model is what the property test remembers about the commands it sent.
+type model struct {
+	h        *harness
+	now      int64 // the largest stamp applied
+	stamp    int64 // the next stamp, which may lag behind now
+	nextID   int
+	specs    map[string]QuotaSpec
+	requests []sentAcquire
+	grants   []grantMade
+	// lowered marks windows whose limit was lowered below their
+	// outstanding tokens; peak holds the largest limit a window had.
+	lowered map[windowKey]bool
+	peak    map[windowKey]int64
+}
+
+type windowKey struct {
+	quota string
+	index int64
+}
+
+type sentAcquire struct {
+	acq     Acquire
+	res     *AcquireResult
+	expired bool // pruned from the FSM's idempotency records
+}
+
+type grantMade struct {
+	id, quota, region string
+	tokens            int64
+}
+
+var (
+	propRegions = []string{"eu", "us", "apac"}
+	propQuotas  = []string{"q0", "q1", "q2", "q3"}
+)
+
+func drawSpec(t *rapid.T, name string) QuotaSpec {
+	limit := rapid.Int64Range(1, 500).Draw(t, name+".limit")
+	window := rapid.SampledFrom([]int64{1_000, 5_000, minute}).Draw(t, name+".window")
+	clamp := rapid.Bool().Draw(t, name+".clamp")
+	ttlMax := 2 * window
+	if clamp {
+		ttlMax = window
+	}
+	return QuotaSpec{
+		Name:        name,
+		Limit:       limit,
+		WindowMs:    window,
+		ChunkTokens: rapid.Int64Range(1, limit).Draw(t, name+".chunk"),
+		TTLMs:       rapid.Int64Range(1, ttlMax).Draw(t, name+".ttl"),
+		Clamp:       clamp,
+		Strategy:    rapid.SampledFrom([]Strategy{StrategyDemand, StrategyFairShare}).Draw(t, name+".strategy"),
+	}
+}
+
+func (m *model) publish(t *rapid.T) {
+	specs := map[string]QuotaSpec{}
+	for _, name := range propQuotas {
+		old, had := m.specs[name]
+		switch {
+		case had && rapid.IntRange(0, 9).Draw(t, "keep "+name) < 6:
+			specs[name] = old // unchanged
+		case had && rapid.Bool().Draw(t, "relimit "+name):
+			old.Limit = rapid.Int64Range(old.ChunkTokens, 600).Draw(t, name+".newlimit")
+			specs[name] = old
+		case rapid.IntRange(0, 4).Draw(t, "drop "+name) > 0:
+			specs[name] = drawSpec(t, name)
+		}
+	}
+	list := make([]QuotaSpec, 0, len(specs))
+	for _, name := range propQuotas {
+		if s, ok := specs[name]; ok {
+			list = append(list, s)
+		}
+	}
+	// Record lowered limits before they take effect.
+	for _, s := range list {
+		old, had := m.specs[s.Name]
+		if !had || old.WindowMs != s.WindowMs {
+			continue
+		}
+		w := m.h.f.CurrentWindow(s.Name, m.stamp)
+		k := windowKey{s.Name, w.Index}
+		if s.Limit < w.Outstanding {
+			m.lowered[k] = true
+		}
+		m.peak[k] = max(m.peak[k], w.Limit, s.Limit)
+	}
+	m.h.publish(m.stamp, list...)
+	m.specs = specs
+}
+
+func (m *model) windowsAt(stamp int64) map[string]WindowView {
+	out := map[string]WindowView{}
+	for name := range m.specs {
+		out[name] = m.h.f.CurrentWindow(name, stamp)
+	}
+	return out
+}
+
+func (m *model) acquire(t *rapid.T) {
+	region := rapid.SampledFrom(propRegions).Draw(t, "region")
+	n := rapid.IntRange(1, 3).Draw(t, "wants")
+	names := rapid.Permutation(propQuotas).Draw(t, "quotas")[:n]
+	var wants []Want
+	for _, q := range names {
+		spec, ok := m.specs[q]
+		maxTokens := int64(600)
+		if ok {
+			maxTokens = spec.Limit
+		}
+		wants = append(wants, Want{
+			Quota:           q,
+			Tokens:          rapid.Int64Range(0, maxTokens).Draw(t, "tokens"),
+			DemandPerSecond: float64(rapid.IntRange(0, 200).Draw(t, "demand")) / 4,
+		})
+	}
+	m.nextID++
+	acq := Acquire{Region: region, RequestID: fmt.Sprint("req-", m.nextID), Wants: wants}
+	before := m.windowsAt(m.stamp)
+	res := m.h.acquireRes(m.stamp, region, acq.RequestID, wants...)
+	r, ok := res.(*AcquireResult)
+	if !ok {
+		return // an unknown quota; checked by the caller
+	}
+	m.requests = append(m.requests, sentAcquire{acq: acq, res: r})
+	after := m.windowsAt(m.stamp)
+	for i, g := range r.Grants {
+		spec := m.specs[g.Quota]
+		b, a := before[g.Quota], after[g.Quota]
+		if g.Tokens > b.Remaining || g.Tokens > g.Requested || g.Tokens < 0 {
+			t.Fatalf("want %d: granted %d, pool before %d, asked %d", i, g.Tokens, b.Remaining, g.Requested)
+		}
+		if b.Index == a.Index && a.Remaining != b.Remaining-g.Tokens {
+			t.Fatalf("want %d: pool %d -> %d after granting %d", i, b.Remaining, a.Remaining, g.Tokens)
+		}
+		if spec.Strategy == StrategyDemand && g.Tokens != min(g.Requested, b.Remaining) {
+			t.Fatalf("demand strategy granted %d of %d with %d in the pool", g.Tokens, g.Requested, b.Remaining)
+		}
+		if g.Tokens > 0 {
+			if spec.Clamp && g.ExpiresUnixMs > g.WindowEndUnixMs {
+				t.Fatalf("clamped grant expires %d after window end %d", g.ExpiresUnixMs, g.WindowEndUnixMs)
+			}
+			if g.TTLMs <= 0 || g.TTLMs > spec.TTLMs {
+				t.Fatalf("ttl %d outside (0, %d]", g.TTLMs, spec.TTLMs)
+			}
+			m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: region, tokens: g.Tokens})
+		}
+	}
+}
+
+func (m *model) retry(t *rapid.T) {
+	if len(m.requests) == 0 {
+		return
+	}
+	i := rapid.IntRange(0, len(m.requests)-1).Draw(t, "retry")
+	sent := m.requests[i]
+	granted := m.h.f.Stats().TokensGranted
+	var maxW int64
+	for _, s := range m.specs {
+		maxW = max(maxW, s.WindowMs)
+	}
+	within := !sent.expired && max(m.h.f.Now(), m.stamp)-sent.res.NowUnixMs <= 2*maxW
+	res := m.h.acquireRes(m.stamp, sent.acq.Region, sent.acq.RequestID, sent.acq.Wants...)
+	r, ok := res.(*AcquireResult)
+	switch {
+	case ok && r.Replayed:
+		if !slices.Equal(r.Grants, sent.res.Grants) || r.NowUnixMs != sent.res.NowUnixMs {
+			t.Fatalf("replay %+v differs from the recorded %+v", r, sent.res)
+		}
+		if got := m.h.f.Stats().TokensGranted; got != granted {
+			t.Fatalf("a retry granted %d new tokens", got-granted)
+		}
+		if !within {
+			t.Fatalf("replayed a request older than the retention")
+		}
+	case within:
+		t.Fatalf("retry within retention not replayed: %v", res)
+	case ok: // pruned, so granted afresh and recorded again
+		m.requests[i] = sentAcquire{acq: sent.acq, res: r}
+		for _, g := range r.Grants {
+			if g.Tokens > 0 {
+				m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: sent.acq.Region, tokens: g.Tokens})
+			}
+		}
+	}
+}
+
+func (m *model) release(t *rapid.T) {
+	if len(m.grants) == 0 {
+		return
+	}
+	g := rapid.SampledFrom(m.grants).Draw(t, "grant")
+	region := g.region
+	if rapid.IntRange(0, 9).Draw(t, "wrong region") == 0 {
+		region = rapid.SampledFrom(propRegions).Draw(t, "region")
+	}
+	tokens := rapid.Int64Range(1, g.tokens).Draw(t, "release tokens")
+	before := m.h.f.CurrentWindow(g.quota, m.stamp)
+	res := m.h.releaseRes(m.stamp, region, g.id, tokens)
+	r, ok := res.(*ReleaseResult)
+	if !ok || r.Returned == 0 {
+		return
+	}
+	after := m.h.f.CurrentWindow(g.quota, m.stamp)
+	if want := max(0, after.Limit-(before.Outstanding-tokens)); after.Remaining != want || r.PoolRemaining != want {
+		t.Fatalf("after releasing %d: pool %d (result %d), want %d", tokens, after.Remaining, r.PoolRemaining, want)
+	}
+	// Released tokens are reusable: ask for them back at once.
+	spec := m.specs[g.quota]
+	if spec.Strategy != StrategyDemand || m.lowered[windowKey{g.quota, after.Index}] {
+		return
+	}
+	m.nextID++
+	back := m.h.acquire(m.stamp, region, fmt.Sprint("back-", m.nextID), Want{Quota: g.quota, Tokens: tokens})
+	if got := back.Grants[0].Tokens; got != tokens {
+		t.Fatalf("released %d, then re-acquired only %d (pool %d)", tokens, got, after.Remaining)
+	}
+}
+
+func (m *model) advance(t *rapid.T) {
+	m.now = max(m.now, m.stamp)
+	m.stamp = m.now + rapid.Int64Range(0, 20_000).Draw(t, "advance")
+	if rapid.IntRange(0, 4).Draw(t, "skew") == 0 {
+		m.stamp -= rapid.Int64Range(0, 10_000).Draw(t, "behind") // a leader with a slow clock
+	}
+}
+
+// expire marks the requests the FSM has pruned: after every command it
+// applied, those older than two of the current longest window.
+func (m *model) expire() {
+	var maxW int64
+	for _, s := range m.specs {
+		maxW = max(maxW, s.WindowMs)
+	}
+	for i := range m.requests {
+		if m.h.f.Now()-m.requests[i].res.NowUnixMs > 2*maxW {
+			m.requests[i].expired = true
+		}
+	}
+}
+
+// check asserts the invariants that hold after every command.
+func (m *model) check(t *rapid.T, prevNow int64) {
+	f := m.h.f
+	now := f.Now()
+	if now < prevNow {
+		t.Fatalf("time went backwards: %d -> %d", prevNow, now)
+	}
+	for name := range m.specs {
+		cur := f.CurrentWindow(name, now)
+		for _, idx := range []int64{cur.Index - 1, cur.Index} {
+			w, ok := f.Window(name, idx)
+			if !ok {
+				continue
+			}
+			k := windowKey{name, idx}
+			if w.Remaining != max(0, w.Limit-w.Granted+w.Released) {
+				t.Fatalf("%s[%d]: remaining %d != max(0, %d - %d + %d)", name, idx, w.Remaining, w.Limit, w.Granted, w.Released)
+			}
+			if w.Released < 0 || w.Released > w.Granted {
+				t.Fatalf("%s[%d]: released %d of %d", name, idx, w.Released, w.Granted)
+			}
+			if !m.lowered[k] && w.Outstanding > w.Limit {
+				t.Fatalf("%s[%d]: outstanding %d over the limit %d", name, idx, w.Outstanding, w.Limit)
+			}
+			if w.Outstanding > max(w.Limit, m.peak[k]) {
+				t.Fatalf("%s[%d]: outstanding %d over every limit the window had", name, idx, w.Outstanding)
+			}
+			var sum, rel, rows int64
+			for _, g := range w.Grants {
+				sum += g.Tokens
+				rel += g.Released
+			}
+			for _, r := range w.Regions {
+				rows += r.Granted
+			}
+			if sum != w.Granted || rel != w.Released || rows != w.Granted {
+				t.Fatalf("%s[%d]: grants sum %d/%d, rows %d, window %d/%d", name, idx, sum, rel, rows, w.Granted, w.Released)
+			}
+		}
+	}
+}
+
+func TestPropertyInvariants(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		h := newHarness(t)
+		h.strict = true // every rejected command must leave the state untouched
+		m := &model{h: h, stamp: t0, specs: map[string]QuotaSpec{}, lowered: map[windowKey]bool{}, peak: map[windowKey]int64{}}
+		m.publish(t)
+		steps := rapid.IntRange(1, 120).Draw(t, "steps")
+		for range steps {
+			prevNow := h.f.Now()
+			switch rapid.IntRange(0, 9).Draw(t, "op") {
+			case 0, 1:
+				m.advance(t)
+			case 2, 3, 4:
+				m.acquire(t)
+			case 5:
+				m.retry(t)
+			case 6, 7:
+				m.release(t)
+			case 8:
+				if rapid.IntRange(0, 3).Draw(t, "publish?") == 0 {
+					m.publish(t)
+				}
+			case 9:
+				m.advance(t)
+				m.acquire(t)
+			}
+			m.check(t, prevNow)
+			m.expire()
+		}
+
+		// Replaying the log into a fresh FSM gives the same results and a
+		// byte-identical snapshot.
+		want := snapshotBytes(t, h.f)
+		replica := newHarness(t)
+		for _, b := range h.log {
+			replica.applyBytes(b)
+		}
+		if !slices.Equal(replica.results, h.results) {
+			t.Fatalf("replayed log gives different results")
+		}
+		if got := snapshotBytes(t, replica.f); !bytes.Equal(got, want) {
+			t.Fatalf("replayed log gives a different snapshot:\n%s\n%s", got, want)
+		}
+		// Snapshot -> restore -> snapshot is the identity.
+		restored := New()
+		if err := restore(restored, want); err != nil {
+			t.Fatalf("Restore: %v", err)
+		}
+		if got := snapshotBytes(t, restored); !bytes.Equal(got, want) {
+			t.Fatalf("restored snapshot differs:\n%s\n%s", got, want)
+		}
+	})
+}

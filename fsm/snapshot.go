@@ -1,0 +1,465 @@
+package fsm
+
+import (
+	"bufio"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/hashicorp/raft"
+)
+
+// SnapshotFormatV1 is the "format" field of snapshots written by Persist.
+const SnapshotFormatV1 = 1
+
+// ErrBadSnapshot means Restore was given bytes that are not a consistent
+// snapshot of a supported format.
+var ErrBadSnapshot = errors.New("bad snapshot")
+
+// A snapshot is a stream of JSON values, one per line: a snapshotHeader,
+// then header.Policies PolicyRecords (ascending versions, the last one
+// current), header.Quotas snapQuotas (by name; only quotas with windows or
+// demand reports) and header.Idempotency snapIdems (in insertion order).
+// Values hold no maps, so encoding/json writes them the same way every time.
+// One value per record keeps the decoder's buffer small when restoring a
+// large state.
+//
+// A snapshot holds only the logical state: windows older than the previous
+// one and stale demand reports, which may linger in memory until collected,
+// are left out, so a restored replica and one that replayed the log write
+// the same bytes.
+type snapshotHeader struct {
+	Format         int    `json:"format"`
+	NowUnixMs      int64  `json:"now_unix_ms"`
+	TokensGranted  int64  `json:"tokens_granted"`
+	LastGrantIndex uint64 `json:"last_grant_index"`
+	Policies       int    `json:"policies"`
+	Quotas         int    `json:"quotas"`
+	Idempotency    int    `json:"idempotency"`
+	// Members is the member table, sorted by ID.
+	Members []snapMember `json:"members"`
+}
+
+type snapMember struct {
+	ID         string `json:"id"`
+	APIAddress string `json:"api_address"`
+}
+
+// snapshotDoc is a captured state, ready to be written.
+type snapshotDoc struct {
+	header      snapshotHeader
+	policies    []*PolicyRecord
+	quotas      []snapQuota
+	idempotency []snapIdem
+}
+
+type snapQuota struct {
+	Name    string       `json:"name"`
+	Windows []snapWindow `json:"windows,omitempty"` // ascending index
+	Demand  []snapDemand `json:"demand,omitempty"`  // by region
+}
+
+type snapWindow struct {
+	Index  int64       `json:"index"`
+	Limit  int64       `json:"limit"`
+	Grants []snapGrant `json:"grants"` // in grant order
+}
+
+type snapGrant struct {
+	ID            string `json:"id"`
+	Region        string `json:"region"`
+	Tokens        int64  `json:"tokens"`
+	Released      int64  `json:"released"`
+	GrantedUnixMs int64  `json:"granted_unix_ms"`
+	ExpiresUnixMs int64  `json:"expires_unix_ms"`
+}
+
+type snapDemand struct {
+	Region         string  `json:"region"`
+	PerSecond      float64 `json:"per_second"`
+	ReportedUnixMs int64   `json:"reported_unix_ms"`
+}
+
+type snapIdem struct {
+	Kind      idemKind       `json:"kind"`
+	Region    string         `json:"region"`
+	RequestID string         `json:"request_id"`
+	AtUnixMs  int64          `json:"at_unix_ms"`
+	Acquire   *AcquireResult `json:"acquire,omitempty"`
+	Release   *ReleaseResult `json:"release,omitempty"`
+}
+
+// Snapshot copies the state under a read lock; Persist encodes the copy.
+// Policy records and recorded results are immutable and shared, not copied.
+func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	return &fsmSnapshot{doc: f.s.snapshot()}, nil
+}
+
+func (s *state) snapshot() *snapshotDoc {
+	d := &snapshotDoc{
+		policies:    slices.Clone(s.history),
+		quotas:      make([]snapQuota, 0, len(s.names)),
+		idempotency: make([]snapIdem, 0, len(s.idem)),
+	}
+	for _, name := range s.names {
+		q := s.quotas[name]
+		sq := snapQuota{Name: name}
+		for _, w := range q.windows {
+			if !q.visible(w.index, s.now) {
+				continue
+			}
+			sw := snapWindow{Index: w.index, Limit: w.limit, Grants: make([]snapGrant, len(w.grants))}
+			for i, g := range w.grants {
+				sw.Grants[i] = snapGrant{ID: g.id, Region: g.region, Tokens: g.tokens, Released: g.released, GrantedUnixMs: g.grantedAt, ExpiresUnixMs: g.expires}
+			}
+			sq.Windows = append(sq.Windows, sw)
+		}
+		for r := range q.demand {
+			if dm, fresh := q.freshDemand(r, s.now); fresh {
+				sq.Demand = append(sq.Demand, snapDemand{Region: r, PerSecond: dm.rate, ReportedUnixMs: dm.at})
+			}
+		}
+		slices.SortFunc(sq.Demand, func(a, b snapDemand) int { return strings.Compare(a.Region, b.Region) })
+		if len(sq.Windows) > 0 || len(sq.Demand) > 0 {
+			d.quotas = append(d.quotas, sq)
+		}
+	}
+	for _, r := range s.idemQ[s.idemHead:] {
+		if r.dead || s.now-r.at > 2*s.maxWindowMs {
+			continue
+		}
+		d.idempotency = append(d.idempotency, snapIdem{Kind: r.key.kind, Region: r.key.region, RequestID: r.key.requestID, AtUnixMs: r.at, Acquire: r.acquire, Release: r.release})
+	}
+	members := make([]snapMember, 0, len(s.members))
+	for id, addr := range s.members {
+		members = append(members, snapMember{ID: id, APIAddress: addr})
+	}
+	slices.SortFunc(members, func(a, b snapMember) int { return strings.Compare(a.ID, b.ID) })
+	d.header = snapshotHeader{
+		Format:         SnapshotFormatV1,
+		NowUnixMs:      s.now,
+		TokensGranted:  s.tokensGranted,
+		LastGrantIndex: s.lastGrantIndex,
+		Policies:       len(d.policies),
+		Quotas:         len(d.quotas),
+		Idempotency:    len(d.idempotency),
+		Members:        members,
+	}
+	return d
+}
+
+type fsmSnapshot struct {
+	doc *snapshotDoc
+}
+
+// Persist writes the snapshot as one JSON document and closes the sink, or
+// cancels it on error.
+func (fs *fsmSnapshot) Persist(sink raft.SnapshotSink) error {
+	if err := fs.write(sink); err != nil {
+		_ = sink.Cancel() // the write error is the one worth returning
+		return fmt.Errorf("persist snapshot: %w", err)
+	}
+	if err := sink.Close(); err != nil {
+		return fmt.Errorf("persist snapshot: close sink: %w", err)
+	}
+	return nil
+}
+
+func (fs *fsmSnapshot) write(w io.Writer) error {
+	bw := bufio.NewWriterSize(w, 1<<16)
+	enc := json.NewEncoder(bw)
+	d := fs.doc
+	if err := enc.Encode(d.header); err != nil {
+		return err
+	}
+	for _, p := range d.policies {
+		if err := enc.Encode(p); err != nil {
+			return err
+		}
+	}
+	for i := range d.quotas {
+		if err := enc.Encode(&d.quotas[i]); err != nil {
+			return err
+		}
+	}
+	for i := range d.idempotency {
+		if err := enc.Encode(&d.idempotency[i]); err != nil {
+			return err
+		}
+	}
+	return bw.Flush()
+}
+
+// Release does nothing: the snapshot holds no resources.
+func (fs *fsmSnapshot) Release() {}
+
+// Restore replaces the whole state with a snapshot written by Persist and
+// closes rc. A snapshot that cannot be decoded or is inconsistent returns an
+// error wrapping ErrBadSnapshot and leaves the state as it was.
+func (f *FSM) Restore(rc io.ReadCloser) error {
+	defer rc.Close()
+	dec := json.NewDecoder(bufio.NewReaderSize(rc, 1<<16))
+	dec.DisallowUnknownFields()
+	s, err := decodeSnapshot(dec)
+	if err != nil {
+		return fmt.Errorf("restore: %w: %w", ErrBadSnapshot, err)
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return fmt.Errorf("restore: %w: trailing data", ErrBadSnapshot)
+	}
+	f.mu.Lock()
+	f.s = s
+	f.mu.Unlock()
+	return nil
+}
+
+// decodeSnapshot rebuilds a state from a snapshot stream, checking every
+// invariant Apply maintains.
+func decodeSnapshot(dec *json.Decoder) (*state, error) {
+	var h snapshotHeader
+	if err := dec.Decode(&h); err != nil {
+		return nil, fmt.Errorf("header: %w", err)
+	}
+	switch {
+	case h.Format != SnapshotFormatV1:
+		return nil, fmt.Errorf("format %d unsupported", h.Format)
+	case h.NowUnixMs < 0 || h.NowUnixMs > MaxNowUnixMs:
+		return nil, fmt.Errorf("now_unix_ms %d out of range", h.NowUnixMs)
+	case h.TokensGranted < 0:
+		return nil, fmt.Errorf("tokens_granted %d negative", h.TokensGranted)
+	case h.Policies < 0 || h.Policies > HistoryVersions:
+		return nil, fmt.Errorf("policies: %d versions, want 0 to %d", h.Policies, HistoryVersions)
+	case h.Quotas < 0 || h.Quotas > MaxQuotas:
+		return nil, fmt.Errorf("quotas: %d out of range", h.Quotas)
+	case h.Idempotency < 0 || h.Idempotency > MaxIdempotencyRecords:
+		return nil, fmt.Errorf("idempotency: %d records out of range", h.Idempotency)
+	}
+	s := newState()
+	s.now, s.tokensGranted, s.lastGrantIndex = h.NowUnixMs, h.TokensGranted, h.LastGrantIndex
+	if len(h.Members) > MaxMembers {
+		return nil, fmt.Errorf("members: %d, at most %d", len(h.Members), MaxMembers)
+	}
+	for i, m := range h.Members {
+		if i > 0 && m.ID <= h.Members[i-1].ID {
+			return nil, fmt.Errorf("members[%d]: out of order", i)
+		}
+		if checkName("id", m.ID, MaxMemberIDBytes) != nil || checkName("api_address", m.APIAddress, MaxAPIAddressBytes) != nil {
+			return nil, fmt.Errorf("members[%d]: out of range", i)
+		}
+		s.members[m.ID] = m.APIAddress
+	}
+
+	for i := range h.Policies {
+		p := new(PolicyRecord)
+		if err := dec.Decode(p); err != nil {
+			return nil, fmt.Errorf("policies[%d]: %w", i, err)
+		}
+		if err := s.restorePolicy(p); err != nil {
+			return nil, fmt.Errorf("policies[%d]: %w", i, err)
+		}
+	}
+	if p := s.current(); p != nil {
+		s.names = make([]string, len(p.Quotas))
+		for i := range p.Quotas {
+			spec := &p.Quotas[i]
+			s.quotas[spec.Name] = &quota{name: spec.Name, spec: spec}
+			s.names[i] = spec.Name
+			s.maxWindowMs = max(s.maxWindowMs, spec.WindowMs)
+		}
+	}
+
+	prev := ""
+	for i := range h.Quotas {
+		var sq snapQuota
+		if err := dec.Decode(&sq); err != nil {
+			return nil, fmt.Errorf("quotas[%d]: %w", i, err)
+		}
+		if i > 0 && sq.Name <= prev {
+			return nil, fmt.Errorf("quotas[%d]: %q out of order", i, sq.Name)
+		}
+		prev = sq.Name
+		q, ok := s.quotas[sq.Name]
+		if !ok {
+			return nil, fmt.Errorf("quotas[%d]: %q not in the current policy", i, sq.Name)
+		}
+		if err := s.restoreQuota(q, sq); err != nil {
+			return nil, fmt.Errorf("quotas[%d] %q: %w", i, sq.Name, err)
+		}
+	}
+
+	var prevAt int64
+	for i := range h.Idempotency {
+		var si snapIdem
+		if err := dec.Decode(&si); err != nil {
+			return nil, fmt.Errorf("idempotency[%d]: %w", i, err)
+		}
+		if i > 0 && si.AtUnixMs < prevAt {
+			return nil, fmt.Errorf("idempotency[%d]: out of order", i)
+		}
+		prevAt = si.AtUnixMs
+		if err := s.restoreIdem(si); err != nil {
+			return nil, fmt.Errorf("idempotency[%d]: %w", i, err)
+		}
+	}
+	if s.idemGrants > MaxIdempotencyGrants {
+		return nil, errors.New("idempotency: over the retention limits")
+	}
+	var held int64
+	for _, ref := range s.grants {
+		held += ref.g.tokens // order does not matter for a sum
+	}
+	if held > s.tokensGranted {
+		return nil, fmt.Errorf("tokens_granted %d below the %d tokens of held grants", s.tokensGranted, held)
+	}
+	return s, nil
+}
+
+// restorePolicy checks p as Apply would have checked its Publish and
+// appends it to the history.
+func (s *state) restorePolicy(p *PolicyRecord) error {
+	prev := p.Version - 1
+	if cur := s.current(); cur != nil {
+		prev = cur.Version
+		if p.PublishedUnixMs < cur.PublishedUnixMs {
+			return fmt.Errorf("published_unix_ms %d before the previous version's", p.PublishedUnixMs)
+		}
+	}
+	if p.Version == 0 {
+		return errors.New("version 0")
+	}
+	if p.PublishedUnixMs < 0 || p.PublishedUnixMs > s.now {
+		return fmt.Errorf("published_unix_ms %d out of range", p.PublishedUnixMs)
+	}
+	pub := Publish{ExpectedVersion: p.Version, Author: p.Author, Reason: p.Reason, Document: p.Document, Quotas: p.Quotas}
+	specs, err := validatePublish(&pub, prev)
+	if err != nil {
+		return err
+	}
+	for j := range specs { // stored specs must already be normalized
+		if !specEqual(specs[j], p.Quotas[j]) {
+			return fmt.Errorf("quotas[%d]: not in canonical form", j)
+		}
+	}
+	s.history = append(s.history, p)
+	return nil
+}
+
+// validGrantID reports whether id has the form grantID writes, for a log
+// index no later than last.
+func validGrantID(id string, last uint64) bool {
+	idx, want, ok := strings.Cut(id, "-")
+	if !ok || len(id) > MaxGrantIDBytes {
+		return false
+	}
+	i, err := strconv.ParseUint(idx, 10, 64)
+	if err != nil || i > last || strconv.FormatUint(i, 10) != idx {
+		return false
+	}
+	w, err := strconv.Atoi(want)
+	return err == nil && w >= 0 && w < MaxWants && strconv.Itoa(w) == want
+}
+
+func specEqual(a, b QuotaSpec) bool {
+	if !slices.Equal(a.Regions, b.Regions) || (a.Regions == nil) != (b.Regions == nil) {
+		return false
+	}
+	return a.Name == b.Name && a.Limit == b.Limit && a.WindowMs == b.WindowMs &&
+		a.ChunkTokens == b.ChunkTokens && a.TTLMs == b.TTLMs && a.Clamp == b.Clamp &&
+		a.Strategy == b.Strategy && a.FallbackPerRegion == b.FallbackPerRegion
+}
+
+func (s *state) restoreQuota(q *quota, sq snapQuota) error {
+	cur := q.currentIndex(s.now)
+	for i, sw := range sq.Windows {
+		if sw.Index > cur || !q.visible(sw.Index, s.now) {
+			return fmt.Errorf("windows[%d]: index %d is not the current or previous window", i, sw.Index)
+		}
+		if i > 0 && sw.Index <= sq.Windows[i-1].Index {
+			return fmt.Errorf("windows[%d]: out of order", i)
+		}
+		if sw.Limit < 1 || sw.Limit > MaxLimit {
+			return fmt.Errorf("windows[%d]: limit %d out of range", i, sw.Limit)
+		}
+		w := &window{index: sw.Index, limit: sw.Limit}
+		for j, sg := range sw.Grants {
+			switch {
+			case !validGrantID(sg.ID, s.lastGrantIndex):
+				return fmt.Errorf("windows[%d].grants[%d]: id %q is not <index>-<want> with index <= last_grant_index", i, j, sg.ID)
+			case s.grants[sg.ID] != nil:
+				return fmt.Errorf("windows[%d].grants[%d]: id %q repeated", i, j, sg.ID)
+			case sg.Region == "" || len(sg.Region) > MaxRegionBytes:
+				return fmt.Errorf("windows[%d].grants[%d]: bad region", i, j)
+			case sg.Tokens < 1 || sg.Tokens > MaxLimit || sg.Released < 0 || sg.Released > sg.Tokens:
+				return fmt.Errorf("windows[%d].grants[%d]: tokens %d released %d out of range", i, j, sg.Tokens, sg.Released)
+			case sg.GrantedUnixMs > s.now || sg.ExpiresUnixMs < sg.GrantedUnixMs:
+				return fmt.Errorf("windows[%d].grants[%d]: times out of range", i, j)
+			}
+			g := &grant{id: sg.ID, region: sg.Region, tokens: sg.Tokens, released: sg.Released, grantedAt: sg.GrantedUnixMs, expires: sg.ExpiresUnixMs}
+			w.add(g)
+			if w.granted > 2*MaxLimit {
+				return fmt.Errorf("windows[%d]: granted beyond any limit", i)
+			}
+			s.grants[g.id] = &grantRef{q: q, w: w, g: g}
+		}
+		q.windows = append(q.windows, w)
+		s.windows++
+	}
+	for i, sd := range sq.Demand {
+		if i > 0 && sd.Region <= sq.Demand[i-1].Region {
+			return fmt.Errorf("demand[%d]: out of order", i)
+		}
+		if sd.Region == "" || len(sd.Region) > MaxRegionBytes || !(sd.PerSecond >= 0) || sd.ReportedUnixMs > s.now {
+			return fmt.Errorf("demand[%d]: out of range", i)
+		}
+		if q.demand == nil {
+			q.demand = map[string]demand{}
+		}
+		q.demand[sd.Region] = demand{rate: sd.PerSecond, at: sd.ReportedUnixMs}
+		if _, fresh := q.freshDemand(sd.Region, s.now); !fresh {
+			return fmt.Errorf("demand[%d]: stale report", i)
+		}
+	}
+	if len(q.windows) == 0 && len(q.demand) == 0 {
+		return errors.New("neither windows nor demand")
+	}
+	return nil
+}
+
+func (s *state) restoreIdem(si snapIdem) error {
+	if err := checkName("region", si.Region, MaxRegionBytes); err != nil {
+		return err
+	}
+	if err := checkName("request_id", si.RequestID, MaxRequestIDBytes); err != nil {
+		return err
+	}
+	switch {
+	case si.Kind == idemAcquire && si.Acquire != nil && si.Release == nil:
+		if len(si.Acquire.Grants) < 1 || len(si.Acquire.Grants) > MaxWants {
+			return errors.New("acquire result: bad grant count")
+		}
+	case si.Kind == idemRelease && si.Release != nil && si.Acquire == nil:
+	default:
+		return fmt.Errorf("kind %d does not match its result", si.Kind)
+	}
+	if si.AtUnixMs > s.now || s.now-si.AtUnixMs > 2*s.maxWindowMs {
+		return fmt.Errorf("at_unix_ms %d outside retention", si.AtUnixMs)
+	}
+	r := &idemRecord{key: idemKey{kind: si.Kind, region: si.Region, requestID: si.RequestID}, at: si.AtUnixMs, acquire: si.Acquire, release: si.Release}
+	if r.acquire != nil && r.acquire.Replayed || r.release != nil && r.release.Replayed {
+		return errors.New("recorded result marked replayed")
+	}
+	if _, dup := s.idem[r.key]; dup {
+		return errors.New("request id repeated")
+	}
+	if len(s.idem) >= MaxIdempotencyRecords {
+		return errors.New("over the retention limits")
+	}
+	s.record(r)
+	return nil
+}

@@ -1,0 +1,230 @@
+package allocator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+	"github.com/allot-dev/allot/proto/allot/v1/allotv1connect"
+)
+
+// Client calls an allocator cluster through any of its nodes. It follows the
+// leader hint of Unavailable errors and fails over across endpoints, retrying
+// the same request (so an Acquire retry keeps its request id and is
+// idempotent). It is safe for concurrent use.
+type Client struct {
+	http      *http.Client
+	endpoints []string
+	attempts  int
+	backoff   time.Duration
+
+	mu        sync.Mutex
+	preferred string
+	clients   map[string]*peerClient
+}
+
+// ClientOption customises a Client.
+type ClientOption func(*Client)
+
+// WithHTTPClient sets the HTTP client (default: HTTP/1.1 + cleartext HTTP/2).
+func WithHTTPClient(h *http.Client) ClientOption { return func(c *Client) { c.http = h } }
+
+// WithAttempts sets how many endpoints or leader hints one call tries (default 6).
+func WithAttempts(n int) ClientOption { return func(c *Client) { c.attempts = max(1, n) } }
+
+// WithBackoff sets the pause between attempts (default 100ms, doubling, capped at 1s).
+func WithBackoff(d time.Duration) ClientOption { return func(c *Client) { c.backoff = d } }
+
+// NewClient returns a client for the given API addresses ("host:port" or URLs).
+func NewClient(endpoints []string, opts ...ClientOption) (*Client, error) {
+	if len(endpoints) == 0 {
+		return nil, errors.New("allocator client: no endpoints")
+	}
+	c := &Client{
+		http: NewHTTPClient(), endpoints: append([]string(nil), endpoints...),
+		attempts: 6, backoff: 100 * time.Millisecond, clients: map[string]*peerClient{},
+		preferred: endpoints[0],
+	}
+	for _, o := range opts {
+		o(c)
+	}
+	return c, nil
+}
+
+func (c *Client) peer(addr string) *peerClient {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	p, ok := c.clients[addr]
+	if !ok {
+		base := baseURL(addr)
+		p = &peerClient{
+			alloc: allotv1connect.NewAllocatorServiceClient(c.http, base),
+			op:    allotv1connect.NewOperatorServiceClient(c.http, base),
+		}
+		c.clients[addr] = p
+	}
+	return p
+}
+
+// retryable reports whether another node may answer where this one could not.
+func retryable(err error) bool {
+	switch connect.CodeOf(err) {
+	case connect.CodeUnavailable, connect.CodeUnknown, connect.CodeAborted:
+		return true
+	}
+	return false
+}
+
+// call runs fn against the preferred endpoint, then leader hints and the other
+// endpoints, until it gets an answer that is not Unavailable.
+func call[T any](ctx context.Context, c *Client, fn func(*peerClient) (T, error)) (T, error) {
+	var (
+		zero    T
+		lastErr error
+		pause   = c.backoff
+	)
+	c.mu.Lock()
+	addr := c.preferred
+	c.mu.Unlock()
+	next := 0
+	for attempt := 0; attempt < c.attempts; attempt++ {
+		out, err := fn(c.peer(addr))
+		if err == nil || !retryable(err) {
+			if err == nil {
+				c.mu.Lock()
+				c.preferred = addr
+				c.mu.Unlock()
+			}
+			return out, err
+		}
+		lastErr = err
+		if hint := LeaderHintOf(err); hint != "" && hint != addr {
+			addr = hint
+			continue // a hint is worth following at once
+		}
+		addr = c.endpoints[next%len(c.endpoints)]
+		next++
+		select {
+		case <-ctx.Done():
+			return zero, fmt.Errorf("%w (last error: %v)", ctx.Err(), lastErr)
+		case <-time.After(pause):
+		}
+		pause = min(2*pause, time.Second)
+	}
+	return zero, lastErr
+}
+
+// Acquire calls AllocatorService.Acquire.
+func (c *Client) Acquire(ctx context.Context, req *allotv1.AcquireRequest) (*allotv1.AcquireResponse, error) {
+	return call(ctx, c, func(p *peerClient) (*allotv1.AcquireResponse, error) {
+		r, err := p.alloc.Acquire(ctx, connect.NewRequest(req))
+		if err != nil {
+			return nil, err
+		}
+		return r.Msg, nil
+	})
+}
+
+// Release calls AllocatorService.Release.
+func (c *Client) Release(ctx context.Context, req *allotv1.ReleaseRequest) (*allotv1.ReleaseResponse, error) {
+	return call(ctx, c, func(p *peerClient) (*allotv1.ReleaseResponse, error) {
+		r, err := p.alloc.Release(ctx, connect.NewRequest(req))
+		if err != nil {
+			return nil, err
+		}
+		return r.Msg, nil
+	})
+}
+
+// Operator returns an OperatorService client bound to this client's failover
+// rules: each unary method retries like Acquire does.
+func (c *Client) Operator() *OperatorClient { return &OperatorClient{c: c} }
+
+// OperatorClient calls OperatorService with failover.
+type OperatorClient struct{ c *Client }
+
+func opCall[Req, Resp any](ctx context.Context, c *Client, req *Req,
+	m func(allotv1connect.OperatorServiceClient) func(context.Context, *connect.Request[Req]) (*connect.Response[Resp], error),
+) (*Resp, error) {
+	return call(ctx, c, func(p *peerClient) (*Resp, error) {
+		r, err := m(p.op)(ctx, connect.NewRequest(req))
+		if err != nil {
+			return nil, err
+		}
+		return r.Msg, nil
+	})
+}
+
+// PublishPolicy calls OperatorService.PublishPolicy.
+func (o *OperatorClient) PublishPolicy(ctx context.Context, req *allotv1.PublishPolicyRequest) (*allotv1.PublishPolicyResponse, error) {
+	return opCall(ctx, o.c, req, func(s allotv1connect.OperatorServiceClient) func(context.Context, *connect.Request[allotv1.PublishPolicyRequest]) (*connect.Response[allotv1.PublishPolicyResponse], error) {
+		return s.PublishPolicy
+	})
+}
+
+// GetPolicy calls OperatorService.GetPolicy.
+func (o *OperatorClient) GetPolicy(ctx context.Context, req *allotv1.GetPolicyRequest) (*allotv1.GetPolicyResponse, error) {
+	return opCall(ctx, o.c, req, func(s allotv1connect.OperatorServiceClient) func(context.Context, *connect.Request[allotv1.GetPolicyRequest]) (*connect.Response[allotv1.GetPolicyResponse], error) {
+		return s.GetPolicy
+	})
+}
+
+// ListPolicies calls OperatorService.ListPolicies.
+func (o *OperatorClient) ListPolicies(ctx context.Context, req *allotv1.ListPoliciesRequest) (*allotv1.ListPoliciesResponse, error) {
+	return opCall(ctx, o.c, req, func(s allotv1connect.OperatorServiceClient) func(context.Context, *connect.Request[allotv1.ListPoliciesRequest]) (*connect.Response[allotv1.ListPoliciesResponse], error) {
+		return s.ListPolicies
+	})
+}
+
+// GetBound calls OperatorService.GetBound.
+func (o *OperatorClient) GetBound(ctx context.Context, req *allotv1.GetBoundRequest) (*allotv1.GetBoundResponse, error) {
+	return opCall(ctx, o.c, req, func(s allotv1connect.OperatorServiceClient) func(context.Context, *connect.Request[allotv1.GetBoundRequest]) (*connect.Response[allotv1.GetBoundResponse], error) {
+		return s.GetBound
+	})
+}
+
+// GetWindow calls OperatorService.GetWindow.
+func (o *OperatorClient) GetWindow(ctx context.Context, req *allotv1.GetWindowRequest) (*allotv1.GetWindowResponse, error) {
+	return opCall(ctx, o.c, req, func(s allotv1connect.OperatorServiceClient) func(context.Context, *connect.Request[allotv1.GetWindowRequest]) (*connect.Response[allotv1.GetWindowResponse], error) {
+		return s.GetWindow
+	})
+}
+
+// GetCluster calls OperatorService.GetCluster.
+func (o *OperatorClient) GetCluster(ctx context.Context, req *allotv1.GetClusterRequest) (*allotv1.GetClusterResponse, error) {
+	return opCall(ctx, o.c, req, func(s allotv1connect.OperatorServiceClient) func(context.Context, *connect.Request[allotv1.GetClusterRequest]) (*connect.Response[allotv1.GetClusterResponse], error) {
+		return s.GetCluster
+	})
+}
+
+// AddMember calls OperatorService.AddMember.
+func (o *OperatorClient) AddMember(ctx context.Context, req *allotv1.AddMemberRequest) (*allotv1.AddMemberResponse, error) {
+	return opCall(ctx, o.c, req, func(s allotv1connect.OperatorServiceClient) func(context.Context, *connect.Request[allotv1.AddMemberRequest]) (*connect.Response[allotv1.AddMemberResponse], error) {
+		return s.AddMember
+	})
+}
+
+// RemoveMember calls OperatorService.RemoveMember.
+func (o *OperatorClient) RemoveMember(ctx context.Context, req *allotv1.RemoveMemberRequest) (*allotv1.RemoveMemberResponse, error) {
+	return opCall(ctx, o.c, req, func(s allotv1connect.OperatorServiceClient) func(context.Context, *connect.Request[allotv1.RemoveMemberRequest]) (*connect.Response[allotv1.RemoveMemberResponse], error) {
+		return s.RemoveMember
+	})
+}
+
+// WatchPolicy opens a policy watch stream on the preferred endpoint. Callers
+// reconnect (through another endpoint) when the stream ends.
+func (o *OperatorClient) WatchPolicy(ctx context.Context, afterVersion uint64) (*connect.ServerStreamForClient[allotv1.WatchPolicyResponse], error) {
+	o.c.mu.Lock()
+	addr := o.c.preferred
+	o.c.mu.Unlock()
+	return o.c.peer(addr).op.WatchPolicy(ctx, connect.NewRequest(&allotv1.WatchPolicyRequest{AfterVersion: afterVersion}))
+}
+
+// Endpoints returns the configured endpoints.
+func (c *Client) Endpoints() []string { return append([]string(nil), c.endpoints...) }

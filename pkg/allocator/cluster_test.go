@@ -1,0 +1,201 @@
+package allocator
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/allot-dev/allot/fsm"
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+)
+
+const clusterPolicy = `
+name: cluster-test
+regions: [eu, us]
+rules:
+  - name: atlas
+    scope: tenant
+    match: [{key: tenant, value: atlas}]
+    kind: global_quota
+    limit: 1000
+    window: 1h
+    lease: {chunk: 100, ttl: 15s, clamp: true}
+`
+
+func publishTest(t *testing.T, addrs []string, doc string, version uint64) {
+	t.Helper()
+	c, err := NewClient(addrs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := c.Operator().PublishPolicy(ctx, &allotv1.PublishPolicyRequest{Document: []byte(doc), ExpectedVersion: version, Author: "test", Reason: "test"}); err != nil {
+		t.Fatalf("publish: %v", err)
+	}
+}
+
+func acquireOn(t *testing.T, n *Node, region, id string, tokens int64) *fsm.AcquireResult {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	out, err := n.Apply(ctx, fsm.Command{Type: fsm.CmdAcquire, Acquire: &fsm.Acquire{Region: region, RequestID: id, Wants: []fsm.Want{{Quota: "atlas", Tokens: tokens}}}})
+	if err != nil {
+		t.Fatalf("acquire %s on %s: %v", id, n.ID(), err)
+	}
+	return out.(*fsm.AcquireResult)
+}
+
+// TestClusterForwardsAndReplicates sends every call to a follower: it must be
+// forwarded to the leader and the state replicated byte for byte.
+func TestClusterForwardsAndReplicates(t *testing.T) {
+	tc := newTestCluster(t, 3)
+	l := tc.leader()
+	follower := tc.addrs[(tc.index(l)+1)%3]
+	publishTest(t, []string{follower}, clusterPolicy, 1)
+
+	c, err := NewClient([]string{follower}, WithAttempts(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	resp, err := c.Acquire(ctx, &allotv1.AcquireRequest{Region: "eu", RequestId: "r1", Wants: []*allotv1.Want{{Quota: "atlas", Tokens: 100}}})
+	if err != nil {
+		t.Fatalf("acquire through a follower: %v", err)
+	}
+	if g := resp.GetGrants()[0]; g.GetTokens() != 100 || g.GetGrantId() == "" || g.GetExpiresUnixMs() > g.GetWindowEndUnixMs() {
+		t.Fatalf("unexpected grant %v", g)
+	}
+	if got := l.metrics.Grants; got == nil {
+		t.Fatal("leader has no metrics")
+	}
+	tc.waitSame()
+	for _, n := range tc.nodes {
+		w := n.FSM().CurrentWindow("atlas", resp.GetLeaderNowUnixMs())
+		if w.Granted != 100 || w.Remaining != 900 {
+			t.Errorf("%s: granted %d remaining %d, want 100 and 900", n.ID(), w.Granted, w.Remaining)
+		}
+	}
+}
+
+// TestClusterLeaderLossKeepsAcknowledgedGrants crashes the leader (no
+// leadership transfer) and checks a new leader is elected that holds every
+// grant the old one acknowledged.
+func TestClusterLeaderLossKeepsAcknowledgedGrants(t *testing.T) {
+	tc := newTestCluster(t, 3)
+	publishTest(t, tc.addrs, clusterPolicy, 1)
+	l := tc.leader()
+	var ids []string
+	for i := 0; i < 5; i++ {
+		res := acquireOn(t, l, "eu", fmt.Sprintf("r%d", i), 100)
+		ids = append(ids, res.Grants[0].GrantID)
+	}
+	i := tc.index(l)
+	tc.isolate(i)
+	if err := l.raft.Shutdown().Error(); err != nil { // a crash: no transfer
+		t.Fatal(err)
+	}
+	tc.nodes[i] = nil
+	start := time.Now()
+	nl := tc.leader()
+	t.Logf("new leader %s after %s", nl.ID(), time.Since(start).Round(time.Millisecond))
+	if err := nl.Barrier(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range ids {
+		if g, ok := nl.FSM().Grant(id); !ok || g.Tokens != 100 {
+			t.Errorf("grant %s lost in failover (found %v)", id, ok)
+		}
+	}
+	// A retry of an acknowledged request on the new leader grants nothing new.
+	res := acquireOn(t, nl, "eu", "r0", 100)
+	if !res.Replayed || res.Grants[0].GrantID != ids[0] {
+		t.Errorf("retry after failover: replayed=%v grant=%s, want replay of %s", res.Replayed, res.Grants[0].GrantID, ids[0])
+	}
+	// Only 500 of 1000 were granted, so 500 remain: the pool was not reset.
+	res = acquireOn(t, nl, "us", "r-new", 1000)
+	if res.Grants[0].Tokens != 500 {
+		t.Errorf("after failover granted %d, want the 500 that remain", res.Grants[0].Tokens)
+	}
+}
+
+// TestClusterPartitionedLeaderCannotGrant isolates the leader: it cannot
+// commit, the majority elects a new leader and keeps granting, and after the
+// partition heals every node converges on the majority's state.
+func TestClusterPartitionedLeaderCannotGrant(t *testing.T) {
+	tc := newTestCluster(t, 3)
+	publishTest(t, tc.addrs, clusterPolicy, 1)
+	old := tc.leader()
+	acquireOn(t, old, "eu", "before", 100)
+	tc.isolate(tc.index(old))
+
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	_, err := old.Apply(ctx, fsm.Command{Type: fsm.CmdAcquire, Acquire: &fsm.Acquire{Region: "eu", RequestID: "minority", Wants: []fsm.Want{{Quota: "atlas", Tokens: 100}}}})
+	cancel()
+	if err == nil {
+		t.Fatal("an isolated leader committed a grant")
+	}
+	var nl *Node
+	deadline := time.Now().Add(5 * time.Second)
+	for nl == nil && time.Now().Before(deadline) {
+		for _, n := range tc.nodes {
+			if n != old && n.IsLeader() {
+				nl = n
+			}
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if nl == nil {
+		t.Fatal("majority elected no leader")
+	}
+	acquireOn(t, nl, "us", "majority", 300)
+	tc.heal()
+	tc.waitSame()
+	for _, n := range tc.nodes {
+		if _, ok := n.FSM().Grant("minority"); ok {
+			t.Errorf("%s holds the minority's uncommitted grant", n.ID())
+		}
+		w := n.FSM().CurrentWindow("atlas", n.FSM().Now())
+		if w.Granted != 400 {
+			t.Errorf("%s: granted %d, want 400 (100 before + 300 on the majority)", n.ID(), w.Granted)
+		}
+	}
+}
+
+// TestClusterSnapshotInstall lets a follower fall behind a compacted log, so
+// it can only catch up by installing the leader's snapshot.
+func TestClusterSnapshotInstall(t *testing.T) {
+	tc := newTestCluster(t, 3)
+	publishTest(t, tc.addrs, clusterPolicy, 1)
+	l := tc.leader()
+	lagger := (tc.index(l) + 1) % 3
+	tc.isolate(lagger)
+	// The isolated node may have been... only the majority matters now.
+	l = tc.leader()
+	for i := 0; i < 9; i++ {
+		acquireOn(t, l, []string{"eu", "us"}[i%2], fmt.Sprintf("r%d", i), 100)
+	}
+	if err := l.raft.Snapshot().Error(); err != nil {
+		t.Fatalf("snapshot: %v", err)
+	}
+	// Compact the log so the follower cannot be sent entries.
+	rc := l.raft.ReloadableConfig()
+	rc.TrailingLogs = 1
+	rc.SnapshotThreshold = 1
+	if err := l.raft.ReloadConfig(rc); err != nil {
+		t.Fatal(err)
+	}
+	acquireOn(t, l, "eu", "r-last", 50)
+	if err := l.raft.Snapshot().Error(); err != nil {
+		t.Fatalf("snapshot: %v", err)
+	}
+	tc.heal()
+	tc.waitSame()
+	if got := tc.nodes[lagger].raft.Stats()["last_snapshot_index"]; got == "0" {
+		t.Errorf("the lagging follower caught up without installing a snapshot")
+	}
+	if w := tc.nodes[lagger].FSM().CurrentWindow("atlas", tc.nodes[lagger].FSM().Now()); w.Granted != 950 {
+		t.Errorf("lagging follower after snapshot install: granted %d, want 950", w.Granted)
+	}
+}

@@ -1,0 +1,203 @@
+package allocator
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/raft"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/allot-dev/allot/fsm"
+)
+
+// testCluster is an in-process allocator cluster on Raft's in-memory
+// transport, with each node's Connect API on a real loopback listener so
+// forwarding is exercised. The idea follows raft's own MakeCluster helpers.
+type testCluster struct {
+	t       testing.TB
+	nodes   []*Node
+	trans   []*raft.InmemTransport
+	servers []*http.Server
+	addrs   []string
+	clock   *fakeClock
+}
+
+// fakeClock is the leader clock of the test cluster, settable by tests.
+type fakeClock struct{ off time.Duration }
+
+func (c *fakeClock) now() time.Time { return time.Now().Add(c.off) }
+
+func fastConfig(id, api string) Config {
+	c := DefaultConfig()
+	c.NodeID = id
+	c.RaftAddr = id
+	c.APIAddr = api
+	c.HeartbeatTimeout = 50 * time.Millisecond
+	c.ElectionTimeout = 50 * time.Millisecond
+	c.LeaderLeaseTimeout = 50 * time.Millisecond
+	c.CommitTimeout = 5 * time.Millisecond
+	c.ApplyTimeout = 2 * time.Second
+	return c
+}
+
+func newTestCluster(t testing.TB, n int) *testCluster {
+	t.Helper()
+	tc := &testCluster{t: t, clock: &fakeClock{}}
+	var peers []Peer
+	lns := make([]net.Listener, n)
+	for i := 0; i < n; i++ {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		lns[i] = ln
+		id := fmt.Sprintf("n%d", i+1)
+		peers = append(peers, Peer{ID: id, RaftAddr: id, APIAddr: ln.Addr().String()})
+		tc.addrs = append(tc.addrs, ln.Addr().String())
+		_, tr := raft.NewInmemTransportWithTimeout(raft.ServerAddress(id), 500*time.Millisecond)
+		tc.trans = append(tc.trans, tr)
+	}
+	for i := range tc.trans {
+		for j := range tc.trans {
+			if i != j {
+				tc.trans[i].Connect(tc.trans[j].LocalAddr(), tc.trans[j])
+			}
+		}
+	}
+	for i := 0; i < n; i++ {
+		cfg := fastConfig(peers[i].ID, peers[i].APIAddr)
+		cfg.Bootstrap = true
+		cfg.Peers = peers
+		tc.nodes = append(tc.nodes, tc.startNode(cfg, tc.trans[i], raft.NewInmemStore(), lns[i]))
+	}
+	t.Cleanup(tc.close)
+	return tc
+}
+
+func (tc *testCluster) startNode(cfg Config, tr *raft.InmemTransport, store *raft.InmemStore, ln net.Listener) *Node {
+	tc.t.Helper()
+	m := NewMetrics(nil)
+	node, err := NewNode(cfg, WithLogger(zaptest.NewLogger(tc.t).Named(cfg.NodeID)), WithClock(tc.clock.now), WithMetrics(m),
+		WithRaftDeps(RaftDeps{Logs: store, Stable: store, Snapshots: raft.NewInmemSnapshotStore(), Transport: tr}))
+	if err != nil {
+		tc.t.Fatal(err)
+	}
+	srv := HTTPServer(cfg.APIAddr, Mux(NewServer(node, zaptest.NewLogger(tc.t), m), nil))
+	go func() { _ = srv.Serve(ln) }()
+	tc.servers = append(tc.servers, srv)
+	return node
+}
+
+func (tc *testCluster) close() {
+	for _, s := range tc.servers {
+		_ = s.Close()
+	}
+	for _, n := range tc.nodes {
+		if n != nil {
+			_ = n.Close()
+		}
+	}
+}
+
+// leader waits for exactly one leader among the running nodes.
+func (tc *testCluster) leader() *Node {
+	tc.t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for time.Now().Before(deadline) {
+		var leaders []*Node
+		for _, n := range tc.nodes {
+			if n != nil && n.IsLeader() {
+				leaders = append(leaders, n)
+			}
+		}
+		if len(leaders) == 1 {
+			return leaders[0]
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	tc.t.Fatal("no single leader within 5s")
+	return nil
+}
+
+// index returns the position of n in the cluster.
+func (tc *testCluster) index(n *Node) int {
+	for i, m := range tc.nodes {
+		if m == n {
+			return i
+		}
+	}
+	return -1
+}
+
+// isolate cuts node i off from every other node (both directions).
+func (tc *testCluster) isolate(i int) {
+	for j := range tc.trans {
+		if i != j {
+			tc.trans[i].Disconnect(tc.trans[j].LocalAddr())
+			tc.trans[j].Disconnect(tc.trans[i].LocalAddr())
+		}
+	}
+}
+
+// heal reconnects every pair of transports.
+func (tc *testCluster) heal() {
+	for i := range tc.trans {
+		for j := range tc.trans {
+			if i != j {
+				tc.trans[i].Connect(tc.trans[j].LocalAddr(), tc.trans[j])
+			}
+		}
+	}
+}
+
+// waitSame waits until every running node's FSM snapshot is byte-identical
+// to the leader's (the idea of raft's EnsureSame).
+func (tc *testCluster) waitSame() {
+	tc.t.Helper()
+	l := tc.leader()
+	if err := l.Barrier(context.Background()); err != nil {
+		tc.t.Fatal(err)
+	}
+	want := snapshotBytes(tc.t, l.FSM())
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		same := true
+		for _, n := range tc.nodes {
+			if n != nil && n != l && !bytes.Equal(snapshotBytes(tc.t, n.FSM()), want) {
+				same = false
+			}
+		}
+		if same {
+			return
+		}
+		if time.Now().After(deadline) {
+			tc.t.Fatal("nodes did not converge to the leader's state within 5s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+type bufSink struct{ bytes.Buffer }
+
+func (s *bufSink) ID() string    { return "test" }
+func (s *bufSink) Cancel() error { return nil }
+func (s *bufSink) Close() error  { return nil }
+
+func snapshotBytes(t testing.TB, f *fsm.FSM) []byte {
+	t.Helper()
+	snap, err := f.Snapshot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sink bufSink
+	if err := snap.Persist(&sink); err != nil {
+		t.Fatal(err)
+	}
+	snap.Release()
+	return sink.Bytes()
+}

@@ -1,0 +1,388 @@
+package allocator_test
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"github.com/allot-dev/allot/internal/testproc"
+	"github.com/allot-dev/allot/pkg/allocator"
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+)
+
+// stormPolicy has a roomy quota the storm keeps drawing from, and a tight one
+// the storm exhausts, so both Σ granted <= G and exhaustion are exercised.
+const stormPolicy = `
+name: storm
+regions: [eu, us]
+rules:
+  - name: roomy
+    scope: global
+    match: [{key: route, value: storm}]
+    kind: global_quota
+    limit: 10000000
+    window: 1h
+    fail_mode: closed
+    lease: {chunk: 10, ttl: 10m, clamp: true}
+  - name: tight
+    scope: tenant
+    match: [{key: tenant, value: atlas}]
+    kind: global_quota
+    limit: 500
+    window: 1h
+    fail_mode: closed
+    lease: {chunk: 10, ttl: 10m, clamp: true}
+`
+
+type procNode struct {
+	id, raft, api, dir string
+	args               []string
+	proc               *testproc.Proc
+}
+
+type procCluster struct {
+	t     *testing.T
+	bin   string
+	nodes []*procNode
+}
+
+func startProcCluster(t *testing.T, n int) *procCluster {
+	t.Helper()
+	pc := &procCluster{t: t, bin: testproc.Build(t, "./cmd/allocator")}
+	base := t.TempDir()
+	var peers []string
+	for i := 0; i < n; i++ {
+		nd := &procNode{id: fmt.Sprintf("a%d", i+1), raft: testproc.FreeAddr(t), api: testproc.FreeAddr(t)}
+		nd.dir = filepath.Join(base, nd.id)
+		peers = append(peers, "-peer", nd.id+"="+nd.raft+"="+nd.api)
+		pc.nodes = append(pc.nodes, nd)
+	}
+	for _, nd := range pc.nodes {
+		nd.args = append([]string{"-id", nd.id, "-raft-addr", nd.raft, "-api-addr", nd.api, "-data-dir", nd.dir, "-bootstrap", "-log-level", "warn"}, peers...)
+		pc.start(nd)
+	}
+	return pc
+}
+
+func (pc *procCluster) start(nd *procNode) {
+	nd.proc = testproc.Start(pc.t, nd.id, pc.bin, nd.args...)
+}
+
+func (pc *procCluster) endpoints() []string {
+	var out []string
+	for _, nd := range pc.nodes {
+		out = append(out, nd.api)
+	}
+	return out
+}
+
+// waitLeader polls GetCluster until some live node reports a leader that is
+// live, and returns that node.
+func (pc *procCluster) waitLeader(ctx context.Context) (*procNode, time.Time) {
+	pc.t.Helper()
+	for {
+		for _, nd := range pc.nodes {
+			if nd.proc.Exited() {
+				continue
+			}
+			c, _ := allocator.NewClient([]string{nd.api}, allocator.WithAttempts(1))
+			cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+			resp, err := c.Operator().GetCluster(cctx, &allotv1.GetClusterRequest{})
+			cancel()
+			if err != nil || resp.GetState() != "Leader" {
+				continue
+			}
+			return nd, time.Now()
+		}
+		select {
+		case <-ctx.Done():
+			pc.t.Fatal("no leader elected")
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+type ack struct {
+	region string
+	resp   *allotv1.AcquireResponse
+}
+
+// TestProcessClusterStormFailoverRestart is the allocator's integration test:
+// three real allocator processes on loopback, an Acquire storm from concurrent
+// clients, kill -9 of the leader mid-storm, then checks that every
+// acknowledged grant survived (lost grants = 0), that retries are idempotent,
+// that Σ granted <= G, and that a restart of all three from disk keeps state.
+func TestProcessClusterStormFailoverRestart(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts real processes")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	pc := startProcCluster(t, 3)
+	pc.waitLeader(ctx)
+
+	client, err := allocator.NewClient(pc.endpoints(), allocator.WithAttempts(20), allocator.WithBackoff(50*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	op := client.Operator()
+	pub, err := op.PublishPolicy(ctx, &allotv1.PublishPolicyRequest{Document: []byte(stormPolicy), ExpectedVersion: 1, Author: "test", Reason: "storm"})
+	if err != nil {
+		t.Fatalf("publish: %v", err)
+	}
+
+	// The storm: workers retry each request with the same id until it is
+	// acknowledged, so every committed grant ends up acknowledged.
+	var (
+		mu       sync.Mutex
+		acks     = map[string]ack{}
+		stop     atomic.Bool
+		wg       sync.WaitGroup
+		failures atomic.Int64
+	)
+	const workers = 16
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func(w int) {
+			defer wg.Done()
+			region := []string{"eu", "us"}[w%2]
+			for i := 0; !stop.Load() && i < 100000; i++ {
+				id := fmt.Sprintf("w%d-%d", w, i)
+				req := &allotv1.AcquireRequest{Region: region, RequestId: id, Wants: []*allotv1.Want{
+					{Quota: "roomy", Tokens: 10, DemandPerSecond: 100}, {Quota: "tight", Tokens: 10, DemandPerSecond: 100},
+				}}
+				for attempt := 0; ; attempt++ {
+					cctx, ccancel := context.WithTimeout(ctx, 2*time.Second)
+					resp, err := client.Acquire(cctx, req)
+					ccancel()
+					if err == nil {
+						mu.Lock()
+						acks[id] = ack{region: region, resp: resp}
+						mu.Unlock()
+						break
+					}
+					failures.Add(1)
+					if ctx.Err() != nil || attempt > 200 {
+						t.Errorf("request %s never acknowledged: %v", id, err)
+						return
+					}
+				}
+			}
+		}(w)
+	}
+
+	time.Sleep(1500 * time.Millisecond)
+	leader, _ := pc.waitLeader(ctx)
+	killedAt := time.Now()
+	leader.proc.Kill()
+	_, electedAt := pc.waitLeader(ctx)
+	t.Logf("leader %s killed; a new leader answered %s later", leader.id, electedAt.Sub(killedAt).Round(time.Millisecond))
+	time.Sleep(1500 * time.Millisecond)
+	stop.Store(true)
+	wg.Wait()
+	if t.Failed() {
+		return
+	}
+	t.Logf("%d acknowledged Acquire calls, %d retried attempts", len(acks), failures.Load())
+	if len(acks) < 50 {
+		t.Fatalf("storm too small to mean anything: %d acknowledged calls", len(acks))
+	}
+
+	// Every acknowledged grant is in the leader's ledger; nothing else is.
+	ackedTokens := map[string]int64{}
+	ackedIDs := map[string]map[string]int64{"roomy": {}, "tight": {}}
+	for _, a := range acks {
+		for _, g := range a.resp.GetGrants() {
+			if g.GetTokens() == 0 {
+				continue
+			}
+			if _, dup := ackedIDs[g.GetQuota()][g.GetGrantId()]; dup {
+				t.Errorf("grant id %s acknowledged twice", g.GetGrantId())
+			}
+			ackedIDs[g.GetQuota()][g.GetGrantId()] = g.GetTokens()
+			ackedTokens[g.GetQuota()] += g.GetTokens()
+		}
+	}
+	ledgers := map[string]*allotv1.GetWindowResponse{}
+	for _, q := range []string{"roomy", "tight"} {
+		w, err := op.GetWindow(ctx, &allotv1.GetWindowRequest{Quota: q})
+		if err != nil {
+			t.Fatalf("GetWindow %s: %v", q, err)
+		}
+		ledgers[q] = w
+		inLedger := map[string]int64{}
+		for _, g := range w.GetGrants() {
+			inLedger[g.GetGrantId()] = g.GetTokens()
+		}
+		for id, tok := range ackedIDs[q] {
+			if inLedger[id] != tok {
+				t.Errorf("%s: acknowledged grant %s (%d tokens) missing from the ledger after failover (ledger has %d)", q, id, tok, inLedger[id])
+			}
+		}
+		if w.GetGranted() != ackedTokens[q] {
+			t.Errorf("%s: ledger granted %d tokens, clients were acknowledged %d", q, w.GetGranted(), ackedTokens[q])
+		}
+		if w.GetGranted() > w.GetLimit() {
+			t.Errorf("%s: granted %d exceeds G=%d", q, w.GetGranted(), w.GetLimit())
+		}
+	}
+	if got := ledgers["tight"].GetGranted(); got != 500 {
+		t.Errorf("tight: the storm should have exhausted the pool exactly: granted %d of 500", got)
+	}
+
+	// Retries with the same request id return the recorded grants.
+	checked := 0
+	for id, a := range acks {
+		if checked == 40 {
+			break
+		}
+		checked++
+		req := &allotv1.AcquireRequest{Region: a.region, RequestId: id, Wants: []*allotv1.Want{{Quota: "roomy", Tokens: 10}, {Quota: "tight", Tokens: 10}}}
+		resp, err := client.Acquire(ctx, req)
+		if err != nil {
+			t.Fatalf("retry %s: %v", id, err)
+		}
+		if !resp.GetReplayed() || !sameGrants(resp.GetGrants(), a.resp.GetGrants()) {
+			t.Errorf("retry of %s granted anew: replayed=%v %v vs %v", id, resp.GetReplayed(), resp.GetGrants(), a.resp.GetGrants())
+		}
+	}
+	after, err := op.GetWindow(ctx, &allotv1.GetWindowRequest{Quota: "roomy"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after.GetGranted() != ledgers["roomy"].GetGranted() {
+		t.Errorf("retries changed the ledger: %d -> %d", ledgers["roomy"].GetGranted(), after.GetGranted())
+	}
+
+	// Restart all three from disk (the killed one first, then a rolling stop).
+	pc.start(leader)
+	for _, nd := range pc.nodes {
+		if err := nd.proc.Stop(10 * time.Second); err != nil {
+			t.Errorf("graceful stop: %v", err)
+		}
+	}
+	for _, nd := range pc.nodes {
+		pc.start(nd)
+	}
+	pc.waitLeader(ctx)
+	for _, q := range []string{"roomy", "tight"} {
+		w, err := op.GetWindow(ctx, &allotv1.GetWindowRequest{Quota: q, WindowIndex: ledgers[q].GetWindowIndex()})
+		if err != nil {
+			t.Fatalf("GetWindow %s after restart: %v", q, err)
+		}
+		if w.GetGranted() != ledgers[q].GetGranted() || len(w.GetGrants()) != len(ledgers[q].GetGrants()) {
+			t.Errorf("%s after restart: granted %d in %d grants, before %d in %d", q, w.GetGranted(), len(w.GetGrants()), ledgers[q].GetGranted(), len(ledgers[q].GetGrants()))
+		}
+	}
+	got, err := op.GetPolicy(ctx, &allotv1.GetPolicyRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.GetPolicy().GetVersion() != pub.GetPolicy().GetVersion() || got.GetPolicy().GetDigest() != pub.GetPolicy().GetDigest() {
+		t.Errorf("policy after restart: v%d %s, before v%d %s", got.GetPolicy().GetVersion(), got.GetPolicy().GetDigest(), pub.GetPolicy().GetVersion(), pub.GetPolicy().GetDigest())
+	}
+}
+
+func sameGrants(a, b []*allotv1.Grant) bool {
+	return slices.EqualFunc(a, b, func(x, y *allotv1.Grant) bool {
+		return x.GetGrantId() == y.GetGrantId() && x.GetTokens() == y.GetTokens() && x.GetExpiresUnixMs() == y.GetExpiresUnixMs()
+	})
+}
+
+// TestProcessBadInput checks the codes and messages bad input gets from a
+// real process, and that it leaves state untouched.
+func TestProcessBadInput(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts real processes")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	pc := startProcCluster(t, 1)
+	pc.waitLeader(ctx)
+	client, _ := allocator.NewClient(pc.endpoints())
+	op := client.Operator()
+	if _, err := op.PublishPolicy(ctx, &allotv1.PublishPolicyRequest{Document: []byte(stormPolicy), ExpectedVersion: 1, Author: "t", Reason: "r"}); err != nil {
+		t.Fatal(err)
+	}
+	huge := make([]byte, 5<<20)
+	tests := []struct {
+		name string
+		call func() error
+		code connect.Code
+		msg  string
+	}{
+		{"unknown quota", func() error {
+			_, err := client.Acquire(ctx, &allotv1.AcquireRequest{Region: "eu", RequestId: "x1", Wants: []*allotv1.Want{{Quota: "nope", Tokens: 1}}})
+			return err
+		}, connect.CodeNotFound, "nope"},
+		{"empty region", func() error {
+			_, err := client.Acquire(ctx, &allotv1.AcquireRequest{RequestId: "x2", Wants: []*allotv1.Want{{Quota: "roomy"}}})
+			return err
+		}, connect.CodeInvalidArgument, "region"},
+		{"negative tokens", func() error {
+			_, err := client.Acquire(ctx, &allotv1.AcquireRequest{Region: "eu", RequestId: "x3", Wants: []*allotv1.Want{{Quota: "roomy", Tokens: -5}}})
+			return err
+		}, connect.CodeInvalidArgument, "tokens"},
+		{"huge tokens", func() error {
+			_, err := client.Acquire(ctx, &allotv1.AcquireRequest{Region: "eu", RequestId: "x4", Wants: []*allotv1.Want{{Quota: "tight", Tokens: 1 << 40}}})
+			return err
+		}, connect.CodeInvalidArgument, "tokens"},
+		{"too many wants", func() error {
+			ws := make([]*allotv1.Want, 1001)
+			for i := range ws {
+				ws[i] = &allotv1.Want{Quota: "roomy"}
+			}
+			_, err := client.Acquire(ctx, &allotv1.AcquireRequest{Region: "eu", RequestId: "x5", Wants: ws})
+			return err
+		}, connect.CodeInvalidArgument, "wants"},
+		{"oversized body", func() error {
+			_, err := op.PublishPolicy(ctx, &allotv1.PublishPolicyRequest{Document: huge, ExpectedVersion: 2, Author: "t", Reason: "r"})
+			return err
+		}, connect.CodeResourceExhausted, ""},
+		{"malformed policy", func() error {
+			_, err := op.PublishPolicy(ctx, &allotv1.PublishPolicyRequest{Document: []byte("rules: [ {"), ExpectedVersion: 2, Author: "t", Reason: "r"})
+			return err
+		}, connect.CodeInvalidArgument, "document"},
+		{"stale policy version", func() error {
+			_, err := op.PublishPolicy(ctx, &allotv1.PublishPolicyRequest{Document: []byte(stormPolicy), ExpectedVersion: 1, Author: "t", Reason: "r"})
+			return err
+		}, connect.CodeFailedPrecondition, "version"},
+		{"unknown grant", func() error {
+			_, err := client.Release(ctx, &allotv1.ReleaseRequest{Region: "eu", GrantId: "no-such", Tokens: 1})
+			return err
+		}, connect.CodeNotFound, "grant"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := tt.call()
+			if connect.CodeOf(err) != tt.code {
+				t.Fatalf("got %v (code %v), want code %v", err, connect.CodeOf(err), tt.code)
+			}
+			if tt.msg != "" && !containsFold(err.Error(), tt.msg) {
+				t.Errorf("message %q does not name %q", err.Error(), tt.msg)
+			}
+		})
+	}
+	w, err := op.GetWindow(ctx, &allotv1.GetWindowRequest{Quota: "tight"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w.GetGranted() != 0 || w.GetRemaining() != 500 {
+		t.Errorf("bad input changed state: granted %d remaining %d", w.GetGranted(), w.GetRemaining())
+	}
+	if p, err := op.GetPolicy(ctx, &allotv1.GetPolicyRequest{}); err != nil || p.GetPolicy().GetVersion() != 1 {
+		t.Errorf("bad publishes changed the policy: %v %v", p, err)
+	}
+}
+
+func containsFold(s, sub string) bool {
+	return strings.Contains(strings.ToLower(s), strings.ToLower(sub))
+}

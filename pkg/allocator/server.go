@@ -1,0 +1,487 @@
+package allocator
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net/http"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+	"go.uber.org/zap"
+
+	"github.com/allot-dev/allot/fsm"
+	"github.com/allot-dev/allot/pkg/lease"
+	"github.com/allot-dev/allot/pkg/policy"
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+	"github.com/allot-dev/allot/proto/allot/v1/allotv1connect"
+)
+
+const (
+	// headerForwarded marks a call a follower forwarded, so it is never forwarded twice.
+	headerForwarded = "Allot-Forwarded"
+	// headerLeader carries the leader's API address on Unavailable errors.
+	headerLeader = "Allot-Leader"
+	// maxIDLen bounds region names and request ids.
+	maxRegionLen    = 64
+	maxRequestIDLen = 128
+)
+
+// Server implements the Connect services of one allocator node. Any node
+// accepts any call: writes (and linearizable reads) are forwarded to the leader.
+type Server struct {
+	node    *Node
+	log     *zap.Logger
+	metrics *Metrics
+	now     func() time.Time
+	peers   *peerClients
+	// watchPoll is how often a WatchPolicy stream looks for a new version.
+	watchPoll time.Duration
+}
+
+var (
+	_ allotv1connect.AllocatorServiceHandler = (*Server)(nil)
+	_ allotv1connect.OperatorServiceHandler  = (*Server)(nil)
+)
+
+// NewServer creates the Connect handlers of node.
+func NewServer(node *Node, log *zap.Logger, m *Metrics) *Server {
+	if log == nil {
+		log = zap.NewNop()
+	}
+	return &Server{
+		node: node, log: log.Named("api"), metrics: m, now: node.now,
+		peers: newPeerClients(), watchPoll: 100 * time.Millisecond,
+	}
+}
+
+// Handler returns an http.Handler serving both services (Connect, gRPC and
+// gRPC-Web protocols) with the body size limit of the node's config.
+func (s *Server) Handler() http.Handler {
+	mux := http.NewServeMux()
+	opts := []connect.HandlerOption{connect.WithReadMaxBytes(s.node.cfg.MaxBodyBytes)}
+	mux.Handle(allotv1connect.NewAllocatorServiceHandler(s, opts...))
+	mux.Handle(allotv1connect.NewOperatorServiceHandler(s, opts...))
+	return mux
+}
+
+// forward sends a call to the leader when this node is not the leader. It
+// returns handled=false when this node should answer itself.
+func forward[Req, Resp any](ctx context.Context, s *Server, req *connect.Request[Req],
+	call func(c *peerClient) func(context.Context, *connect.Request[Req]) (*connect.Response[Resp], error),
+) (resp *connect.Response[Resp], handled bool, err error) {
+	if s.node.IsLeader() {
+		return nil, false, nil
+	}
+	if req.Header().Get(headerForwarded) != "" {
+		return nil, true, ErrNotLeader
+	}
+	_, api := s.node.Leader()
+	if api == "" || api == s.node.cfg.APIAddr {
+		return nil, true, fmt.Errorf("no leader known: %w", ErrNotLeader)
+	}
+	out := connect.NewRequest(req.Msg)
+	out.Header().Set(headerForwarded, s.node.cfg.NodeID)
+	s.metrics.Forwarded.Inc()
+	resp, err = call(s.peers.get(api))(ctx, out)
+	if err != nil {
+		var ce *connect.Error
+		if errors.As(err, &ce) && ce.Code() != connect.CodeUnavailable && ce.Code() != connect.CodeUnknown {
+			return nil, true, err
+		}
+		return nil, true, fmt.Errorf("forward to leader %s: %w (%v)", api, ErrNotLeader, err)
+	}
+	return resp, true, nil
+}
+
+func validateAcquire(m *allotv1.AcquireRequest, maxWants int) error {
+	switch {
+	case m.GetRegion() == "":
+		return fmt.Errorf("region: must not be empty: %w", errInvalid)
+	case len(m.GetRegion()) > maxRegionLen:
+		return fmt.Errorf("region: longer than %d bytes: %w", maxRegionLen, errInvalid)
+	case m.GetRequestId() == "":
+		return fmt.Errorf("request_id: must not be empty: %w", errInvalid)
+	case len(m.GetRequestId()) > maxRequestIDLen:
+		return fmt.Errorf("request_id: longer than %d bytes: %w", maxRequestIDLen, errInvalid)
+	case len(m.GetWants()) == 0:
+		return fmt.Errorf("wants: must not be empty: %w", errInvalid)
+	case len(m.GetWants()) > maxWants:
+		return fmt.Errorf("wants: %d exceeds the maximum of %d per call: %w", len(m.GetWants()), maxWants, errInvalid)
+	}
+	return nil
+}
+
+// Acquire implements AllocatorService.Acquire.
+func (s *Server) Acquire(ctx context.Context, req *connect.Request[allotv1.AcquireRequest]) (*connect.Response[allotv1.AcquireResponse], error) {
+	const method = "Acquire"
+	if err := validateAcquire(req.Msg, s.node.cfg.MaxWantsPerCall); err != nil {
+		return nil, s.toConnect(method, err)
+	}
+	if resp, handled, err := forward(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.AcquireRequest]) (*connect.Response[allotv1.AcquireResponse], error) {
+		return c.alloc.Acquire
+	}); handled {
+		if err != nil {
+			return nil, s.toConnect(method, err)
+		}
+		return resp, nil
+	}
+	m := req.Msg
+	cmd := &fsm.Acquire{Region: m.GetRegion(), RequestID: m.GetRequestId(), Wants: make([]fsm.Want, len(m.GetWants()))}
+	for i, w := range m.GetWants() {
+		cmd.Wants[i] = fsm.Want{Quota: w.GetQuota(), Tokens: w.GetTokens(), DemandPerSecond: w.GetDemandPerSecond()}
+	}
+	out, err := s.node.Apply(ctx, fsm.Command{Type: fsm.CmdAcquire, Acquire: cmd})
+	if err != nil {
+		return nil, s.toConnect(method, err)
+	}
+	res, ok := out.(*fsm.AcquireResult)
+	if !ok {
+		return nil, s.toConnect(method, fmt.Errorf("acquire: unexpected result %T", out))
+	}
+	resp := &allotv1.AcquireResponse{LeaderNowUnixMs: res.NowUnixMs, Replayed: res.Replayed, Grants: make([]*allotv1.Grant, len(res.Grants))}
+	for i, g := range res.Grants {
+		resp.Grants[i] = &allotv1.Grant{
+			Quota: g.Quota, GrantId: g.GrantID, Tokens: g.Tokens, WindowIndex: g.WindowIndex,
+			WindowEndUnixMs: g.WindowEndUnixMs, ExpiresUnixMs: g.ExpiresUnixMs, TtlMs: g.TTLMs, PoolExhausted: g.PoolExhausted,
+		}
+		if !res.Replayed {
+			if g.Tokens > 0 {
+				s.metrics.Grants.Inc()
+				s.metrics.TokensGranted.Add(float64(g.Tokens))
+			}
+			if g.PoolExhausted {
+				s.metrics.PoolExhausted.Inc()
+			}
+		}
+	}
+	s.metrics.Requests.WithLabelValues(method, "ok").Inc()
+	return connect.NewResponse(resp), nil
+}
+
+// Release implements AllocatorService.Release.
+func (s *Server) Release(ctx context.Context, req *connect.Request[allotv1.ReleaseRequest]) (*connect.Response[allotv1.ReleaseResponse], error) {
+	const method = "Release"
+	m := req.Msg
+	switch {
+	case m.GetRegion() == "":
+		return nil, s.toConnect(method, fmt.Errorf("region: must not be empty: %w", errInvalid))
+	case m.GetGrantId() == "":
+		return nil, s.toConnect(method, fmt.Errorf("grant_id: must not be empty: %w", errInvalid))
+	case m.GetTokens() <= 0:
+		return nil, s.toConnect(method, fmt.Errorf("tokens: %d must be positive: %w", m.GetTokens(), errInvalid))
+	}
+	if resp, handled, err := forward(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.ReleaseRequest]) (*connect.Response[allotv1.ReleaseResponse], error) {
+		return c.alloc.Release
+	}); handled {
+		if err != nil {
+			return nil, s.toConnect(method, err)
+		}
+		return resp, nil
+	}
+	out, err := s.node.Apply(ctx, fsm.Command{Type: fsm.CmdRelease, Release: &fsm.Release{Region: m.GetRegion(), GrantID: m.GetGrantId(), Tokens: m.GetTokens()}})
+	if err != nil {
+		return nil, s.toConnect(method, err)
+	}
+	res, ok := out.(*fsm.ReleaseResult)
+	if !ok {
+		return nil, s.toConnect(method, fmt.Errorf("release: unexpected result %T", out))
+	}
+	s.metrics.TokensReleased.Add(float64(res.Returned))
+	s.metrics.Requests.WithLabelValues(method, "ok").Inc()
+	return connect.NewResponse(&allotv1.ReleaseResponse{Returned: res.Returned, PoolRemaining: res.PoolRemaining}), nil
+}
+
+// PublishPolicy implements OperatorService.PublishPolicy.
+func (s *Server) PublishPolicy(ctx context.Context, req *connect.Request[allotv1.PublishPolicyRequest]) (*connect.Response[allotv1.PublishPolicyResponse], error) {
+	const method = "PublishPolicy"
+	m := req.Msg
+	switch {
+	case m.GetAuthor() == "":
+		return nil, s.toConnect(method, fmt.Errorf("author: must not be empty (the audit history records who): %w", errInvalid))
+	case m.GetReason() == "":
+		return nil, s.toConnect(method, fmt.Errorf("reason: must not be empty (the audit history records why): %w", errInvalid))
+	case m.GetExpectedVersion() == 0:
+		return nil, s.toConnect(method, fmt.Errorf("expected_version: must be the current version + 1: %w", errInvalid))
+	}
+	doc, err := policy.Parse(m.GetDocument())
+	if err != nil {
+		return nil, s.toConnect(method, fmt.Errorf("document: %w", err))
+	}
+	canonical, err := policy.Canonical(doc)
+	if err != nil {
+		return nil, s.toConnect(method, fmt.Errorf("document: %w", err))
+	}
+	if resp, handled, err := forward(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.PublishPolicyRequest]) (*connect.Response[allotv1.PublishPolicyResponse], error) {
+		return c.op.PublishPolicy
+	}); handled {
+		if err != nil {
+			return nil, s.toConnect(method, err)
+		}
+		return resp, nil
+	}
+	cmd := &fsm.Publish{ExpectedVersion: m.GetExpectedVersion(), Author: m.GetAuthor(), Reason: m.GetReason(), Document: canonical, Quotas: QuotaSpecs(doc)}
+	out, err := s.node.Apply(ctx, fsm.Command{Type: fsm.CmdPublishPolicy, Publish: cmd})
+	if err != nil {
+		return nil, s.toConnect(method, err)
+	}
+	res, ok := out.(*fsm.PublishResult)
+	if !ok {
+		return nil, s.toConnect(method, fmt.Errorf("publish: unexpected result %T", out))
+	}
+	s.log.Info("policy published", zap.Uint64("version", res.Policy.Version), zap.String("author", res.Policy.Author), zap.String("reason", res.Policy.Reason))
+	s.metrics.Requests.WithLabelValues(method, "ok").Inc()
+	return connect.NewResponse(&allotv1.PublishPolicyResponse{Policy: recordToProto(res.Policy, true)}), nil
+}
+
+// QuotaSpecs derives the FSM's quota specs from a policy's global quotas.
+func QuotaSpecs(doc *policy.Document) []fsm.QuotaSpec {
+	gq := doc.GlobalQuotas()
+	out := make([]fsm.QuotaSpec, len(gq))
+	for i, q := range gq {
+		out[i] = fsm.QuotaSpec{
+			Name: q.Name, Limit: q.Limit, WindowMs: q.Window.Milliseconds(), ChunkTokens: q.Chunk,
+			TTLMs: q.TTL.Milliseconds(), Clamp: q.Clamp, Strategy: fsm.Strategy(q.Strategy),
+			FallbackPerRegion: q.FallbackPerRegion, Regions: append([]string(nil), q.Regions...),
+		}
+	}
+	return out
+}
+
+func recordToProto(r fsm.PolicyRecord, withDoc bool) *allotv1.PolicyRecord {
+	sum := sha256.Sum256(r.Document)
+	p := &allotv1.PolicyRecord{
+		Version: r.Version, Author: r.Author, Reason: r.Reason, PublishedUnixMs: r.PublishedUnixMs,
+		Digest: hex.EncodeToString(sum[:]),
+	}
+	if withDoc {
+		p.Document = r.Document
+	}
+	return p
+}
+
+// GetPolicy implements OperatorService.GetPolicy. It reads this node's state.
+func (s *Server) GetPolicy(_ context.Context, req *connect.Request[allotv1.GetPolicyRequest]) (*connect.Response[allotv1.GetPolicyResponse], error) {
+	const method = "GetPolicy"
+	var (
+		rec fsm.PolicyRecord
+		ok  bool
+	)
+	if v := req.Msg.GetVersion(); v == 0 {
+		rec, ok = s.node.fsm.Policy()
+		if !ok {
+			return nil, s.toConnect(method, fmt.Errorf("no policy has been published yet: %w", errNotFound))
+		}
+	} else if rec, ok = s.node.fsm.PolicyVersion(v); !ok {
+		return nil, s.toConnect(method, fmt.Errorf("version: %d is not retained: %w", v, errNotFound))
+	}
+	s.metrics.Requests.WithLabelValues(method, "ok").Inc()
+	return connect.NewResponse(&allotv1.GetPolicyResponse{Policy: recordToProto(rec, true)}), nil
+}
+
+// ListPolicies implements OperatorService.ListPolicies.
+func (s *Server) ListPolicies(context.Context, *connect.Request[allotv1.ListPoliciesRequest]) (*connect.Response[allotv1.ListPoliciesResponse], error) {
+	hist := s.node.fsm.PolicyHistory()
+	out := &allotv1.ListPoliciesResponse{}
+	for i := len(hist) - 1; i >= 0; i-- {
+		out.Policies = append(out.Policies, recordToProto(hist[i], false))
+	}
+	s.metrics.Requests.WithLabelValues("ListPolicies", "ok").Inc()
+	return connect.NewResponse(out), nil
+}
+
+// WatchPolicy implements OperatorService.WatchPolicy: it sends every retained
+// version newer than the last one sent, then waits for more until the client
+// goes away.
+func (s *Server) WatchPolicy(ctx context.Context, req *connect.Request[allotv1.WatchPolicyRequest], stream *connect.ServerStream[allotv1.WatchPolicyResponse]) error {
+	last := req.Msg.GetAfterVersion()
+	t := time.NewTicker(s.watchPoll)
+	defer t.Stop()
+	for {
+		if cur, ok := s.node.fsm.Policy(); ok && cur.Version > last {
+			for _, h := range s.node.fsm.PolicyHistory() {
+				if h.Version <= last {
+					continue
+				}
+				rec, ok := s.node.fsm.PolicyVersion(h.Version)
+				if !ok {
+					continue
+				}
+				if err := stream.Send(&allotv1.WatchPolicyResponse{Policy: recordToProto(rec, true)}); err != nil {
+					return err
+				}
+				last = h.Version
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// GetWindow implements OperatorService.GetWindow. It is answered by the leader
+// after a Raft barrier, so the ledger includes every acknowledged grant.
+func (s *Server) GetWindow(ctx context.Context, req *connect.Request[allotv1.GetWindowRequest]) (*connect.Response[allotv1.GetWindowResponse], error) {
+	const method = "GetWindow"
+	if req.Msg.GetQuota() == "" {
+		return nil, s.toConnect(method, fmt.Errorf("quota: must not be empty: %w", errInvalid))
+	}
+	if resp, handled, err := forward(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.GetWindowRequest]) (*connect.Response[allotv1.GetWindowResponse], error) {
+		return c.op.GetWindow
+	}); handled {
+		if err != nil {
+			return nil, s.toConnect(method, err)
+		}
+		return resp, nil
+	}
+	if err := s.node.Barrier(ctx); err != nil {
+		return nil, s.toConnect(method, err)
+	}
+	spec, ok := s.node.fsm.Quota(req.Msg.GetQuota())
+	if !ok {
+		return nil, s.toConnect(method, fmt.Errorf("quota %q: %w", req.Msg.GetQuota(), fsm.ErrUnknownQuota))
+	}
+	now := max(s.now().UnixMilli(), s.node.fsm.Now())
+	idx := req.Msg.GetWindowIndex()
+	var w fsm.WindowView
+	if idx == 0 || idx == lease.WindowIndex(now, spec.WindowMs) {
+		w = s.node.fsm.CurrentWindow(spec.Name, now)
+	} else if w, ok = s.node.fsm.Window(spec.Name, idx); !ok {
+		return nil, s.toConnect(method, fmt.Errorf("window_index: %d is not retained (only the current and previous windows are): %w", idx, errNotFound))
+	}
+	s.metrics.Requests.WithLabelValues(method, "ok").Inc()
+	return connect.NewResponse(windowToProto(spec.Name, w, now)), nil
+}
+
+// GetCluster implements OperatorService.GetCluster from this node's view.
+func (s *Server) GetCluster(context.Context, *connect.Request[allotv1.GetClusterRequest]) (*connect.Response[allotv1.GetClusterResponse], error) {
+	const method = "GetCluster"
+	members, err := s.node.Members()
+	if err != nil {
+		return nil, s.toConnect(method, err)
+	}
+	r := s.node.raft
+	lid, _ := s.node.Leader()
+	out := &allotv1.GetClusterResponse{
+		LeaderId: lid, NodeId: s.node.cfg.NodeID, State: r.State().String(),
+		LastLogIndex: r.LastIndex(), CommitIndex: r.CommitIndex(), AppliedIndex: r.AppliedIndex(), Term: r.CurrentTerm(),
+	}
+	if p, ok := s.node.fsm.Policy(); ok {
+		out.PolicyVersion = p.Version
+	}
+	out.Members = membersToProto(members)
+	s.metrics.Requests.WithLabelValues(method, "ok").Inc()
+	return connect.NewResponse(out), nil
+}
+
+func membersToProto(ms []MemberInfo) []*allotv1.Member {
+	out := make([]*allotv1.Member, len(ms))
+	for i, m := range ms {
+		out[i] = &allotv1.Member{Id: m.ID, RaftAddress: m.RaftAddr, ApiAddress: m.APIAddr, Suffrage: m.Suffrage, Leader: m.Leader}
+	}
+	return out
+}
+
+// AddMember implements OperatorService.AddMember.
+func (s *Server) AddMember(ctx context.Context, req *connect.Request[allotv1.AddMemberRequest]) (*connect.Response[allotv1.AddMemberResponse], error) {
+	const method = "AddMember"
+	m := req.Msg
+	switch {
+	case m.GetId() == "":
+		return nil, s.toConnect(method, fmt.Errorf("id: must not be empty: %w", errInvalid))
+	case m.GetRaftAddress() == "":
+		return nil, s.toConnect(method, fmt.Errorf("raft_address: must not be empty: %w", errInvalid))
+	case m.GetApiAddress() == "":
+		return nil, s.toConnect(method, fmt.Errorf("api_address: must not be empty: %w", errInvalid))
+	}
+	if resp, handled, err := forward(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.AddMemberRequest]) (*connect.Response[allotv1.AddMemberResponse], error) {
+		return c.op.AddMember
+	}); handled {
+		if err != nil {
+			return nil, s.toConnect(method, err)
+		}
+		return resp, nil
+	}
+	if err := s.node.AddVoter(ctx, Peer{ID: m.GetId(), RaftAddr: m.GetRaftAddress(), APIAddr: m.GetApiAddress()}); err != nil {
+		return nil, s.toConnect(method, err)
+	}
+	members, err := s.node.Members()
+	if err != nil {
+		return nil, s.toConnect(method, err)
+	}
+	s.log.Info("member added", zap.String("member", m.GetId()))
+	s.metrics.Requests.WithLabelValues(method, "ok").Inc()
+	return connect.NewResponse(&allotv1.AddMemberResponse{Members: membersToProto(members)}), nil
+}
+
+// RemoveMember implements OperatorService.RemoveMember.
+func (s *Server) RemoveMember(ctx context.Context, req *connect.Request[allotv1.RemoveMemberRequest]) (*connect.Response[allotv1.RemoveMemberResponse], error) {
+	const method = "RemoveMember"
+	if req.Msg.GetId() == "" {
+		return nil, s.toConnect(method, fmt.Errorf("id: must not be empty: %w", errInvalid))
+	}
+	if resp, handled, err := forward(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.RemoveMemberRequest]) (*connect.Response[allotv1.RemoveMemberResponse], error) {
+		return c.op.RemoveMember
+	}); handled {
+		if err != nil {
+			return nil, s.toConnect(method, err)
+		}
+		return resp, nil
+	}
+	known := false
+	members, err := s.node.Members()
+	if err != nil {
+		return nil, s.toConnect(method, err)
+	}
+	for _, m := range members {
+		known = known || m.ID == req.Msg.GetId()
+	}
+	if !known {
+		return nil, s.toConnect(method, fmt.Errorf("id: %q is not a member: %w", req.Msg.GetId(), errNotFound))
+	}
+	if err := s.node.RemoveServer(ctx, req.Msg.GetId()); err != nil {
+		return nil, s.toConnect(method, err)
+	}
+	if members, err = s.node.Members(); err != nil {
+		return nil, s.toConnect(method, err)
+	}
+	s.log.Info("member removed", zap.String("member", req.Msg.GetId()))
+	s.metrics.Requests.WithLabelValues(method, "ok").Inc()
+	return connect.NewResponse(&allotv1.RemoveMemberResponse{Members: membersToProto(members)}), nil
+}
+
+// peerClient holds Connect clients for one peer's API address.
+type peerClient struct {
+	alloc allotv1connect.AllocatorServiceClient
+	op    allotv1connect.OperatorServiceClient
+}
+
+type peerClients struct {
+	http *http.Client
+	mu   sync.Mutex
+	m    map[string]*peerClient
+}
+
+func newPeerClients() *peerClients {
+	return &peerClients{http: NewHTTPClient(), m: map[string]*peerClient{}}
+}
+
+func (p *peerClients) get(addr string) *peerClient {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	c, ok := p.m[addr]
+	if !ok {
+		base := baseURL(addr)
+		c = &peerClient{
+			alloc: allotv1connect.NewAllocatorServiceClient(p.http, base),
+			op:    allotv1connect.NewOperatorServiceClient(p.http, base),
+		}
+		p.m[addr] = c
+	}
+	return c
+}

@@ -1,0 +1,86 @@
+package allocator
+
+import (
+	"context"
+	"fmt"
+
+	"connectrpc.com/connect"
+
+	"github.com/allot-dev/allot/fsm"
+	"github.com/allot-dev/allot/pkg/bound"
+	"github.com/allot-dev/allot/pkg/policy"
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+)
+
+func windowToProto(quota string, w fsm.WindowView, now int64) *allotv1.GetWindowResponse {
+	out := &allotv1.GetWindowResponse{
+		Quota: quota, WindowIndex: w.Index, WindowStartUnixMs: w.StartUnixMs, WindowEndUnixMs: w.EndUnixMs,
+		Limit: w.Limit, Granted: w.Granted, Released: w.Released, Expired: w.Expired, Remaining: w.Remaining,
+		NowUnixMs: now,
+	}
+	for _, r := range w.Regions {
+		out.Regions = append(out.Regions, &allotv1.RegionLedger{
+			Region: r.Region, Granted: r.Granted, Released: r.Released, Expired: r.Expired,
+			Held: r.Outstanding - r.Expired, DemandPerSecond: r.DemandPerSecond, Grants: int64(r.Grants),
+		})
+	}
+	for _, g := range w.Grants {
+		out.Grants = append(out.Grants, &allotv1.GrantRecord{
+			GrantId: g.ID, Region: g.Region, Tokens: g.Tokens, Released: g.Released,
+			GrantedUnixMs: g.GrantedUnixMs, ExpiresUnixMs: g.ExpiresUnixMs,
+		})
+	}
+	return out
+}
+
+// BoundConfig returns the bound calculator's assumptions of this node's
+// configuration (the quota fields are filled per quota).
+func (c Config) BoundConfig() bound.Config {
+	b := bound.DefaultConfig()
+	b.QuorumCommit = true // grants are acknowledged only after a quorum commit
+	b.ExpiryMargin = c.LeaseMargin
+	b.MaxDriftPPM = c.MaxDriftPPM
+	b.MaxOneWayDelay = c.MaxOneWayDelay
+	b.MaxLeaderSkew = c.MaxLeaderSkew
+	b.StoreAsyncFailover = c.StoreAsyncFailover
+	b.StoreReplicationLag = c.StoreReplicationLag
+	return b
+}
+
+// GetBound implements OperatorService.GetBound from the current policy and
+// this node's stated assumptions.
+func (s *Server) GetBound(_ context.Context, req *connect.Request[allotv1.GetBoundRequest]) (*connect.Response[allotv1.GetBoundResponse], error) {
+	const method = "GetBound"
+	rec, ok := s.node.fsm.Policy()
+	if !ok {
+		return nil, s.toConnect(method, fmt.Errorf("no policy has been published yet: %w", errNotFound))
+	}
+	doc, err := policy.Parse(rec.Document)
+	if err != nil {
+		return nil, s.toConnect(method, fmt.Errorf("stored policy version %d: %v", rec.Version, err))
+	}
+	out := &allotv1.GetBoundResponse{PolicyVersion: rec.Version}
+	base := s.node.cfg.BoundConfig()
+	for _, q := range doc.GlobalQuotas() {
+		if req.Msg.GetQuota() != "" && q.Name != req.Msg.GetQuota() {
+			continue
+		}
+		out.Bounds = append(out.Bounds, boundToProto(bound.Calculate(base.WithQuota(q))))
+	}
+	if req.Msg.GetQuota() != "" && len(out.Bounds) == 0 {
+		return nil, s.toConnect(method, fmt.Errorf("quota %q: %w", req.Msg.GetQuota(), fsm.ErrUnknownQuota))
+	}
+	s.metrics.Requests.WithLabelValues(method, "ok").Inc()
+	return connect.NewResponse(out), nil
+}
+
+func boundToProto(b bound.Bound) *allotv1.QuotaBound {
+	out := &allotv1.QuotaBound{
+		Quota: b.Name, Limit: b.Limit, WindowMs: b.Window.Milliseconds(), Overshoot: b.Total,
+		MaxAdmittedPerWindow: b.Ceiling(), StrandedTokens: b.Stranded.Fleet, StrandedAssumption: b.Stranded.Assumption,
+	}
+	for _, t := range b.Terms {
+		out.Terms = append(out.Terms, &allotv1.BoundTerm{Name: t.Name, Tokens: t.Tokens, Assumption: t.Assumption, HowToZero: t.HowToZero})
+	}
+	return out
+}

@@ -1,0 +1,427 @@
+package bound
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/bits"
+	"strings"
+	"time"
+
+	"github.com/allot-dev/allot/pkg/policy"
+)
+
+// ErrInvalidConfig is wrapped by Config.Validate for a config whose bound
+// would be meaningless (non-positive limit, negative assumptions, ...).
+var ErrInvalidConfig = errors.New("invalid bound config")
+
+// The names of the terms, in the order Calculate reports them.
+const (
+	// TermCarryOver counts tokens granted in one window and spent in the next.
+	TermCarryOver = "carry_over"
+	// TermFallback counts local admissions of regions cut off from the allocator.
+	TermFallback = "fallback"
+	// TermLostGrants counts grants an allocator failover forgets and re-grants.
+	TermLostGrants = "lost_grants"
+	// TermTiming counts tokens spent past the allocator's expiry because of
+	// clock drift, delays and skew between successive leaders.
+	TermTiming = "timing"
+	// TermStoreRollback counts debits a regional store failover forgets.
+	TermStoreRollback = "store_rollback"
+)
+
+// Config is one leased quota plus the assumptions its bound rests on. The
+// zero value of an assumption is the pessimistic choice where that is safe
+// (no quorum commit, no margin); DefaultConfig gives the strict ones.
+type Config struct {
+	// Name labels the quota in reports; it does not affect the bound.
+	Name string
+	// Limit is G, the tokens the allocator's pool holds per window.
+	Limit int64
+	// Window is the window length; windows are aligned to epoch multiples.
+	Window time.Duration
+	// Chunk is the normal grant size a region receives.
+	Chunk int64
+	// TTL is a grant's lifetime before clamping.
+	TTL time.Duration
+	// Clamp says grants expire at the end of the window they were made in.
+	Clamp bool
+	// Regions is how many regions lease the quota.
+	Regions int
+	// FallbackPerRegion is the tokens per window a region admits on its own
+	// while cut off from the allocator; 0 means fail closed.
+	FallbackPerRegion int64
+	// MaxHeldPerRegion is the most unexpired, unspent tokens the allocator
+	// lets one region hold at once; 0 means no cap, and G is used.
+	MaxHeldPerRegion int64
+	// QuorumCommit says the allocator acknowledges a grant only after a Raft
+	// quorum has committed it, so no failover forgets an acknowledged grant.
+	QuorumCommit bool
+	// ExpiryMargin is how long before the allocator's expiry a region stops
+	// spending a lease (subtracted from its monotonic deadline).
+	ExpiryMargin time.Duration
+	// MaxDriftPPM is the assumed maximum rate error of any clock that times a
+	// lease, in parts per million (200 means 200 microseconds per second).
+	MaxDriftPPM int64
+	// MaxOneWayDelay is the assumed maximum one-way delay between a deadline
+	// check and the spend it allows (agent to store, gateway to store) that
+	// the deposit TTLs do not already subtract.
+	MaxOneWayDelay time.Duration
+	// MaxLeaderSkew is the assumed maximum clock offset between allocator
+	// nodes: a new leader whose clock is ahead opens the next window early.
+	MaxLeaderSkew time.Duration
+	// StoreAsyncFailover says a regional store can fail over to an
+	// asynchronous replica and lose acknowledged debits.
+	StoreAsyncFailover bool
+	// StoreReplicationLag is the assumed maximum replication lag of the
+	// regional store; debits within it can be lost by a failover.
+	StoreReplicationLag time.Duration
+	// PeakAdmissionRate is the assumed peak admissions per second of this
+	// quota across the fleet; 0 means unknown, and held tokens bound the
+	// timing and store_rollback terms instead.
+	PeakAdmissionRate int64
+	// Gateways is how many gateways hold in-process chunks (for stranded
+	// capacity only); 0 when GatewayChunk is 0.
+	Gateways int
+	// GatewayChunk is the tokens a gateway takes at once from its region's
+	// store (policy lease.gateway_chunk); 0 for none.
+	GatewayChunk int64
+}
+
+// DefaultConfig returns the strict environment assumptions: clamp on, fail
+// closed, quorum-commit allocator, an expiry margin of 250ms covering 200 ppm
+// of drift, 100ms of one-way delay and 100ms of leader skew, and no
+// asynchronous store failover. The quota fields are zero: set them with
+// WithQuota.
+func DefaultConfig() Config {
+	return Config{
+		Clamp:          true,
+		QuorumCommit:   true,
+		ExpiryMargin:   250 * time.Millisecond,
+		MaxDriftPPM:    200,
+		MaxOneWayDelay: 100 * time.Millisecond,
+		MaxLeaderSkew:  100 * time.Millisecond,
+	}
+}
+
+// WithQuota returns c with the quota fields taken from q (name, limit,
+// window, chunk, TTL, clamp, regions, fallback allowance, gateway chunk).
+func (c Config) WithQuota(q policy.GlobalQuota) Config {
+	c.Name = q.Name
+	c.Limit = q.Limit
+	c.Window = q.Window
+	c.Chunk = q.Chunk
+	c.TTL = q.TTL
+	c.Clamp = q.Clamp
+	c.Regions = len(q.Regions)
+	c.FallbackPerRegion = q.FallbackPerRegion
+	c.GatewayChunk = q.GatewayChunk
+	return c
+}
+
+// Validate reports what is wrong with c, wrapping ErrInvalidConfig.
+func (c Config) Validate() error {
+	var errs []error
+	bad := func(field, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("%w: %s: %s", ErrInvalidConfig, field, fmt.Sprintf(format, args...)))
+	}
+	if c.Limit <= 0 {
+		bad("Limit", "must be positive, got %d", c.Limit)
+	}
+	if c.Window <= 0 {
+		bad("Window", "must be positive, got %s", c.Window)
+	}
+	if c.Chunk <= 0 || c.Limit > 0 && c.Chunk > c.Limit {
+		bad("Chunk", "must be in [1, Limit], got %d", c.Chunk)
+	}
+	if c.TTL <= 0 {
+		bad("TTL", "must be positive, got %s", c.TTL)
+	}
+	if c.Regions <= 0 {
+		bad("Regions", "must be positive, got %d", c.Regions)
+	}
+	nonNeg := []struct {
+		field string
+		v     int64
+	}{
+		{"FallbackPerRegion", c.FallbackPerRegion},
+		{"MaxHeldPerRegion", c.MaxHeldPerRegion},
+		{"ExpiryMargin", int64(c.ExpiryMargin)},
+		{"MaxDriftPPM", c.MaxDriftPPM},
+		{"MaxOneWayDelay", int64(c.MaxOneWayDelay)},
+		{"MaxLeaderSkew", int64(c.MaxLeaderSkew)},
+		{"StoreReplicationLag", int64(c.StoreReplicationLag)},
+		{"PeakAdmissionRate", c.PeakAdmissionRate},
+		{"Gateways", int64(c.Gateways)},
+		{"GatewayChunk", c.GatewayChunk},
+	}
+	for _, f := range nonNeg {
+		if f.v < 0 {
+			bad(f.field, "must not be negative, got %d", f.v)
+		}
+	}
+	if c.MaxDriftPPM >= 1_000_000 {
+		bad("MaxDriftPPM", "%d ppm is not a clock", c.MaxDriftPPM)
+	}
+	return errors.Join(errs...)
+}
+
+// Term is one addend of the bound.
+type Term struct {
+	// Name is one of the Term* constants.
+	Name string
+	// Tokens is the term's upper bound per window, in tokens.
+	Tokens int64
+	// Assumption states what the value rests on, with its numbers.
+	Assumption string
+	// HowToZero says which choice makes the term zero, and its cost.
+	HowToZero string
+}
+
+// Stranded is capacity granted and never spent: the price of safety,
+// reported beside the bound (it can only cause denials, never overshoot).
+type Stranded struct {
+	// PerRegion is the most tokens one region cut off from the allocator can
+	// hold and leave unspent until they expire.
+	PerRegion int64
+	// Fleet is the most tokens all regions together can hold unspent (at most G).
+	Fleet int64
+	// Parked is the most tokens sitting in gateways' in-process chunks.
+	Parked int64
+	// Assumption states what the values rest on.
+	Assumption string
+}
+
+// Bound is the stated overshoot of one quota per window.
+type Bound struct {
+	// Name is the quota's name from the Config.
+	Name string
+	// Limit is G.
+	Limit int64
+	// Window is the window length.
+	Window time.Duration
+	// Terms are the addends, in a fixed order, zero terms included.
+	Terms []Term
+	// Total is the sum of the terms: the most admissions beyond G per window.
+	Total int64
+	// Stranded is reported beside the bound.
+	Stranded Stranded
+}
+
+// Ceiling is the most admissions the bound allows in one window: G + Total.
+func (b Bound) Ceiling() int64 { return satAdd(b.Limit, b.Total) }
+
+// Term returns the term called name.
+func (b Bound) Term(name string) (Term, bool) {
+	for _, t := range b.Terms {
+		if t.Name == name {
+			return t, true
+		}
+	}
+	return Term{}, false
+}
+
+// String renders the bound as a small report for operators.
+func (b Bound) String() string {
+	var s strings.Builder
+	if b.Name != "" {
+		fmt.Fprintf(&s, "%s: ", b.Name)
+	}
+	fmt.Fprintf(&s, "admitted per %s window <= G %d", fmtDur(b.Window), b.Limit)
+	for _, t := range b.Terms {
+		fmt.Fprintf(&s, " + %s %d", t.Name, t.Tokens)
+	}
+	fmt.Fprintf(&s, " = %d (overshoot %d, %s of G)\n", b.Ceiling(), b.Total, percent(b.Total, b.Limit))
+	for _, t := range b.Terms {
+		fmt.Fprintf(&s, "  %-14s %8d  %s", t.Name, t.Tokens, t.Assumption)
+		if t.Tokens > 0 {
+			fmt.Fprintf(&s, " To make it 0: %s", t.HowToZero)
+		}
+		s.WriteByte('\n')
+	}
+	fmt.Fprintf(&s, "  stranded: up to %d per region (%s of G), %d fleet-wide, %d parked in gateways. %s\n",
+		b.Stranded.PerRegion, percent(b.Stranded.PerRegion, b.Limit), b.Stranded.Fleet, b.Stranded.Parked, b.Stranded.Assumption)
+	return s.String()
+}
+
+// Calculate states the bound for c. It assumes c is valid (see Validate);
+// negative values are treated as zero.
+func Calculate(c Config) Bound {
+	g := max(c.Limit, 0)
+	regions := int64(max(c.Regions, 0))
+	held := c.MaxHeldPerRegion
+	if held <= 0 || held > g {
+		held = g
+	}
+	// outstanding is the most granted-but-unspent tokens all regions can
+	// hold at one instant: their caps, and never more than one pool.
+	outstanding := min(satMul(regions, held), g)
+
+	b := Bound{Name: c.Name, Limit: g, Window: c.Window}
+	b.Terms = []Term{
+		carryOver(c, g, regions, held),
+		fallback(c, regions),
+		lostGrants(c, outstanding),
+		timing(c, outstanding),
+		storeRollback(c, held),
+	}
+	for _, t := range b.Terms {
+		b.Total = satAdd(b.Total, t.Tokens)
+	}
+	b.Stranded = Stranded{
+		PerRegion: held,
+		Fleet:     outstanding,
+		Parked:    satMul(int64(max(c.Gateways, 0)), max(c.GatewayChunk, 0)),
+		Assumption: fmt.Sprintf("A region cut off from the allocator spends only what it holds; up to %d tokens per region "+
+			"(%d for %d regions) can expire unspent while callers elsewhere are denied. "+
+			"A lower per-region cap, smaller chunks and shorter TTLs strand less, at the cost of more Acquire calls.",
+			held, outstanding, regions),
+	}
+	return b
+}
+
+func carryOver(c Config, g, regions, held int64) Term {
+	t := Term{Name: TermCarryOver, HowToZero: "clamp every lease to the window end (lease.clamp: true); grants near a boundary are shorter."}
+	if c.Clamp {
+		t.Assumption = "Leases are clamped: every grant expires at min(now+TTL, window end), so no token is spent in a later window."
+		return t
+	}
+	// Without a cap a region can hold G from each window its lease spans.
+	spans := int64(1)
+	if c.Window > 0 && c.TTL > c.Window {
+		spans = int64((c.TTL + c.Window - 1) / c.Window)
+	}
+	t.Tokens = min(satMul(regions, held), satMul(g, spans))
+	t.Assumption = fmt.Sprintf("Leases are not clamped: tokens granted in one window (TTL %s) can be spent in the next, "+
+		"up to %d held per region x %d regions, at most %d x G.", fmtDur(c.TTL), held, regions, spans)
+	return t
+}
+
+func fallback(c Config, regions int64) Term {
+	t := Term{Name: TermFallback, HowToZero: "fail closed (fail_mode: closed, fallback_per_region: 0); cut-off regions answer 503 once their held tokens are spent."}
+	if c.FallbackPerRegion <= 0 {
+		t.Assumption = "Fail closed: a region cut off from the allocator admits only tokens it already holds."
+		return t
+	}
+	t.Tokens = satMul(regions, c.FallbackPerRegion)
+	t.Assumption = fmt.Sprintf("A region cut off from the allocator admits up to %d per window on its own (lease.fallback_per_region) x %d regions.",
+		c.FallbackPerRegion, regions)
+	return t
+}
+
+func lostGrants(c Config, outstanding int64) Term {
+	t := Term{Name: TermLostGrants, HowToZero: "acknowledge grants only after a Raft quorum commit (synchronous allocator replication), at availability cost."}
+	if c.QuorumCommit {
+		t.Assumption = "Grants are acknowledged only after a Raft quorum commit, so a new leader knows every grant regions hold."
+		return t
+	}
+	t.Tokens = outstanding
+	t.Assumption = fmt.Sprintf("Allocator replication is asynchronous: a failover can forget and re-grant unspent grants regions still hold, "+
+		"up to %d tokens; assumes at most one allocator failover per window.", outstanding)
+	return t
+}
+
+func timing(c Config, outstanding int64) Term {
+	drift := mulDivCeil(int64(max(c.TTL, 0)), max(c.MaxDriftPPM, 0), 1_000_000)
+	need := time.Duration(satAdd(satAdd(drift, int64(max(c.MaxOneWayDelay, 0))), int64(max(c.MaxLeaderSkew, 0))))
+	margin := max(c.ExpiryMargin, 0)
+	sum := fmt.Sprintf("drift %d ppm x TTL %s (%s) + one-way delay %s + leader skew %s = %s",
+		c.MaxDriftPPM, fmtDur(c.TTL), fmtDur(time.Duration(drift)), fmtDur(c.MaxOneWayDelay), fmtDur(c.MaxLeaderSkew), fmtDur(need))
+	t := Term{Name: TermTiming, HowToZero: fmt.Sprintf("raise the expiry margin to at least %s (%s), or shorten the TTL; "+
+		"a larger margin leaves each lease's last moments unspent.", fmtDur(need), sum)}
+	if margin >= need {
+		t.Assumption = fmt.Sprintf("Regions stop spending %s before the allocator's expiry, which covers %s.", fmtDur(margin), sum)
+		return t
+	}
+	if !c.Clamp {
+		t.Assumption = fmt.Sprintf("Margin %s is short of %s, but leases are not clamped: tokens spent late are the held tokens carry_over already counts.",
+			fmtDur(margin), sum)
+		return t
+	}
+	late := need - margin
+	t.Tokens = outstanding
+	capped := ""
+	if c.PeakAdmissionRate > 0 {
+		t.Tokens = min(outstanding, mulDivCeil(c.PeakAdmissionRate, int64(late), int64(time.Second)))
+		capped = fmt.Sprintf(", at a peak of %d/s", c.PeakAdmissionRate)
+	}
+	t.Assumption = fmt.Sprintf("Margin %s is %s short of %s: regions may spend for up to %s past the allocator's expiry, "+
+		"into the next window%s, at most the %d tokens they hold.", fmtDur(margin), fmtDur(late), sum, fmtDur(late), capped, outstanding)
+	return t
+}
+
+func storeRollback(c Config, held int64) Term {
+	t := Term{Name: TermStoreRollback, HowToZero: "run the regional store without asynchronous failover (or wait for a replica before acknowledging debits), at availability cost."}
+	if !c.StoreAsyncFailover {
+		t.Assumption = "The regional store does not fail over asynchronously, so acknowledged debits are never lost."
+		return t
+	}
+	t.Tokens = held
+	how := "replication lag unknown"
+	if c.PeakAdmissionRate > 0 && c.StoreReplicationLag > 0 {
+		t.Tokens = min(held, mulDivCeil(c.PeakAdmissionRate, int64(c.StoreReplicationLag), int64(time.Second)))
+		how = fmt.Sprintf("%s of lag at a peak of %d/s", fmtDur(c.StoreReplicationLag), c.PeakAdmissionRate)
+	}
+	t.Assumption = fmt.Sprintf("A regional store failover to an asynchronous replica forgets recent debits (%s), "+
+		"re-spendable up to the %d tokens a region holds; assumes at most one store failover per window.", how, held)
+	return t
+}
+
+// satAdd adds non-negative values, saturating at MaxInt64.
+func satAdd(a, b int64) int64 {
+	if a > math.MaxInt64-b {
+		return math.MaxInt64
+	}
+	return a + b
+}
+
+// satMul multiplies non-negative values, saturating at MaxInt64.
+func satMul(a, b int64) int64 {
+	if a <= 0 || b <= 0 {
+		return 0
+	}
+	hi, lo := bits.Mul64(uint64(a), uint64(b))
+	if hi != 0 || lo > math.MaxInt64 {
+		return math.MaxInt64
+	}
+	return int64(lo)
+}
+
+// mulDivCeil returns ceil(a*b/d) for non-negative a, b and positive d,
+// saturating at MaxInt64.
+func mulDivCeil(a, b, d int64) int64 {
+	if a <= 0 || b <= 0 || d <= 0 {
+		return 0
+	}
+	hi, lo := bits.Mul64(uint64(a), uint64(b))
+	if hi >= uint64(d) {
+		return math.MaxInt64
+	}
+	q, r := bits.Div64(hi, lo, uint64(d))
+	if r != 0 {
+		q++
+	}
+	if q > math.MaxInt64 {
+		return math.MaxInt64
+	}
+	return int64(q)
+}
+
+// fmtDur formats a duration without zero trailing units ("1m", not "1m0s").
+func fmtDur(d time.Duration) string {
+	s := d.String()
+	if strings.HasSuffix(s, "m0s") {
+		s = s[:len(s)-2]
+	}
+	if strings.HasSuffix(s, "h0m") {
+		s = s[:len(s)-2]
+	}
+	return s
+}
+
+func percent(v, of int64) string {
+	if of <= 0 {
+		return "n/a"
+	}
+	return fmt.Sprintf("%.1f%%", float64(v)*100/float64(of))
+}

@@ -1,0 +1,35 @@
+// Package bound states how far a leased global quota can be exceeded, term by
+// term, and reconciles observed admissions against that statement.
+//
+// The package is pure: no clock, no I/O, no package-level mutable state.
+//
+// # The bound
+//
+// For one window of a quota with limit G, DESIGN.md promises
+//
+//	admitted_in_window <= G + carry_over + fallback + lost_grants + timing + store_rollback
+//
+// [Calculate] turns a [Config] (the quota's lease spec plus the assumptions
+// about the environment: replication, clocks, delays, the regional store)
+// into a [Bound]: each [Term] with its value in tokens, the assumption it
+// rests on, and how to make it zero. Stranded capacity (tokens granted and
+// never spent, the price of safety) is reported beside the bound, not in it.
+//
+// # Usage
+//
+//  1. Start from [DefaultConfig], the strict environment assumptions, and set
+//     the quota's fields with [Config.WithQuota] from a policy.GlobalQuota.
+//  2. Override the assumptions you measured (drift, delays, replication lag)
+//     and call [Config.Validate].
+//  3. [Calculate] the bound, show it ([Bound.String]) or serve it.
+//  4. Feed per-window, per-region admission counts to [Reconcile]; every
+//     window whose total exceeds [Bound.Ceiling] is a violation of the stated
+//     bound, i.e. a bug or a broken assumption, and is listed with its ledger.
+//
+// The terms are upper bounds for one window under the stated assumptions
+// (notably: at most one allocator failover and one regional store failover
+// per window); they are not measurements. Terms never overlap: a token spent
+// in the wrong window because of a clock error is counted by timing only when
+// leases are clamped, since without clamp carry_over already counts every
+// token held across the boundary.
+package bound

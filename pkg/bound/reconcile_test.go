@@ -1,0 +1,98 @@
+package bound
+
+import (
+	"reflect"
+	"testing"
+
+	"pgregory.net/rapid"
+)
+
+func TestReconcile(t *testing.T) {
+	// Atlas with clamp off: G 1,000, ceiling 1,200.
+	c := atlas()
+	c.Clamp = false
+	b := Calculate(c)
+
+	r := Reconcile(b, []Observation{
+		{WindowIndex: 7, Admitted: map[string]int64{"eu": 1100, "us": 150}, Unspent: map[string]int64{"us": 0}},
+		{WindowIndex: 5, Admitted: map[string]int64{"eu": 900, "us": 100}, Granted: map[string]int64{"eu": 900, "us": 300}, Unspent: map[string]int64{"us": 200}},
+		{WindowIndex: 6, Admitted: map[string]int64{"eu": 1000}},
+		{WindowIndex: 6, Admitted: map[string]int64{"us": 190}}, // reported separately, summed
+	})
+	if r.Limit != 1000 || r.Ceiling != 1200 {
+		t.Fatalf("Limit %d Ceiling %d", r.Limit, r.Ceiling)
+	}
+	want := []WindowReport{
+		{WindowIndex: 5, Admitted: 1000, Regions: []RegionLedger{{"eu", 900, 900, 0}, {"us", 100, 300, 200}},
+			StrandedKnown: true, Stranded: 200, StrandedPercent: 20},
+		{WindowIndex: 6, Admitted: 1190, Overshoot: 190, Regions: []RegionLedger{{"eu", 1000, 0, 0}, {"us", 190, 0, 0}}},
+		{WindowIndex: 7, Admitted: 1250, Overshoot: 250, Violation: true, Regions: []RegionLedger{{"eu", 1100, 0, 0}, {"us", 150, 0, 0}},
+			StrandedKnown: true},
+	}
+	if !reflect.DeepEqual(r.Windows, want) {
+		t.Errorf("Windows:\ngot  %+v\nwant %+v", r.Windows, want)
+	}
+	if len(r.Violations) != 1 || r.Violations[0].WindowIndex != 7 || r.OK() {
+		t.Errorf("Violations = %+v", r.Violations)
+	}
+	if r.MaxOvershoot != 250 {
+		t.Errorf("MaxOvershoot = %d", r.MaxOvershoot)
+	}
+
+	// The same admissions under the strict bound: every window over G is a
+	// violation.
+	strict := Reconcile(Calculate(atlas()), []Observation{{WindowIndex: 1, Admitted: map[string]int64{"eu": 1001}}})
+	if strict.OK() || strict.Ceiling != 1000 {
+		t.Errorf("strict: %+v", strict)
+	}
+	if empty := Reconcile(b, nil); !empty.OK() || len(empty.Windows) != 0 {
+		t.Errorf("empty: %+v", empty)
+	}
+}
+
+// TestReconcileProperty: a window is a violation exactly when its total
+// exceeds G + Total, and totals are the sums of the regions' reports.
+func TestReconcileProperty(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		b := Calculate(genConfig(t))
+		regions := []string{"eu", "us", "ap"}
+		obs := rapid.SliceOf(rapid.Custom(func(t *rapid.T) Observation {
+			o := Observation{WindowIndex: rapid.Int64Range(0, 5).Draw(t, "w"), Admitted: map[string]int64{}}
+			for _, r := range regions {
+				if rapid.Bool().Draw(t, "has") {
+					o.Admitted[r] = rapid.Int64Range(0, 2*b.Limit).Draw(t, "n")
+				}
+			}
+			return o
+		})).Draw(t, "obs")
+		sums := map[int64]int64{}
+		for _, o := range obs {
+			sums[o.WindowIndex] += 0 // a window reported with no admissions is still a window
+			for _, v := range o.Admitted {
+				sums[o.WindowIndex] += v
+			}
+		}
+		rep := Reconcile(b, obs)
+		if len(rep.Windows) != len(sums) {
+			t.Fatalf("%d windows, want %d", len(rep.Windows), len(sums))
+		}
+		violations := 0
+		for i, w := range rep.Windows {
+			if i > 0 && rep.Windows[i-1].WindowIndex >= w.WindowIndex {
+				t.Fatal("windows out of order")
+			}
+			if w.Admitted != sums[w.WindowIndex] {
+				t.Fatalf("window %d admitted %d, want %d", w.WindowIndex, w.Admitted, sums[w.WindowIndex])
+			}
+			if w.Violation != (w.Admitted > b.Limit+b.Total) {
+				t.Fatalf("window %d: violation %v with %d admitted, ceiling %d", w.WindowIndex, w.Violation, w.Admitted, b.Ceiling())
+			}
+			if w.Violation {
+				violations++
+			}
+		}
+		if violations != len(rep.Violations) {
+			t.Fatalf("%d violations listed, %d found", len(rep.Violations), violations)
+		}
+	})
+}

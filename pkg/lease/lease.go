@@ -1,0 +1,193 @@
+package lease
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"time"
+)
+
+// WindowIndex returns the index of the window of windowMs milliseconds that
+// holds the instant nowMs (Unix milliseconds): floor(nowMs / windowMs).
+// Instants before the epoch fall in negative windows. windowMs must be
+// positive; WindowIndex returns 0 otherwise instead of dividing by zero.
+func WindowIndex(nowMs, windowMs int64) int64 {
+	if windowMs <= 0 {
+		return 0
+	}
+	q := nowMs / windowMs
+	if nowMs%windowMs < 0 {
+		q--
+	}
+	return q
+}
+
+// WindowStart returns the first instant (Unix milliseconds) of window idx.
+func WindowStart(idx, windowMs int64) int64 {
+	return idx * windowMs
+}
+
+// WindowEnd returns the end of window idx in Unix milliseconds: the first
+// instant of the next window, so window idx is [WindowStart, WindowEnd).
+func WindowEnd(idx, windowMs int64) int64 {
+	return (idx + 1) * windowMs
+}
+
+// ClampExpiry returns the expiry of a lease granted at nowMs with a TTL of
+// ttlMs: nowMs+ttlMs, or min(nowMs+ttlMs, windowEndMs) when clamp is set, so
+// that tokens of one window cannot be spent in the next. The sum saturates
+// instead of overflowing.
+func ClampExpiry(nowMs, ttlMs, windowEndMs int64, clamp bool) int64 {
+	exp := satAdd(nowMs, ttlMs)
+	if clamp && windowEndMs < exp {
+		return windowEndMs
+	}
+	return exp
+}
+
+// Deadline returns the instant, on the caller's monotonic clock, after which
+// the region must stop spending a lease:
+//
+//	deadline = sentAt + (expiresUnixMs - leaderNowUnixMs) - margin
+//
+// sentAt is the caller's clock reading taken when the Acquire was SENT;
+// expiresUnixMs and leaderNowUnixMs are the lease expiry and the time the
+// leader stamped on the request, both read from the allocator's clock.
+//
+// The deadline is never later than the allocator's expiry, whatever the
+// offset between the two machines' clocks. Only differences of readings of
+// one clock are used: expires-leaderNow is an interval on the leader's clock
+// and is added to a reading of the caller's clock, so neither clock's offset
+// appears. By causality the leader stamped leaderNow after the request was
+// sent, so in real time the region starts counting the remaining TTL no later
+// than the allocator did and therefore stops no later than the allocator's
+// expiry. The network and queueing delay between send and stamp only makes
+// the region stop earlier (capacity stranded, never overspent). What is left
+// is the rate at which the two clocks drift apart over one TTL and the margin
+// that must cover it: margin >= drift rate x TTL keeps the deadline at or
+// before the expiry.
+//
+// A negative margin counts as zero. A lease already expired when stamped
+// yields a deadline at or before sentAt.
+func Deadline(sentAt time.Time, expiresUnixMs, leaderNowUnixMs int64, margin time.Duration) time.Time {
+	if margin < 0 {
+		margin = 0
+	}
+	remaining := msToDuration(satSub(expiresUnixMs, leaderNowUnixMs))
+	return sentAt.Add(remaining).Add(-margin)
+}
+
+// RedisTTL returns the relative TTL with which a chunk leased until deadline
+// may be deposited in the regional store at now, given the measured delay
+// storeDelay between the agent and the store: deadline-now-storeDelay,
+// truncated down to whole milliseconds (the resolution of Redis PX) so the
+// store's expiry is never later than the deadline. Zero means "do not
+// deposit"; the result is never negative.
+func RedisTTL(deadline, now time.Time, storeDelay time.Duration) time.Duration {
+	if storeDelay < 0 {
+		storeDelay = 0
+	}
+	ttl := deadline.Sub(now) - storeDelay
+	if ttl <= 0 {
+		return 0
+	}
+	return ttl.Truncate(time.Millisecond)
+}
+
+// Sizing sizes the chunks a region asks for from its observed demand.
+type Sizing struct {
+	// MinChunk is the smallest chunk asked for, even when demand is zero.
+	MinChunk int64
+	// MaxChunk caps every chunk, so one region cannot park most of a pool.
+	MaxChunk int64
+	// Lead is how long before running out the agent renews a chunk.
+	Lead time.Duration
+	// RTT is the measured round trip of an Acquire to the allocator.
+	RTT time.Duration
+}
+
+// ErrInvalidSizing reports a Sizing whose fields contradict each other.
+var ErrInvalidSizing = errors.New("lease: invalid sizing")
+
+// Validate reports which field of s is wrong, wrapping ErrInvalidSizing.
+func (s Sizing) Validate() error {
+	switch {
+	case s.MinChunk < 1:
+		return fmt.Errorf("min_chunk %d: must be >= 1: %w", s.MinChunk, ErrInvalidSizing)
+	case s.MaxChunk < s.MinChunk:
+		return fmt.Errorf("max_chunk %d: must be >= min_chunk %d: %w", s.MaxChunk, s.MinChunk, ErrInvalidSizing)
+	case s.Lead < 0:
+		return fmt.Errorf("lead %s: must not be negative: %w", s.Lead, ErrInvalidSizing)
+	case s.RTT < 0:
+		return fmt.Errorf("rtt %s: must not be negative: %w", s.RTT, ErrInvalidSizing)
+	}
+	return nil
+}
+
+// Chunk returns the number of tokens to ask for at a demand of ratePerSec
+// tokens per second: enough to last until the next renewal arrives,
+// ceil(rate x (Lead + RTT)), clamped to [MinChunk, MaxChunk]. A negative or
+// NaN rate counts as zero; MaxChunk wins if it is below MinChunk.
+func (s Sizing) Chunk(ratePerSec float64) int64 {
+	n := ceilTokens(ratePerSec, s.Lead+s.RTT)
+	if n < s.MinChunk {
+		n = s.MinChunk
+	}
+	if n > s.MaxChunk {
+		n = s.MaxChunk
+	}
+	return n
+}
+
+// LowWatermark returns the level of held tokens under which a chunk must be
+// renewed at a demand of ratePerSec: ceil(rate x Lead), the tokens spent
+// while the renewal is in flight. A negative or NaN rate counts as zero.
+func (s Sizing) LowWatermark(ratePerSec float64) int64 {
+	return ceilTokens(ratePerSec, s.Lead)
+}
+
+// ceilTokens returns ceil(rate x d) saturated to [0, MaxInt64].
+func ceilTokens(ratePerSec float64, d time.Duration) int64 {
+	if !(ratePerSec > 0) || d <= 0 { // also catches NaN
+		return 0
+	}
+	x := math.Ceil(ratePerSec * d.Seconds())
+	if x >= math.MaxInt64 { // float64(MaxInt64) rounds up to 2^63
+		return math.MaxInt64
+	}
+	return int64(x)
+}
+
+// msToDuration converts milliseconds to a Duration, saturating at the
+// Duration range instead of overflowing.
+func msToDuration(ms int64) time.Duration {
+	const maxMs = int64(math.MaxInt64 / int64(time.Millisecond))
+	switch {
+	case ms > maxMs:
+		return math.MaxInt64
+	case ms < -maxMs:
+		return math.MinInt64
+	}
+	return time.Duration(ms) * time.Millisecond
+}
+
+func satAdd(a, b int64) int64 {
+	s := a + b
+	switch {
+	case a > 0 && b > 0 && s < 0:
+		return math.MaxInt64
+	case a < 0 && b < 0 && s >= 0:
+		return math.MinInt64
+	}
+	return s
+}
+
+func satSub(a, b int64) int64 {
+	if b == math.MinInt64 {
+		if a >= 0 {
+			return math.MaxInt64
+		}
+		return a - b
+	}
+	return satAdd(a, -b)
+}

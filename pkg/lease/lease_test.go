@@ -1,0 +1,260 @@
+package lease
+
+import (
+	"errors"
+	"math"
+	"testing"
+	"time"
+
+	"pgregory.net/rapid"
+)
+
+func TestWindowIndex(t *testing.T) {
+	tests := []struct {
+		name     string
+		now, w   int64
+		want     int64
+		wantFrom int64
+		wantTo   int64
+	}{
+		{name: "epoch", now: 0, w: 60_000, want: 0, wantFrom: 0, wantTo: 60_000},
+		{name: "inside first", now: 59_999, w: 60_000, want: 0, wantFrom: 0, wantTo: 60_000},
+		{name: "boundary opens next", now: 60_000, w: 60_000, want: 1, wantFrom: 60_000, wantTo: 120_000},
+		{name: "negative floors down", now: -1, w: 60_000, want: -1, wantFrom: -60_000, wantTo: 0},
+		{name: "negative boundary", now: -60_000, w: 60_000, want: -1, wantFrom: -60_000, wantTo: 0},
+		{name: "negative past boundary", now: -60_001, w: 60_000, want: -2, wantFrom: -120_000, wantTo: -60_000},
+		{name: "realistic", now: 1_700_000_123_456, w: 60_000, want: 28_333_335, wantFrom: 1_700_000_100_000, wantTo: 1_700_000_160_000},
+		{name: "zero window is safe", now: 12345, w: 0, want: 0, wantFrom: 0, wantTo: 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got := WindowIndex(tt.now, tt.w)
+			if got != tt.want {
+				t.Fatalf("WindowIndex(%d, %d) = %d, want %d", tt.now, tt.w, got, tt.want)
+			}
+			if s, e := WindowStart(got, tt.w), WindowEnd(got, tt.w); s != tt.wantFrom || e != tt.wantTo {
+				t.Fatalf("window [%d, %d), want [%d, %d)", s, e, tt.wantFrom, tt.wantTo)
+			}
+		})
+	}
+}
+
+func TestWindowIndexContainsNow(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		w := rapid.Int64Range(1, 400*24*3600*1000).Draw(t, "w")
+		now := rapid.Int64Range(-1<<50, 1<<50).Draw(t, "now")
+		i := WindowIndex(now, w)
+		if s, e := WindowStart(i, w), WindowEnd(i, w); now < s || now >= e {
+			t.Fatalf("now %d outside window %d = [%d, %d)", now, i, s, e)
+		}
+	})
+}
+
+func TestClampExpiry(t *testing.T) {
+	// The reference design's example: 1,000/min pool, 15 s TTL, clamped to
+	// the end of the minute.
+	const end = 60_000
+	tests := []struct {
+		name  string
+		now   int64
+		ttl   int64
+		clamp bool
+		want  int64
+	}{
+		{name: "early in window keeps ttl", now: 10_000, ttl: 15_000, clamp: true, want: 25_000},
+		{name: "exactly reaches end", now: 45_000, ttl: 15_000, clamp: true, want: 60_000},
+		{name: "near end is clamped", now: 50_000, ttl: 15_000, clamp: true, want: 60_000},
+		{name: "no clamp carries over", now: 50_000, ttl: 15_000, clamp: false, want: 65_000},
+		{name: "overflow saturates", now: math.MaxInt64 - 1, ttl: 15_000, clamp: false, want: math.MaxInt64},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := ClampExpiry(tt.now, tt.ttl, end, tt.clamp); got != tt.want {
+				t.Fatalf("ClampExpiry(%d, %d, %d, %v) = %d, want %d", tt.now, tt.ttl, end, tt.clamp, got, tt.want)
+			}
+		})
+	}
+}
+
+func TestDeadline(t *testing.T) {
+	sent := time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC)
+	tests := []struct {
+		name      string
+		expires   int64
+		leaderNow int64
+		margin    time.Duration
+		want      time.Time
+	}{
+		{name: "full ttl", expires: 15_000, leaderNow: 0, want: sent.Add(15 * time.Second)},
+		{name: "margin subtracted", expires: 15_000, leaderNow: 0, margin: 200 * time.Millisecond, want: sent.Add(14800 * time.Millisecond)},
+		// The leader's clock is a year ahead: only the difference matters.
+		{name: "leader clock offset irrelevant", expires: 31_536_000_000 + 5_000, leaderNow: 31_536_000_000, want: sent.Add(5 * time.Second)},
+		{name: "clamped near window end", expires: 60_000, leaderNow: 58_500, margin: 100 * time.Millisecond, want: sent.Add(1400 * time.Millisecond)},
+		{name: "already expired", expires: 1_000, leaderNow: 2_000, want: sent.Add(-time.Second)},
+		{name: "negative margin ignored", expires: 1_000, leaderNow: 0, margin: -time.Hour, want: sent.Add(time.Second)},
+		{name: "huge span saturates", expires: math.MaxInt64, leaderNow: math.MinInt64, want: sent.Add(math.MaxInt64)},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := Deadline(sent, tt.expires, tt.leaderNow, tt.margin); !got.Equal(tt.want) {
+				t.Fatalf("Deadline = %s, want %s", got, tt.want)
+			}
+		})
+	}
+}
+
+// TestDeadlineNeverAfterExpiry models real time explicitly: the region and
+// the leader read clocks with arbitrary offsets from real time; the request
+// takes any time to reach the leader and the reply any time to come back.
+// With zero drift, the deadline converted to real time is never later than
+// the real instant at which the allocator's clock reaches the expiry.
+func TestDeadlineNeverAfterExpiry(t *testing.T) {
+	base := time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC)
+	rapid.Check(t, func(t *rapid.T) {
+		const day = int64(24 * time.Hour / time.Millisecond)
+		regionOffset := time.Duration(rapid.Int64Range(-365*day, 365*day).Draw(t, "regionOffsetMs")) * time.Millisecond
+		leaderOffsetMs := rapid.Int64Range(-365*day, 365*day).Draw(t, "leaderOffsetMs")
+		sendLatency := rapid.Int64Range(0, 60_000).Draw(t, "sendLatencyMs")
+		ttlMs := rapid.Int64Range(-1_000, 3_600_000).Draw(t, "remainingMs")
+		margin := time.Duration(rapid.Int64Range(0, 5_000).Draw(t, "marginMs")) * time.Millisecond
+
+		// Real time, in ms after base.
+		realSend := rapid.Int64Range(0, day).Draw(t, "realSendMs")
+		realStamp := realSend + sendLatency // causality: stamped after sending
+		leaderNow := realStamp + leaderOffsetMs
+		expires := leaderNow + ttlMs
+		realExpiry := realStamp + ttlMs // zero drift: the leader's clock advances with real time
+
+		sentAt := base.Add(time.Duration(realSend)*time.Millisecond + regionOffset)
+		deadline := Deadline(sentAt, expires, leaderNow, margin)
+		realDeadline := deadline.Add(-regionOffset)
+
+		limit := base.Add(time.Duration(realExpiry)*time.Millisecond - margin)
+		if realDeadline.After(limit) {
+			t.Fatalf("real deadline %s after allocator expiry-margin %s", realDeadline, limit)
+		}
+	})
+}
+
+// TestDeadlineWithDrift checks the margin rule stated in the Deadline doc:
+// a region clock that runs slow by rate rho measures the remaining TTL R as
+// R/(1-rho) of real time; margin >= rho*R keeps it inside the expiry.
+func TestDeadlineWithDrift(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		rho := rapid.Float64Range(0, 1e-3).Draw(t, "rho")
+		remaining := time.Duration(rapid.Int64Range(0, 3_600_000).Draw(t, "remainingMs")) * time.Millisecond
+		sendLatency := time.Duration(rapid.Int64Range(0, 10_000).Draw(t, "sendLatencyMs")) * time.Millisecond
+		margin := time.Duration(math.Ceil(rho * float64(remaining)))
+
+		var zero time.Time
+		regionElapsed := Deadline(zero, remaining.Milliseconds(), 0, margin).Sub(zero)
+		realElapsed := time.Duration(float64(regionElapsed) / (1 - rho))
+		// The allocator expires sendLatency+remaining after the send, in real time.
+		if realElapsed > sendLatency+remaining+time.Nanosecond { // 1 ns float rounding
+			t.Fatalf("drift %.6f: real deadline %s after expiry %s", rho, realElapsed, sendLatency+remaining)
+		}
+	})
+}
+
+func TestRedisTTL(t *testing.T) {
+	now := time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC)
+	tests := []struct {
+		name     string
+		deadline time.Time
+		delay    time.Duration
+		want     time.Duration
+	}{
+		{name: "subtracts store delay", deadline: now.Add(10 * time.Second), delay: 3 * time.Millisecond, want: 9997 * time.Millisecond},
+		{name: "truncates to ms", deadline: now.Add(10*time.Second + 900*time.Microsecond), delay: 0, want: 10 * time.Second},
+		{name: "sub-millisecond remains is zero", deadline: now.Add(1500 * time.Microsecond), delay: time.Millisecond, want: 0},
+		{name: "past deadline is zero", deadline: now.Add(-time.Second), delay: 0, want: 0},
+		{name: "delay exceeds remaining", deadline: now.Add(5 * time.Millisecond), delay: 10 * time.Millisecond, want: 0},
+		{name: "negative delay ignored", deadline: now.Add(time.Second), delay: -time.Hour, want: time.Second},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got := RedisTTL(tt.deadline, now, tt.delay)
+			if got != tt.want {
+				t.Fatalf("RedisTTL = %s, want %s", got, tt.want)
+			}
+			if got > 0 && now.Add(tt.delay).Add(got).After(tt.deadline) {
+				t.Fatalf("store expiry %s after deadline %s", now.Add(tt.delay).Add(got), tt.deadline)
+			}
+		})
+	}
+}
+
+func TestSizing(t *testing.T) {
+	s := Sizing{MinChunk: 10, MaxChunk: 500, Lead: 2 * time.Second, RTT: 100 * time.Millisecond}
+	tests := []struct {
+		name      string
+		rate      float64
+		wantChunk int64
+		wantLow   int64
+	}{
+		{name: "zero demand gets min", rate: 0, wantChunk: 10, wantLow: 0},
+		{name: "negative demand gets min", rate: -5, wantChunk: 10, wantLow: 0},
+		{name: "NaN demand gets min", rate: math.NaN(), wantChunk: 10, wantLow: 0},
+		{name: "EU 900/min", rate: 15, wantChunk: 32, wantLow: 30},        // chunk ceil(15*2.1)=ceil(31.5); low 15*2
+		{name: "US 100/min", rate: 100.0 / 60, wantChunk: 10, wantLow: 4}, // chunk ceil(3.5)=4 < min; low ceil(3.33)
+		{name: "exact product not rounded up", rate: 100, wantChunk: 210, wantLow: 200},
+		{name: "capped at max", rate: 1_000, wantChunk: 500, wantLow: 2_000},
+		{name: "infinite demand capped", rate: math.Inf(1), wantChunk: 500, wantLow: math.MaxInt64},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := s.Chunk(tt.rate); got != tt.wantChunk {
+				t.Errorf("Chunk(%v) = %d, want %d", tt.rate, got, tt.wantChunk)
+			}
+			if got := s.LowWatermark(tt.rate); got != tt.wantLow {
+				t.Errorf("LowWatermark(%v) = %d, want %d", tt.rate, got, tt.wantLow)
+			}
+		})
+	}
+}
+
+func TestSizingValidate(t *testing.T) {
+	tests := []struct {
+		name string
+		give Sizing
+		ok   bool
+	}{
+		{name: "valid", give: Sizing{MinChunk: 1, MaxChunk: 1, Lead: time.Second}, ok: true},
+		{name: "zero min", give: Sizing{MinChunk: 0, MaxChunk: 10}},
+		{name: "max below min", give: Sizing{MinChunk: 10, MaxChunk: 5}},
+		{name: "negative lead", give: Sizing{MinChunk: 1, MaxChunk: 5, Lead: -1}},
+		{name: "negative rtt", give: Sizing{MinChunk: 1, MaxChunk: 5, RTT: -1}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := tt.give.Validate()
+			if tt.ok != (err == nil) {
+				t.Fatalf("Validate() = %v, want ok=%v", err, tt.ok)
+			}
+			if err != nil && !errors.Is(err, ErrInvalidSizing) {
+				t.Fatalf("Validate() = %v, not ErrInvalidSizing", err)
+			}
+		})
+	}
+}
+
+func TestChunkWithinBounds(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		lo := rapid.Int64Range(1, 1_000).Draw(t, "min")
+		s := Sizing{
+			MinChunk: lo,
+			MaxChunk: rapid.Int64Range(lo, 1_000_000).Draw(t, "max"),
+			Lead:     time.Duration(rapid.Int64Range(0, int64(time.Minute)).Draw(t, "lead")),
+			RTT:      time.Duration(rapid.Int64Range(0, int64(time.Second)).Draw(t, "rtt")),
+		}
+		rate := rapid.Float64Range(0, 1e6).Draw(t, "rate")
+		c := s.Chunk(rate)
+		if c < s.MinChunk || c > s.MaxChunk {
+			t.Fatalf("Chunk(%v) = %d outside [%d, %d]", rate, c, s.MinChunk, s.MaxChunk)
+		}
+		// Unless capped, a chunk lasts at least lead+RTT at the given rate.
+		if c < s.MaxChunk && float64(c) < rate*(s.Lead+s.RTT).Seconds()-1e-9 {
+			t.Fatalf("Chunk(%v) = %d does not cover lead+rtt", rate, c)
+		}
+	})
+}

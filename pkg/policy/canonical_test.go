@@ -1,0 +1,119 @@
+package policy
+
+import (
+	"bytes"
+	"encoding/json"
+	"reflect"
+	"slices"
+	"testing"
+
+	"github.com/allot-dev/allot/examples"
+	"pgregory.net/rapid"
+)
+
+func TestCanonicalGolden(t *testing.T) {
+	d := mustParse(t, []byte(`
+# Formatting, comments, order and defaults do not matter.
+rules:
+  - kind: token_bucket
+    name: read
+    match: [{key: route, value: "GET /catalog?a<b&c"}, {key: tenant}, {key: user}]
+    scope: user
+    refill_per_second: 0.5
+    capacity: 20
+  - {name: atlas, scope: tenant, match: [{key: tenant, value: atlas}], kind: global_quota,
+     limit: 1000, window: 60s, lease: {chunk: 100, ttl: 15000ms, clamp: false}}
+regions: [us, eu]
+name: mini
+`))
+	got, err := Canonical(d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := `{"name":"mini","regions":["eu","us"],"rules":[` +
+		`{"name":"atlas","scope":"tenant","match":[{"key":"tenant","value":"atlas"}],"kind":"global_quota","limit":1000,"window":"1m","cost":1,` +
+		`"lease":{"chunk":100,"ttl":"15s","clamp":false,"strategy":"demand","fallback_per_region":0,"gateway_chunk":0},"fail_mode":"closed"},` +
+		`{"name":"read","scope":"user","match":[{"key":"route","value":"GET /catalog?a<b&c"},{"key":"tenant"},{"key":"user"}],"kind":"token_bucket",` +
+		`"cost":1,"capacity":20,"refill_per_second":0.5,"fail_mode":"closed"}]}`
+	if string(got) != want {
+		t.Errorf("Canonical:\ngot  %s\nwant %s", got, want)
+	}
+	if !json.Valid(got) {
+		t.Error("canonical form is not valid JSON")
+	}
+}
+
+func TestCanonicalNorthstarRoundTrip(t *testing.T) {
+	d := mustParse(t, examples.Northstar)
+	c1, err := Canonical(d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d2 := mustParse(t, c1)
+	if !reflect.DeepEqual(d, d2) {
+		t.Fatalf("Parse(Canonical(d)) != d\n%+v\n%+v", d, d2)
+	}
+	c2, _ := Canonical(d2)
+	if !bytes.Equal(c1, c2) {
+		t.Errorf("canonical form is not a fixed point:\n%s\n%s", c1, c2)
+	}
+	// Reordering rules and regions does not change the digest.
+	r := d.Clone()
+	slices.Reverse(r.Rules)
+	slices.Reverse(r.Regions)
+	if Digest(r) != Digest(d) {
+		t.Error("digest depends on rule order")
+	}
+	// Any change does.
+	r.Rule("p-tenant-atlas").Limit++
+	if Digest(r) == Digest(d) {
+		t.Error("digest ignores a changed limit")
+	}
+	if len(Digest(d)) != 64 {
+		t.Errorf("Digest = %q, want 64 hex digits", Digest(d))
+	}
+}
+
+func TestCanonicalDoesNotModify(t *testing.T) {
+	d := mustParse(t, examples.Northstar)
+	slices.Reverse(d.Rules)
+	before := d.Clone()
+	if _, err := Canonical(d); err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(d, before) {
+		t.Error("Canonical reordered its argument")
+	}
+}
+
+// TestCanonicalRoundTripProperty: for every valid document d, Parse of its
+// canonical form gives d back, and canonical encoding is a fixed point.
+func TestCanonicalRoundTripProperty(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		d := genDocument(wideOpts()).Draw(t, "doc")
+		if err := d.Validate(); err != nil {
+			t.Fatalf("generator made an invalid document: %v", err)
+		}
+		c, err := Canonical(d)
+		if err != nil {
+			t.Fatal(err)
+		}
+		back, err := Parse(c)
+		if err != nil {
+			t.Fatalf("Parse(Canonical(d)): %v\n%s", err, c)
+		}
+		if !reflect.DeepEqual(back, d) {
+			t.Fatalf("Parse(Canonical(d)) != d\ngot  %+v\nwant %+v\n%s", back, d, c)
+		}
+		c2, _ := Canonical(back)
+		if !bytes.Equal(c, c2) {
+			t.Fatalf("not a fixed point:\n%s\n%s", c, c2)
+		}
+		// The digest ignores source order.
+		shuffled := d.Clone()
+		shuffled.Rules = rapid.Permutation(shuffled.Rules).Draw(t, "order")
+		if Digest(shuffled) != Digest(d) {
+			t.Fatal("digest depends on rule order")
+		}
+	})
+}

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# test.sh: the one test command (README, .ci/run). It installs what the tests
+# need when it is missing, checks formatting, vet and generated code, then runs
+# every test. Long chaos soaks are not part of it (see README).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "test.sh: installing redis-server" >&2
+  if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server >/dev/null; fi
+fi
+
+unformatted=$(gofmt -l $(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))
+if [ -n "$unformatted" ]; then
+  echo "test.sh: gofmt would change:" >&2
+  echo "$unformatted" >&2
+  exit 1
+fi
+go vet ./...
+scripts/proto.sh check
+go test -count=1 -timeout 30m ./...
+# The pure core and the cluster logic again under the race detector.
+go test -race -count=1 -timeout 20m ./fsm/... ./pkg/...
