@@ -27,7 +27,14 @@ const (
 	CmdPublishPolicy CommandType = 3
 	// CmdSetMember records or removes an allocator member's API address.
 	CmdSetMember CommandType = 4
+	// CmdBatch carries several Acquire and Release commands that the leader
+	// group-committed into one entry; each is applied in order as if it were
+	// its own entry at the batch's time, and fails or succeeds on its own.
+	CmdBatch CommandType = 5
 )
+
+// MaxBatch is the most commands one CmdBatch entry carries.
+const MaxBatch = 256
 
 // String returns the command type's name.
 func (t CommandType) String() string {
@@ -40,6 +47,8 @@ func (t CommandType) String() string {
 		return "publish_policy"
 	case CmdSetMember:
 		return "set_member"
+	case CmdBatch:
+		return "batch"
 	}
 	return fmt.Sprintf("CommandType(%d)", uint8(t))
 }
@@ -59,6 +68,9 @@ type Command struct {
 	Publish *Publish `json:"publish,omitempty"`
 	// Member is set for CmdSetMember.
 	Member *SetMember `json:"member,omitempty"`
+	// Batch is set for CmdBatch: Acquire and Release commands only (their own
+	// NowUnixMs is ignored; the batch's applies).
+	Batch []Command `json:"batch,omitempty"`
 }
 
 // Want is one quota's share of an Acquire batch.
@@ -188,7 +200,7 @@ func Decode(b []byte) (Command, error) {
 		return Command{}, fmt.Errorf("command: trailing data after JSON object: %w", ErrMalformedCommand)
 	}
 	set := 0
-	for _, p := range []bool{c.Acquire != nil, c.Release != nil, c.Publish != nil, c.Member != nil} {
+	for _, p := range []bool{c.Acquire != nil, c.Release != nil, c.Publish != nil, c.Member != nil, c.Batch != nil} {
 		if p {
 			set++
 		}
@@ -203,6 +215,15 @@ func Decode(b []byte) (Command, error) {
 		ok = c.Publish != nil
 	case CmdSetMember:
 		ok = c.Member != nil
+	case CmdBatch:
+		ok = len(c.Batch) > 0 && len(c.Batch) <= MaxBatch
+		for i, sub := range c.Batch {
+			subOK := (sub.Type == CmdAcquire && sub.Acquire != nil && sub.Release == nil) ||
+				(sub.Type == CmdRelease && sub.Release != nil && sub.Acquire == nil)
+			if !subOK || sub.Publish != nil || sub.Member != nil || sub.Batch != nil {
+				return Command{}, fmt.Errorf("command: batch[%d]: only acquire or release with exactly its payload: %w", i, ErrMalformedCommand)
+			}
+		}
 	default:
 		return Command{}, fmt.Errorf("command: type %d unknown: %w", uint8(c.Type), ErrMalformedCommand)
 	}

@@ -226,8 +226,10 @@ func (f *FSM) Apply(l *raft.Log) any {
 	now := max(cmd.NowUnixMs, s.now)
 	var res any
 	switch cmd.Type {
+	case CmdBatch:
+		res = s.batch(l.Index, now, cmd.Batch)
 	case CmdAcquire:
-		res, err = s.acquire(l.Index, now, cmd.Acquire)
+		res, err = s.acquire(l.Index, 0, now, cmd.Acquire)
 	case CmdRelease:
 		res, err = s.release(now, cmd.Release)
 	case CmdPublishPolicy:
@@ -251,6 +253,41 @@ func checkName(field, v string, maxBytes int) error {
 		return fmt.Errorf("%s: %d bytes, at most %d: %w", field, len(v), maxBytes, ErrInvalidArgument)
 	}
 	return nil
+}
+
+// BatchResult is what a CmdBatch entry returns: one result per command, in
+// order, each either the command's result or its error.
+type BatchResult struct {
+	// Results holds an *AcquireResult, a *ReleaseResult or an error per command.
+	Results []any
+}
+
+// batch applies each command of a CmdBatch entry on its own: one failing
+// leaves the state as it was before that command and does not affect the
+// others. Grant ids stay unique because want numbers continue across the
+// entry's commands.
+func (s *state) batch(index uint64, now int64, cmds []Command) *BatchResult {
+	out := &BatchResult{Results: make([]any, len(cmds))}
+	base := 0
+	for i, c := range cmds {
+		var (
+			r   any
+			err error
+		)
+		switch c.Type {
+		case CmdAcquire:
+			r, err = s.acquire(index, base, now, c.Acquire)
+			base += len(c.Acquire.Wants)
+		case CmdRelease:
+			r, err = s.release(now, c.Release)
+		}
+		if err != nil {
+			out.Results[i] = fmt.Errorf("%s: %w", c.Type, err)
+			continue
+		}
+		out.Results[i] = r
+	}
+	return out
 }
 
 // grantID returns the id of the grant made for want number want of the
@@ -279,7 +316,9 @@ func (s *state) record(r *idemRecord) {
 	s.idemGrants += r.size()
 }
 
-func (s *state) acquire(index uint64, now int64, a *Acquire) (*AcquireResult, error) {
+// acquire applies one Acquire of the entry at index; base is the number of
+// wants of the entry's earlier commands (0 unless the entry is a batch).
+func (s *state) acquire(index uint64, base int, now int64, a *Acquire) (*AcquireResult, error) {
 	if err := checkName("region", a.Region, MaxRegionBytes); err != nil {
 		return nil, err
 	}
@@ -322,7 +361,7 @@ func (s *state) acquire(index uint64, now int64, a *Acquire) (*AcquireResult, er
 		}
 		qs[i] = q
 	}
-	if index <= s.lastGrantIndex {
+	if index < s.lastGrantIndex || (index == s.lastGrantIndex && base == 0) {
 		// Raft never does this; grant ids would collide.
 		return nil, fmt.Errorf("log index %d: not after %d, which already made grants: %w", index, s.lastGrantIndex, ErrInvalidArgument)
 	}
@@ -351,7 +390,7 @@ func (s *state) acquire(index uint64, now int64, a *Acquire) (*AcquireResult, er
 		gr := GrantResult{Quota: q.name, Requested: asked, WindowIndex: w.index, WindowEndUnixMs: end}
 		if n > 0 {
 			g := &grant{
-				id:        grantID(index, i),
+				id:        grantID(index, base+i),
 				region:    a.Region,
 				tokens:    n,
 				grantedAt: now,

@@ -71,6 +71,8 @@ type Node struct {
 
 	peerAPI map[string]string // from the bootstrap configuration
 
+	proposer *proposer
+
 	stop chan struct{}
 	wg   sync.WaitGroup
 
@@ -165,6 +167,7 @@ func NewNode(cfg Config, opts ...Option) (*Node, error) {
 		return nil, fmt.Errorf("start raft: %w", err)
 	}
 	n.raft = r
+	n.proposer = newProposer(n)
 	n.metrics.registerNode(n)
 
 	obsCh := make(chan raft.Observation, 16)
@@ -300,10 +303,34 @@ func (n *Node) apiAddrOf(id string) string {
 
 // Apply stamps the leader's clock into cmd, proposes it and waits for it to be
 // committed and applied. It returns the FSM's result, or the FSM's error.
+// Concurrent Acquire and Release calls are group-committed into one entry.
 func (n *Node) Apply(ctx context.Context, cmd fsm.Command) (any, error) {
 	if n.raft.State() != raft.Leader {
 		return nil, ErrNotLeader
 	}
+	if cmd.Type == fsm.CmdAcquire || cmd.Type == fsm.CmdRelease {
+		return n.proposer.propose(ctx, cmd)
+	}
+	type result struct {
+		res any
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		res, err := n.applyNow(cmd)
+		done <- result{res, err}
+	}()
+	select {
+	case r := <-done:
+		return r.res, r.err
+	case <-ctx.Done():
+		// The entry may still commit; the caller retries with the same request id.
+		return nil, fmt.Errorf("apply: %w", ctx.Err())
+	}
+}
+
+// applyNow stamps, proposes and waits for one entry.
+func (n *Node) applyNow(cmd fsm.Command) (any, error) {
 	cmd.NowUnixMs = n.now().UnixMilli()
 	b, err := fsm.Encode(cmd)
 	if err != nil {
@@ -311,14 +338,7 @@ func (n *Node) Apply(ctx context.Context, cmd fsm.Command) (any, error) {
 	}
 	start := time.Now()
 	f := n.raft.Apply(b, n.cfg.ApplyTimeout)
-	done := make(chan error, 1)
-	go func() { done <- f.Error() }()
-	select {
-	case err = <-done:
-	case <-ctx.Done():
-		// The entry may still commit; the caller retries with the same request id.
-		return nil, fmt.Errorf("apply: %w", ctx.Err())
-	}
+	err = f.Error()
 	n.metrics.ApplyLatency.Observe(time.Since(start).Seconds())
 	switch {
 	case errors.Is(err, raft.ErrNotLeader), errors.Is(err, raft.ErrLeadershipTransferInProgress):
@@ -429,6 +449,7 @@ func (n *Node) Close() error {
 	n.closeOnce.Do(func() {
 		n.TransferLeadership()
 		close(n.stop)
+		n.proposer.close()
 		err := n.raft.Shutdown().Error()
 		n.wg.Wait()
 		n.metrics.unregisterNode()

@@ -3,6 +3,7 @@ package allocator_test
 import (
 	"context"
 	"fmt"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -13,7 +14,7 @@ import (
 
 	"connectrpc.com/connect"
 
-	"github.com/allot-dev/allot/internal/testproc"
+	"github.com/allot-dev/allot/pkg/topology"
 	"github.com/allot-dev/allot/pkg/allocator"
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
 )
@@ -42,73 +43,99 @@ rules:
     lease: {chunk: 10, ttl: 10m, clamp: true}
 `
 
-type procNode struct {
-	id, raft, api, dir string
-	args               []string
-	proc               *testproc.Proc
+var (
+	buildOnce sync.Once
+	buildBin  string
+	buildErr  error
+)
+
+// allocatorBin builds cmd/allocator once per test binary.
+func allocatorBin(t *testing.T) string {
+	t.Helper()
+	buildOnce.Do(func() {
+		wd, err := os.Getwd()
+		if err != nil {
+			buildErr = err
+			return
+		}
+		root, err := topology.ModuleRoot(wd)
+		if err != nil {
+			buildErr = err
+			return
+		}
+		dir, err := os.MkdirTemp("", "allot-bin-")
+		if err != nil {
+			buildErr = err
+			return
+		}
+		bins, err := topology.Build(context.Background(), root, dir, "./cmd/allocator")
+		buildBin, buildErr = bins["./cmd/allocator"], err
+	})
+	if buildErr != nil {
+		t.Fatal(buildErr)
+	}
+	return buildBin
 }
 
 type procCluster struct {
-	t     *testing.T
-	bin   string
-	nodes []*procNode
+	*topology.Allocators
+	t *testing.T
 }
 
+// startProcCluster starts n real allocator processes that bootstrap a
+// cluster; they are killed when the test ends, and their output is printed
+// when it failed.
 func startProcCluster(t *testing.T, n int) *procCluster {
 	t.Helper()
-	pc := &procCluster{t: t, bin: testproc.Build(t, "./cmd/allocator")}
-	base := t.TempDir()
-	var peers []string
-	for i := 0; i < n; i++ {
-		nd := &procNode{id: fmt.Sprintf("a%d", i+1), raft: testproc.FreeAddr(t), api: testproc.FreeAddr(t)}
-		nd.dir = filepath.Join(base, nd.id)
-		peers = append(peers, "-peer", nd.id+"="+nd.raft+"="+nd.api)
-		pc.nodes = append(pc.nodes, nd)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	a, err := topology.StartAllocators(ctx, topology.AllocatorConfig{
+		Nodes: n, Bin: allocatorBin(t), Dir: t.TempDir(), ExtraArgs: []string{"-log-level", "warn"},
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
-	for _, nd := range pc.nodes {
-		nd.args = append([]string{"-id", nd.id, "-raft-addr", nd.raft, "-api-addr", nd.api, "-data-dir", nd.dir, "-bootstrap", "-log-level", "warn"}, peers...)
-		pc.start(nd)
-	}
+	pc := &procCluster{Allocators: a, t: t}
+	t.Cleanup(pc.cleanup)
 	return pc
 }
 
-func (pc *procCluster) start(nd *procNode) {
-	nd.proc = testproc.Start(pc.t, nd.id, pc.bin, nd.args...)
-}
-
-func (pc *procCluster) endpoints() []string {
-	var out []string
-	for _, nd := range pc.nodes {
-		out = append(out, nd.api)
+func (pc *procCluster) cleanup() {
+	for _, n := range pc.Nodes {
+		if n.Proc == nil {
+			continue
+		}
+		n.Proc.Kill()
+		if pc.t.Failed() {
+			pc.t.Logf("--- output of %s ---\n%s", n.ID, n.Proc.Output())
+		}
 	}
-	return out
 }
 
-// waitLeader polls GetCluster until some live node reports a leader that is
-// live, and returns that node.
-func (pc *procCluster) waitLeader(ctx context.Context) (*procNode, time.Time) {
+func (pc *procCluster) start(n *topology.AllocatorNode) {
 	pc.t.Helper()
-	for {
-		for _, nd := range pc.nodes {
-			if nd.proc.Exited() {
-				continue
-			}
-			c, _ := allocator.NewClient([]string{nd.api}, allocator.WithAttempts(1))
-			cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
-			resp, err := c.Operator().GetCluster(cctx, &allotv1.GetClusterRequest{})
-			cancel()
-			if err != nil || resp.GetState() != "Leader" {
-				continue
-			}
-			return nd, time.Now()
-		}
-		select {
-		case <-ctx.Done():
-			pc.t.Fatal("no leader elected")
-		case <-time.After(20 * time.Millisecond):
-		}
+	if err := pc.Start(n); err != nil {
+		pc.t.Fatal(err)
 	}
 }
+
+func (pc *procCluster) waitUp(ctx context.Context, n *topology.AllocatorNode) {
+	pc.t.Helper()
+	if err := pc.WaitUp(ctx, n); err != nil {
+		pc.t.Fatal(err)
+	}
+}
+
+func (pc *procCluster) waitLeader(ctx context.Context) (*topology.AllocatorNode, time.Time) {
+	pc.t.Helper()
+	n, err := pc.WaitLeader(ctx)
+	if err != nil {
+		pc.t.Fatal(err)
+	}
+	return n, time.Now()
+}
+
+func (pc *procCluster) endpoints() []string { return pc.Endpoints() }
 
 type ack struct {
 	region string
@@ -182,9 +209,9 @@ func TestProcessClusterStormFailoverRestart(t *testing.T) {
 	time.Sleep(1500 * time.Millisecond)
 	leader, _ := pc.waitLeader(ctx)
 	killedAt := time.Now()
-	leader.proc.Kill()
+	leader.Proc.Kill()
 	_, electedAt := pc.waitLeader(ctx)
-	t.Logf("leader %s killed; a new leader answered %s later", leader.id, electedAt.Sub(killedAt).Round(time.Millisecond))
+	t.Logf("leader %s killed; a new leader answered %s later", leader.ID, electedAt.Sub(killedAt).Round(time.Millisecond))
 	time.Sleep(1500 * time.Millisecond)
 	stop.Store(true)
 	wg.Wait()
@@ -264,12 +291,13 @@ func TestProcessClusterStormFailoverRestart(t *testing.T) {
 
 	// Restart all three from disk (the killed one first, then a rolling stop).
 	pc.start(leader)
-	for _, nd := range pc.nodes {
-		if err := nd.proc.Stop(10 * time.Second); err != nil {
+	pc.waitUp(ctx, leader)
+	for _, nd := range pc.Nodes {
+		if err := nd.Proc.Stop(10 * time.Second); err != nil {
 			t.Errorf("graceful stop: %v", err)
 		}
 	}
-	for _, nd := range pc.nodes {
+	for _, nd := range pc.Nodes {
 		pc.start(nd)
 	}
 	pc.waitLeader(ctx)
@@ -385,4 +413,132 @@ func TestProcessBadInput(t *testing.T) {
 
 func containsFold(s, sub string) bool {
 	return strings.Contains(strings.ToLower(s), strings.ToLower(sub))
+}
+
+// TestProcessRollingRestartAndMembership restarts every node in turn (the
+// leader transfers leadership before it stops) while a caller keeps calling:
+// the caller sees no failed call. Then a fourth node joins through -join and
+// is removed again.
+func TestProcessRollingRestartAndMembership(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts real processes")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	pc := startProcCluster(t, 3)
+	pc.waitLeader(ctx)
+	client, err := allocator.NewClient(pc.endpoints())
+	if err != nil {
+		t.Fatal(err)
+	}
+	op := client.Operator()
+	if _, err := op.PublishPolicy(ctx, &allotv1.PublishPolicyRequest{Document: []byte(stormPolicy), ExpectedVersion: 1, Author: "t", Reason: "rolling"}); err != nil {
+		t.Fatal(err)
+	}
+
+	var (
+		stop   atomic.Bool
+		calls  atomic.Int64
+		failed atomic.Int64
+		wg     sync.WaitGroup
+	)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for i := 0; !stop.Load() && i < 1_000_000; i++ {
+			req := &allotv1.AcquireRequest{Region: "eu", RequestId: fmt.Sprintf("roll-%d", i), Wants: []*allotv1.Want{{Quota: "roomy", Tokens: 1}}}
+			cctx, ccancel := context.WithTimeout(ctx, 10*time.Second)
+			_, err := client.Acquire(cctx, req)
+			ccancel()
+			calls.Add(1)
+			if err != nil {
+				failed.Add(1)
+				t.Logf("call %d failed: %v", i, err)
+			}
+			time.Sleep(2 * time.Millisecond)
+		}
+	}()
+
+	// Leader last, so at least one restart is of a leader... and each node in turn.
+	for _, nd := range pc.Nodes {
+		if err := nd.Proc.Stop(15 * time.Second); err != nil {
+			t.Errorf("graceful stop of %s: %v", nd.ID, err)
+		}
+		pc.start(nd)
+		pc.waitUp(ctx, nd)
+		pc.waitLeader(ctx)
+		time.Sleep(300 * time.Millisecond)
+	}
+	leader, _ := pc.waitLeader(ctx)
+	if err := leader.Proc.Stop(15 * time.Second); err != nil {
+		t.Errorf("graceful stop of leader %s: %v", leader.ID, err)
+	}
+	pc.start(leader)
+	pc.waitUp(ctx, leader)
+
+	// Membership: a fourth node joins through a follower, then is removed.
+	n4 := &topology.AllocatorNode{ID: "a4", RaftAddr: freePort(t), APIAddr: freePort(t), DataDir: filepath.Join(t.TempDir(), "a4")}
+	n4.Args = []string{"-id", n4.ID, "-raft-addr", n4.RaftAddr, "-api-addr", n4.APIAddr, "-data-dir", n4.DataDir, "-join", pc.Nodes[0].APIAddr, "-log-level", "warn"}
+	pc.start(n4)
+	pc.Nodes = append(pc.Nodes, n4) // so cleanup kills it
+	waitMembers := func(want int, has4 bool) {
+		t.Helper()
+		for {
+			cl, err := op.GetCluster(ctx, &allotv1.GetClusterRequest{})
+			if err == nil && len(cl.GetMembers()) == want {
+				found := false
+				for _, m := range cl.GetMembers() {
+					found = found || (m.GetId() == "a4" && m.GetApiAddress() == n4.APIAddr)
+				}
+				if found == has4 {
+					return
+				}
+			}
+			select {
+			case <-ctx.Done():
+				t.Fatalf("membership did not reach %d members (a4 present: %v): %v", want, has4, cl)
+			case <-time.After(50 * time.Millisecond):
+			}
+		}
+	}
+	waitMembers(4, true)
+	// The new member serves reads from replicated state.
+	c4, _ := allocator.NewClient([]string{n4.APIAddr})
+	for {
+		p, err := c4.Operator().GetCluster(ctx, &allotv1.GetClusterRequest{})
+		if err == nil && p.GetPolicyVersion() == 1 {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatal("a4 never applied the policy")
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	if _, err := op.RemoveMember(ctx, &allotv1.RemoveMemberRequest{Id: "a4"}); err != nil {
+		t.Fatalf("remove a4: %v", err)
+	}
+	waitMembers(3, false)
+	if _, err := op.RemoveMember(ctx, &allotv1.RemoveMemberRequest{Id: "a4"}); connect.CodeOf(err) != connect.CodeNotFound {
+		t.Errorf("removing a non-member: got %v, want NotFound", err)
+	}
+
+	stop.Store(true)
+	wg.Wait()
+	t.Logf("%d calls during the rolling restart, %d failed", calls.Load(), failed.Load())
+	if calls.Load() < 100 {
+		t.Fatalf("too few calls (%d) to mean anything", calls.Load())
+	}
+	if failed.Load() != 0 {
+		t.Errorf("%d calls failed during a rolling restart", failed.Load())
+	}
+}
+
+func freePort(t *testing.T) string {
+	t.Helper()
+	a, err := topology.FreePort("127.0.0.1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a
 }

@@ -62,7 +62,9 @@ func NewServer(node *Node, log *zap.Logger, m *Metrics) *Server {
 // gRPC-Web protocols) with the body size limit of the node's config.
 func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
-	opts := []connect.HandlerOption{connect.WithReadMaxBytes(s.node.cfg.MaxBodyBytes)}
+	// Small messages are not worth compressing: gzip would cost more CPU
+	// than the bytes it saves on a LAN (it was ~10% of the leader's CPU).
+	opts := []connect.HandlerOption{connect.WithReadMaxBytes(s.node.cfg.MaxBodyBytes), connect.WithCompressMinBytes(4096)}
 	mux.Handle(allotv1connect.NewAllocatorServiceHandler(s, opts...))
 	mux.Handle(allotv1connect.NewOperatorServiceHandler(s, opts...))
 	return mux

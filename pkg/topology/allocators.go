@@ -1,0 +1,194 @@
+package topology
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"path/filepath"
+	"time"
+
+	"github.com/allot-dev/allot/pkg/allocator"
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+)
+
+// AllocatorNode is one allocator process of the topology.
+type AllocatorNode struct {
+	// ID is the node's Raft server ID.
+	ID string
+	// RaftAddr and APIAddr are its listen addresses.
+	RaftAddr, APIAddr string
+	// DataDir holds its Raft state.
+	DataDir string
+	// Args are the command-line arguments it was started with.
+	Args []string
+	// Proc is the running process (replaced by Restart).
+	Proc *Process
+}
+
+// AllocatorConfig describes an allocator cluster to start.
+type AllocatorConfig struct {
+	// Nodes is the number of allocator processes (3 tolerates one failure).
+	Nodes int
+	// Bin is the path of the allocator binary.
+	Bin string
+	// Dir holds one data directory per node.
+	Dir string
+	// Host is the address nodes listen on (default 127.0.0.1).
+	Host string
+	// Output receives every node's output (nil: kept only for diagnostics).
+	Output io.Writer
+	// ExtraArgs are passed to every node (for example "-log-level", "warn").
+	ExtraArgs []string
+}
+
+// Allocators is a running allocator cluster.
+type Allocators struct {
+	cfg   AllocatorConfig
+	Nodes []*AllocatorNode
+}
+
+// FreePort returns a port on host that was free a moment ago.
+func FreePort(host string) (string, error) {
+	ln, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
+	if err != nil {
+		return "", err
+	}
+	defer ln.Close()
+	return ln.Addr().String(), nil
+}
+
+// StartAllocators starts cfg.Nodes allocator processes that bootstrap one
+// cluster, and waits until it has a leader.
+func StartAllocators(ctx context.Context, cfg AllocatorConfig) (*Allocators, error) {
+	if cfg.Nodes < 1 {
+		return nil, fmt.Errorf("allocators: %d nodes: want at least 1", cfg.Nodes)
+	}
+	if cfg.Host == "" {
+		cfg.Host = "127.0.0.1"
+	}
+	a := &Allocators{cfg: cfg}
+	var peers []string
+	for i := 0; i < cfg.Nodes; i++ {
+		n := &AllocatorNode{ID: fmt.Sprintf("a%d", i+1), DataDir: filepath.Join(cfg.Dir, fmt.Sprintf("a%d", i+1))}
+		var err error
+		if n.RaftAddr, err = FreePort(cfg.Host); err != nil {
+			return nil, err
+		}
+		if n.APIAddr, err = FreePort(cfg.Host); err != nil {
+			return nil, err
+		}
+		peers = append(peers, "-peer", n.ID+"="+n.RaftAddr+"="+n.APIAddr)
+		a.Nodes = append(a.Nodes, n)
+	}
+	for _, n := range a.Nodes {
+		n.Args = append([]string{"-id", n.ID, "-raft-addr", n.RaftAddr, "-api-addr", n.APIAddr, "-data-dir", n.DataDir, "-bootstrap"}, peers...)
+		n.Args = append(n.Args, cfg.ExtraArgs...)
+		if err := a.Start(n); err != nil {
+			a.Close(time.Second)
+			return nil, err
+		}
+	}
+	if _, err := a.WaitLeader(ctx); err != nil {
+		a.Close(time.Second)
+		return nil, err
+	}
+	return a, nil
+}
+
+// Start (re)starts node n with its recorded arguments and data dir.
+func (a *Allocators) Start(n *AllocatorNode) error {
+	p, err := StartProcess(n.ID, a.cfg.Bin, n.Args, a.cfg.Output)
+	if err != nil {
+		return err
+	}
+	n.Proc = p
+	return nil
+}
+
+// Endpoints returns every node's API address.
+func (a *Allocators) Endpoints() []string {
+	out := make([]string, len(a.Nodes))
+	for i, n := range a.Nodes {
+		out[i] = n.APIAddr
+	}
+	return out
+}
+
+// WaitUp waits until node n answers on its API.
+func (a *Allocators) WaitUp(ctx context.Context, n *AllocatorNode) error {
+	c, err := allocator.NewClient([]string{n.APIAddr}, allocator.WithAttempts(1))
+	if err != nil {
+		return err
+	}
+	for {
+		cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+		_, err := c.Operator().GetCluster(cctx, &allotv1.GetClusterRequest{})
+		cancel()
+		if err == nil {
+			return nil
+		}
+		if n.Proc.Exited() {
+			return fmt.Errorf("%s exited: %s", n.ID, lastLines(n.Proc.Output(), 5))
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%s did not come up: %w", n.ID, err)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// WaitLeader waits until a live node says it is the leader, and returns it
+// and the time it first answered so.
+func (a *Allocators) WaitLeader(ctx context.Context) (*AllocatorNode, error) {
+	for {
+		for _, n := range a.Nodes {
+			if n.Proc == nil || n.Proc.Exited() {
+				continue
+			}
+			c, err := allocator.NewClient([]string{n.APIAddr}, allocator.WithAttempts(1))
+			if err != nil {
+				return nil, err
+			}
+			cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+			resp, err := c.Operator().GetCluster(cctx, &allotv1.GetClusterRequest{})
+			cancel()
+			if err == nil && resp.GetState() == "Leader" {
+				return n, nil
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("no allocator leader: %w", ctx.Err())
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// Close stops every node gracefully (leaders transfer leadership first).
+func (a *Allocators) Close(grace time.Duration) error {
+	var first error
+	for _, n := range a.Nodes {
+		if n.Proc == nil {
+			continue
+		}
+		if err := n.Proc.Stop(grace); err != nil && first == nil {
+			first = err
+		}
+	}
+	return first
+}
+
+func lastLines(s string, n int) string {
+	lines := 0
+	for i := len(s) - 1; i >= 0; i-- {
+		if s[i] == '\n' {
+			lines++
+			if lines > n {
+				return s[i+1:]
+			}
+		}
+	}
+	return s
+}
