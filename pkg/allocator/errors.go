@@ -53,9 +53,11 @@ func (s *Server) toConnect(method string, err error) error {
 	return out
 }
 
+// errNotFound and errInvalid mark input errors of the server itself; the
+// message before them names the field.
 var (
 	errNotFound = errors.New("not found")
-	errInvalid  = errors.New("invalid argument")
+	errInvalid  = errors.New("invalid")
 )
 
 // LeaderHintOf extracts the leader's API address from an Unavailable error.

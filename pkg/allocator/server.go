@@ -265,9 +265,18 @@ func recordToProto(r fsm.PolicyRecord, withDoc bool) *allotv1.PolicyRecord {
 	return p
 }
 
-// GetPolicy implements OperatorService.GetPolicy. It reads this node's state.
-func (s *Server) GetPolicy(_ context.Context, req *connect.Request[allotv1.GetPolicyRequest]) (*connect.Response[allotv1.GetPolicyResponse], error) {
+// GetPolicy implements OperatorService.GetPolicy. It is answered by the
+// leader, so an operator reads what they just published.
+func (s *Server) GetPolicy(ctx context.Context, req *connect.Request[allotv1.GetPolicyRequest]) (*connect.Response[allotv1.GetPolicyResponse], error) {
 	const method = "GetPolicy"
+	if resp, handled, err := forward(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.GetPolicyRequest]) (*connect.Response[allotv1.GetPolicyResponse], error) {
+		return c.op.GetPolicy
+	}); handled {
+		if err != nil {
+			return nil, s.toConnect(method, err)
+		}
+		return resp, nil
+	}
 	var (
 		rec fsm.PolicyRecord
 		ok  bool
@@ -284,8 +293,16 @@ func (s *Server) GetPolicy(_ context.Context, req *connect.Request[allotv1.GetPo
 	return connect.NewResponse(&allotv1.GetPolicyResponse{Policy: recordToProto(rec, true)}), nil
 }
 
-// ListPolicies implements OperatorService.ListPolicies.
-func (s *Server) ListPolicies(context.Context, *connect.Request[allotv1.ListPoliciesRequest]) (*connect.Response[allotv1.ListPoliciesResponse], error) {
+// ListPolicies implements OperatorService.ListPolicies (answered by the leader).
+func (s *Server) ListPolicies(ctx context.Context, req *connect.Request[allotv1.ListPoliciesRequest]) (*connect.Response[allotv1.ListPoliciesResponse], error) {
+	if resp, handled, err := forward(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.ListPoliciesRequest]) (*connect.Response[allotv1.ListPoliciesResponse], error) {
+		return c.op.ListPolicies
+	}); handled {
+		if err != nil {
+			return nil, s.toConnect("ListPolicies", err)
+		}
+		return resp, nil
+	}
 	hist := s.node.fsm.PolicyHistory()
 	out := &allotv1.ListPoliciesResponse{}
 	for i := len(hist) - 1; i >= 0; i-- {

@@ -48,9 +48,17 @@ func (c Config) BoundConfig() bound.Config {
 }
 
 // GetBound implements OperatorService.GetBound from the current policy and
-// this node's stated assumptions.
-func (s *Server) GetBound(_ context.Context, req *connect.Request[allotv1.GetBoundRequest]) (*connect.Response[allotv1.GetBoundResponse], error) {
+// the leader's stated assumptions (answered by the leader).
+func (s *Server) GetBound(ctx context.Context, req *connect.Request[allotv1.GetBoundRequest]) (*connect.Response[allotv1.GetBoundResponse], error) {
 	const method = "GetBound"
+	if resp, handled, err := forward(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.GetBoundRequest]) (*connect.Response[allotv1.GetBoundResponse], error) {
+		return c.op.GetBound
+	}); handled {
+		if err != nil {
+			return nil, s.toConnect(method, err)
+		}
+		return resp, nil
+	}
 	rec, ok := s.node.fsm.Policy()
 	if !ok {
 		return nil, s.toConnect(method, fmt.Errorf("no policy has been published yet: %w", errNotFound))
