@@ -14,8 +14,8 @@ import (
 
 	"connectrpc.com/connect"
 
-	"github.com/allot-dev/allot/pkg/topology"
 	"github.com/allot-dev/allot/pkg/allocator"
+	"github.com/allot-dev/allot/pkg/topology"
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
 )
 
