@@ -3,6 +3,8 @@ package allocator
 import (
 	"context"
 	"fmt"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -197,5 +199,47 @@ func TestClusterSnapshotInstall(t *testing.T) {
 	}
 	if w := tc.nodes[lagger].FSM().CurrentWindow("atlas", tc.nodes[lagger].FSM().Now()); w.Granted != 950 {
 		t.Errorf("lagging follower after snapshot install: granted %d, want 950", w.Granted)
+	}
+}
+
+// TestWatchPolicyStreamsNewVersions watches from a follower and receives
+// every version published after the watch's starting point, in order.
+func TestWatchPolicyStreamsNewVersions(t *testing.T) {
+	tc := newTestCluster(t, 3)
+	l := tc.leader()
+	publishTest(t, tc.addrs, clusterPolicy, 1)
+	follower := tc.addrs[(tc.index(l)+1)%3]
+	c, err := NewClient([]string{follower})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	stream, err := c.Operator().WatchPolicy(ctx, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stream.Close()
+	publishTest(t, tc.addrs, strings.Replace(clusterPolicy, "limit: 1000", "limit: 900", 1), 2)
+	publishTest(t, tc.addrs, strings.Replace(clusterPolicy, "limit: 1000", "limit: 800", 1), 3)
+	var got []uint64
+	for len(got) < 3 && stream.Receive() {
+		got = append(got, stream.Msg().GetPolicy().GetVersion())
+	}
+	if err := stream.Err(); err != nil && len(got) < 3 {
+		t.Fatalf("stream: %v", err)
+	}
+	if !slices.Equal(got, []uint64{1, 2, 3}) {
+		t.Fatalf("watch delivered versions %v, want [1 2 3]", got)
+	}
+	// A watch after version 3 delivers nothing until a newer one exists.
+	wctx, wcancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer wcancel()
+	s2, err := c.Operator().WatchPolicy(wctx, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s2.Receive() {
+		t.Errorf("watch after the current version delivered version %d", s2.Msg().GetPolicy().GetVersion())
 	}
 }

@@ -1,0 +1,43 @@
+package allocator
+
+import (
+	"context"
+	"testing"
+
+	"connectrpc.com/connect"
+
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+	"github.com/allot-dev/allot/proto/allot/v1/allotv1connect"
+)
+
+// TestProtocols calls one node with the Connect, gRPC and gRPC-Web protocols
+// over h2c; each gets the same answers and the same error codes.
+func TestProtocols(t *testing.T) {
+	tc := newTestCluster(t, 1)
+	tc.leader()
+	publishTest(t, tc.addrs, clusterPolicy, 1)
+	for _, tt := range []struct {
+		name string
+		opts []connect.ClientOption
+	}{
+		{"connect", nil},
+		{"grpc", []connect.ClientOption{connect.WithGRPC()}},
+		{"grpc-web", []connect.ClientOption{connect.WithGRPCWeb()}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			c := allotv1connect.NewAllocatorServiceClient(NewHTTPClient(), "http://"+tc.addrs[0], tt.opts...)
+			ctx := context.Background()
+			resp, err := c.Acquire(ctx, connect.NewRequest(&allotv1.AcquireRequest{Region: "eu", RequestId: tt.name, Wants: []*allotv1.Want{{Quota: "atlas", Tokens: 10}}}))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := resp.Msg.GetGrants()[0].GetTokens(); got != 10 {
+				t.Errorf("granted %d, want 10", got)
+			}
+			_, err = c.Acquire(ctx, connect.NewRequest(&allotv1.AcquireRequest{Region: "eu", RequestId: tt.name + "-bad", Wants: []*allotv1.Want{{Quota: "missing"}}}))
+			if connect.CodeOf(err) != connect.CodeNotFound {
+				t.Errorf("unknown quota: got %v, want NotFound", err)
+			}
+		})
+	}
+}
