@@ -141,7 +141,7 @@ func (x *CheckRequest) GetRequestId() string {
 	return ""
 }
 
-// Scope names whose limit decided.
+// CheckResponse is the decision.
 type CheckResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// allowed is the verdict.
