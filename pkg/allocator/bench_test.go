@@ -179,6 +179,18 @@ func benchAcquire(b *testing.B, batch, callers int) {
 	for i := range wants {
 		wants[i] = &allotv1.Want{Quota: fmt.Sprintf("q%03d", i), Tokens: 1, DemandPerSecond: 10}
 	}
+	var leader *allocator.Node
+	for _, n := range bc.nodes {
+		if n.IsLeader() {
+			leader = n
+		}
+	}
+	first := leader.Raft().LastIndex()
+	defer func() {
+		if entries := leader.Raft().LastIndex() - first; entries > 0 {
+			b.ReportMetric(float64(b.N)/float64(entries), "calls/entry")
+		}
+	}()
 	runLoad(b, callers, batch, func(i int) error {
 		resp, err := client.Acquire(ctx, &allotv1.AcquireRequest{Region: "eu", RequestId: fmt.Sprintf("r%d", i), Wants: wants})
 		if err == nil && len(resp.GetGrants()) != batch {
