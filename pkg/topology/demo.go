@@ -145,7 +145,8 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) (err error) {
 	for i, name := range names {
 		rate := cfg.Regions[name]
 		regions[i] = &SimRegion{
-			Name: name, Quota: cfg.Quota, Rate: rate, WindowMs: windowMs, Client: client, Margin: 50 * time.Millisecond,
+			// The margin the allocator states in the bound (its default config).
+			Name: name, Quota: cfg.Quota, Rate: rate, WindowMs: windowMs, Client: client, Margin: allocator.DefaultConfig().LeaseMargin,
 			// Renew when a third of a lease is left at the current rate.
 			Sizing: lease.Sizing{MinChunk: 1, MaxChunk: rule.Lease.Chunk, Lead: rule.Lease.TTL / 3, RTT: 20 * time.Millisecond},
 		}
