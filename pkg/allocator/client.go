@@ -24,9 +24,10 @@ type Client struct {
 	attempts  int
 	backoff   time.Duration
 
+	peers *peerClients
+
 	mu        sync.Mutex
 	preferred string
-	clients   map[string]*peerClient
 }
 
 // ClientOption customises a Client.
@@ -48,29 +49,16 @@ func NewClient(endpoints []string, opts ...ClientOption) (*Client, error) {
 	}
 	c := &Client{
 		http: NewHTTPClient(), endpoints: append([]string(nil), endpoints...),
-		attempts: 6, backoff: 100 * time.Millisecond, clients: map[string]*peerClient{},
-		preferred: endpoints[0],
+		attempts: 6, backoff: 100 * time.Millisecond, preferred: endpoints[0],
 	}
 	for _, o := range opts {
 		o(c)
 	}
+	c.peers = &peerClients{http: c.http, m: map[string]*peerClient{}}
 	return c, nil
 }
 
-func (c *Client) peer(addr string) *peerClient {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	p, ok := c.clients[addr]
-	if !ok {
-		base := baseURL(addr)
-		p = &peerClient{
-			alloc: allotv1connect.NewAllocatorServiceClient(c.http, base),
-			op:    allotv1connect.NewOperatorServiceClient(c.http, base),
-		}
-		c.clients[addr] = p
-	}
-	return p
-}
+func (c *Client) peer(addr string) *peerClient { return c.peers.get(addr) }
 
 // retryable reports whether another node may answer where this one could not.
 func retryable(err error) bool {

@@ -474,12 +474,13 @@ func (s *Server) RemoveMember(ctx context.Context, req *connect.Request[allotv1.
 	return connect.NewResponse(&allotv1.RemoveMemberResponse{Members: membersToProto(members)}), nil
 }
 
-// peerClient holds Connect clients for one peer's API address.
+// peerClient holds Connect clients for one node's API address.
 type peerClient struct {
 	alloc allotv1connect.AllocatorServiceClient
 	op    allotv1connect.OperatorServiceClient
 }
 
+// peerClients caches a peerClient per address over one HTTP client.
 type peerClients struct {
 	http *http.Client
 	mu   sync.Mutex

@@ -82,9 +82,13 @@ type CheckRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// entries of the descriptor; order does not matter, keys are unique.
 	Entries []*DescriptorEntry `protobuf:"bytes,1,rep,name=entries,proto3" json:"entries,omitempty"`
-	// cost of the request in units (0 means each rule's own cost).
+	// cost multiplies every matched rule's own cost, like Envoy's hits_addend
+	// (a batch of N calls is cost N; an export whose rule costs 10 is cost 1).
+	// 0 means 1; negative or above 10^12 is InvalidArgument.
 	Cost int64 `protobuf:"varint,2,opt,name=cost,proto3" json:"cost,omitempty"`
-	// request_id makes the decision idempotent and names concurrency slots.
+	// request_id makes the decision idempotent and names concurrency slots
+	// (at most 128 printable bytes). Without one, the slots are named by the
+	// decision_id, which ReleaseSlot then takes as request_id.
 	RequestId     string `protobuf:"bytes,3,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -150,9 +154,10 @@ type CheckResponse struct {
 	Rule string `protobuf:"bytes,2,opt,name=rule,proto3" json:"rule,omitempty"`
 	// scope of that rule: ip, global, tenant, user or route.
 	Scope string `protobuf:"bytes,3,opt,name=scope,proto3" json:"scope,omitempty"`
-	// retry_after_seconds is a hint rounded up, never a reservation (denials only).
+	// retry_after_seconds is a hint rounded up, never a reservation (denials
+	// and unavailable answers only); -1 means waiting will not help.
 	RetryAfterSeconds int64 `protobuf:"varint,4,opt,name=retry_after_seconds,json=retryAfterSeconds,proto3" json:"retry_after_seconds,omitempty"`
-	// remaining units of the reported rule after this decision.
+	// remaining units of the reported rule after this decision; -1 when unknown.
 	Remaining int64 `protobuf:"varint,5,opt,name=remaining,proto3" json:"remaining,omitempty"`
 	// decision_id identifies this decision in logs.
 	DecisionId string `protobuf:"bytes,6,opt,name=decision_id,json=decisionId,proto3" json:"decision_id,omitempty"`
