@@ -1,0 +1,142 @@
+package admission
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// TestBatcherGroupsConcurrentCalls: while a pipeline is in flight, calls
+// accumulate and go out together; at most MaxPipelines run at once; close
+// fails pending calls and waits for the rest.
+func TestBatcherGroupsConcurrentCalls(t *testing.T) {
+	var (
+		inflight, peak atomic.Int64
+		mu             sync.Mutex
+		sizes          []int
+		gate           = make(chan struct{})
+	)
+	cfg := DefaultRedisConfig()
+	cfg.MaxPipelines = 2
+	cfg.BatchSize = 8
+	b := newBatcher(cfg, func(batch []*op) {
+		n := inflight.Add(1)
+		for {
+			p := peak.Load()
+			if n <= p || peak.CompareAndSwap(p, n) {
+				break
+			}
+		}
+		<-gate
+		mu.Lock()
+		sizes = append(sizes, len(batch))
+		mu.Unlock()
+		inflight.Add(-1)
+		for _, o := range batch {
+			o.out = []int64{1}
+			close(o.done)
+		}
+	})
+	var wg sync.WaitGroup
+	ops := make([]*op, 40)
+	for i := range ops {
+		ops[i] = &op{done: make(chan struct{})}
+		if err := b.submit(ops[i]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	close(gate)
+	for _, o := range ops {
+		wg.Add(1)
+		go func(o *op) {
+			defer wg.Done()
+			<-o.done
+		}(o)
+	}
+	wg.Wait()
+	b.close()
+	if peak.Load() > 2 {
+		t.Fatalf("%d pipelines at once, limit 2", peak.Load())
+	}
+	total := 0
+	for _, s := range sizes {
+		if s > 8 {
+			t.Fatalf("batch of %d, limit 8", s)
+		}
+		total += s
+	}
+	// The first two calls went out alone (nothing in flight); the other 38
+	// waited and were batched by 8.
+	if total != 40 || len(sizes) > 2+5 {
+		t.Fatalf("batch sizes %v: want 40 calls in at most 7 pipelines", sizes)
+	}
+	if err := b.submit(&op{done: make(chan struct{})}); !errors.Is(err, ErrClosed) {
+		t.Fatalf("submit after close: %v", err)
+	}
+}
+
+func TestBatcherOverloadAndClose(t *testing.T) {
+	cfg := DefaultRedisConfig()
+	cfg.MaxPipelines = 1
+	cfg.BatchSize = 1
+	cfg.MaxPending = 2
+	cfg.BatchDelay = time.Millisecond
+	gate := make(chan struct{})
+	b := newBatcher(cfg, func(batch []*op) {
+		<-gate
+		for _, o := range batch {
+			close(o.done)
+		}
+	})
+	first := &op{done: make(chan struct{})}
+	if err := b.submit(first); err != nil { // in flight, blocked
+		t.Fatal(err)
+	}
+	p1, p2 := &op{done: make(chan struct{})}, &op{done: make(chan struct{})}
+	if err := b.submit(p1); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.submit(p2); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.submit(&op{done: make(chan struct{})}); !errors.Is(err, ErrOverloaded) {
+		t.Fatalf("third pending call: %v, want ErrOverloaded", err)
+	}
+	go func() { close(gate) }()
+	b.close()
+	<-first.done
+	for _, o := range []*op{p1, p2} {
+		select {
+		case <-o.done:
+		default:
+			t.Fatal("a pending call was left waiting after close")
+		}
+	}
+}
+
+// TestRedisStoreRunRespectsContext: a caller whose context ends stops
+// waiting even when the pipeline does not return.
+func TestRedisStoreRunRespectsContext(t *testing.T) {
+	gate := make(chan struct{})
+	s := &RedisStore{cfg: DefaultRedisConfig()}
+	s.b = newBatcher(s.cfg, func(batch []*op) {
+		<-gate
+		for _, o := range batch {
+			close(o.done)
+		}
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	if err := s.run(ctx, &op{}); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("run: %v, want the deadline", err)
+	}
+	s.timers.New = func() any { return time.NewTimer(time.Hour) }
+	if err := s.run(context.Background(), &op{timeout: 20 * time.Millisecond}); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("run with a timeout: %v, want DeadlineExceeded", err)
+	}
+	close(gate)
+	s.Close()
+}

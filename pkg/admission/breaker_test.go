@@ -1,0 +1,44 @@
+package admission
+
+import "testing"
+
+// TestBreaker walks the breaker through its states: closed, open after the
+// threshold, one probe after the cooldown, closed again on success, open
+// again on a failed probe, and a probe freed when its call was abandoned.
+func TestBreaker(t *testing.T) {
+	b := breaker{threshold: 3, cooldown: 100}
+	for i := 0; i < 2; i++ {
+		if ok, _ := b.allow(0); !ok {
+			t.Fatal("closed breaker refused")
+		}
+		b.done(0, true)
+	}
+	if b.isOpen(0) {
+		t.Fatal("open before the threshold")
+	}
+	b.done(10, true)
+	if ok, at := b.allow(20); ok || at != 110 || !b.isOpen(20) {
+		t.Fatalf("after 3 failures: allow=%v at=%d; want refused until 110", ok, at)
+	}
+	if ok, _ := b.allow(110); !ok {
+		t.Fatal("no probe after the cooldown")
+	}
+	if ok, _ := b.allow(111); ok {
+		t.Fatal("a second probe while one is out")
+	}
+	b.abort() // the probe's caller gave up
+	if ok, _ := b.allow(112); !ok {
+		t.Fatal("an abandoned probe kept the breaker shut")
+	}
+	b.done(113, true) // the probe failed: open again
+	if ok, _ := b.allow(150); ok || b.opens.Load() != 2 {
+		t.Fatalf("failed probe: allow=%v opens=%d", ok, b.opens.Load())
+	}
+	if ok, _ := b.allow(213); !ok {
+		t.Fatal("no probe after the second cooldown")
+	}
+	b.done(214, false)
+	if ok, _ := b.allow(215); !ok || b.isOpen(215) || b.failures.Load() != 0 {
+		t.Fatal("a successful probe did not close the breaker")
+	}
+}

@@ -1,0 +1,186 @@
+package admission
+
+import (
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/allot-dev/allot/pkg/policy"
+)
+
+// spec is one rule compiled for the engine.
+type spec struct {
+	rule   *policy.Rule
+	name   string
+	scope  policy.Scope
+	kind   int
+	shadow bool
+	fail   policy.FailMode
+	// digest identifies the rule's counters: its name, kind, scope, match
+	// entries and shadow flag, but not its numbers, so a new policy version
+	// that only retunes a limit keeps the counters (a fresh full bucket on
+	// every version bump would loosen enforcement during rollouts) while a
+	// shadow rule never shares a key with a live one.
+	digest string
+	// unit is the cost of one hit in the store's unit (millitokens for a
+	// bucket, tokens otherwise); ceiling is the largest cost that can ever be
+	// admitted.
+	unit, ceiling int64
+	// a, b, d are the script arguments that do not depend on the request.
+	a, b, d int64
+	// local marks a global quota spent from a gateway-local chunk.
+	local        bool
+	gatewayChunk int64
+	chunk        *localChunk // set by Engine.Apply
+	// poolTag, poolZ, poolH locate a global quota's leased pool.
+	poolTag, poolZ, poolH string
+	// fallback sizing: the per-gateway share of the rule.
+	fbCap, fbRefill, fbLimit, fbWindow int64
+	// quota and window (seconds) advertised in RateLimit-Policy; 0 = none.
+	quota, window int64
+	slotTTL       time.Duration
+	box           *argBox // a, b, d boxed for the script
+}
+
+// snapshot is one policy version compiled; it is immutable.
+type snapshot struct {
+	doc     *policy.Document
+	version uint64
+	matcher *policy.Matcher
+	specs   map[*policy.Rule]*spec
+	quotas  map[string]*spec // global_quota rules by name
+	known   map[string]bool  // descriptor keys the policy uses
+}
+
+func compile(doc *policy.Document, version uint64, cfg *Config) (*snapshot, error) {
+	if doc == nil {
+		return nil, fmt.Errorf("%w: nil document", ErrInvalidPolicy)
+	}
+	if err := doc.Validate(); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidPolicy, err)
+	}
+	s := &snapshot{
+		doc:     doc,
+		version: version,
+		matcher: policy.Compile(doc),
+		specs:   make(map[*policy.Rule]*spec, len(doc.Rules)),
+		quotas:  make(map[string]*spec),
+		known:   make(map[string]bool),
+	}
+	for _, k := range cfg.ExtraDescriptors {
+		s.known[k] = true
+	}
+	g := int64(cfg.Gateways)
+	for i := range doc.Rules {
+		r := &doc.Rules[i]
+		for _, m := range r.Match {
+			s.known[m.Key] = true
+		}
+		sp := &spec{
+			rule:   r,
+			name:   r.Name,
+			scope:  r.Scope,
+			shadow: r.Shadow,
+			fail:   r.FailMode,
+			digest: ruleDigest(r),
+		}
+		switch r.Kind {
+		case policy.KindTokenBucket:
+			sp.kind = kindBucket
+			sp.unit, sp.ceiling = r.Cost*1000, r.Capacity*1000
+			sp.a, sp.b = r.Capacity*1000, r.RefillMilliPerSecond
+			sp.d = bucketTTL(sp.a, sp.b)
+			sp.fbCap, sp.fbRefill = sp.a/g, sp.b/g
+			sp.quota = r.Capacity
+			if r.RefillMilliPerSecond > 0 {
+				sp.window = ceilDiv(sp.a, r.RefillMilliPerSecond) // seconds to refill fully
+			}
+		case policy.KindFixedWindow, policy.KindSlidingWindow:
+			sp.kind = kindFixed
+			if r.Kind == policy.KindSlidingWindow {
+				sp.kind = kindSliding
+			}
+			sp.unit, sp.ceiling = r.Cost, r.Limit
+			sp.a, sp.b = r.Limit, r.Window.Milliseconds()
+			sp.fbLimit, sp.fbWindow = r.Limit/g, sp.b
+			sp.quota, sp.window = r.Limit, ceilDiv(sp.b, 1000)
+		case policy.KindConcurrency:
+			sp.kind = kindSlots
+			sp.unit, sp.ceiling = 0, 0
+			sp.a, sp.b = r.MaxInFlight, r.SlotTTL.Milliseconds()
+			sp.fbLimit = r.MaxInFlight / g
+			sp.slotTTL = r.SlotTTL
+		case policy.KindGlobalQuota:
+			sp.kind = kindPool
+			sp.unit, sp.ceiling = r.Cost, r.Limit
+			sp.poolTag = poolTag(r)
+			sp.poolZ = cfg.Namespace + ":{" + sp.poolTag + "}:pool:" + r.Name + ":z"
+			sp.poolH = cfg.Namespace + ":{" + sp.poolTag + "}:pool:" + r.Name + ":h"
+			if r.Lease != nil {
+				sp.fbLimit, sp.fbWindow = r.Lease.FallbackPerRegion/g, r.Window.Milliseconds()
+				if r.Lease.GatewayChunk > 0 {
+					sp.local, sp.gatewayChunk = true, r.Lease.GatewayChunk
+					sp.ceiling = r.Lease.GatewayChunk
+				}
+			}
+			s.quotas[r.Name] = sp
+		default:
+			return nil, fmt.Errorf("%w: rules[%d].kind: %q is not supported by this engine", ErrInvalidPolicy, i, r.Kind)
+		}
+		a := sp.a
+		if sp.kind == kindPool {
+			a = sp.unit // a pool's first argument is the cost
+		}
+		sp.box = newArgBox(sp.kind, a, sp.b, sp.d, sp.unit, sp.shadow)
+		s.specs[r] = sp
+	}
+	return s, nil
+}
+
+// bucketTTL is a bucket's idle TTL: the time to refill from empty plus
+// slack, after which an absent key means the same as a full bucket. A bucket
+// that never refills keeps its state for a day (policy.MaxWindow).
+func bucketTTL(capM, refillM int64) int64 {
+	if refillM <= 0 {
+		return policy.MaxWindow.Milliseconds()
+	}
+	return ceilDiv(capM*1000, refillM) + scriptSlack
+}
+
+// ruleDigest hashes the identity of a rule's counters (see spec.digest).
+func ruleDigest(r *policy.Rule) string {
+	h := sha256.New()
+	field := func(s string) {
+		var n [4]byte
+		binary.BigEndian.PutUint32(n[:], uint32(len(s)))
+		h.Write(n[:])
+		h.Write([]byte(s))
+	}
+	field(r.Name)
+	field(string(r.Kind))
+	field(string(r.Scope))
+	field(strconv.FormatBool(r.Shadow))
+	for _, m := range r.Match {
+		field(m.Key)
+		field(strconv.FormatBool(m.HasValue))
+		field(m.Value)
+	}
+	return hex.EncodeToString(h.Sum(nil)[:4])
+}
+
+// poolTag is the hash tag of a global quota's pool: the tenant's tag for a
+// tenant-scoped quota, so its pool is decided atomically with the tenant's
+// other rules, and a tag of its own for a fleet-wide one.
+func poolTag(r *policy.Rule) string {
+	if r.Scope == policy.ScopeTenant {
+		for _, m := range r.Match {
+			if m.Key == "tenant" && m.HasValue {
+				return tenantTag(m.Value)
+			}
+		}
+	}
+	return "g:" + r.Name
+}

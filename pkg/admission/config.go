@@ -1,0 +1,158 @@
+package admission
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+)
+
+// Config configures an Engine. DefaultConfig works as is for one gateway.
+type Config struct {
+	// StoreTimeout bounds one store call on the decision path, including the
+	// time it waits to join a pipeline. When it passes, the rules of the call
+	// are decided by their fail modes.
+	StoreTimeout time.Duration
+	// Gateways is how many gateways share one regional store. Fallback
+	// buckets are sized as the rule divided by it, so the fleet cannot exceed
+	// the rule while the store is down.
+	Gateways int
+	// NegativeCacheTTL is the ceiling on how long a denied key is denied
+	// locally without a store call: min(retry hint, NegativeCacheTTL). Zero
+	// disables the negative cache.
+	NegativeCacheTTL time.Duration
+	// NegativeCacheSize is the number of denied keys the negative cache holds
+	// (rounded up to a power of two); older entries are overwritten, so its
+	// memory is fixed.
+	NegativeCacheSize int
+	// IdempotencyTTL is how long the store remembers an admitted request id:
+	// a retry with the same id within it returns the earlier decision and
+	// debits nothing again. Zero disables idempotency.
+	IdempotencyTTL time.Duration
+	// BreakerFailures is the number of consecutive failed store calls that
+	// opens the circuit breaker; while it is open no call is attempted.
+	BreakerFailures int
+	// BreakerCooldown is how long the breaker stays open before one probe
+	// call is let through.
+	BreakerCooldown time.Duration
+	// UnavailableRetryAfter is the Retry-After of a 503 when a fail-closed
+	// rule cannot be decided and the breaker gives no better estimate.
+	UnavailableRetryAfter time.Duration
+	// FallbackKeys caps the in-process fallback buckets; beyond it the
+	// fallback denies new keys (it never grows without bound).
+	FallbackKeys int
+	// ExtraDescriptors are descriptor keys accepted although no rule uses
+	// them (e.g. keys a newer policy will use); any other unused key is
+	// rejected with ErrUnknownDescriptor.
+	ExtraDescriptors []string
+	// Namespace prefixes every store key ("<namespace>:{tag}:..."), so that
+	// several deployments can share one Redis; 1-32 of [a-z0-9_-].
+	Namespace string
+	// KeySalt is mixed into the hash of principals in store key names, so a
+	// store dump does not reveal user ids or addresses by dictionary attack.
+	// Every gateway of a region must use the same salt.
+	KeySalt string
+}
+
+// DefaultConfig returns the defaults: a 50 ms store timeout, one gateway, a
+// 250 ms negative cache of 4096 keys, 2 minutes of idempotency, a breaker
+// that opens after 5 failures for 1 s.
+func DefaultConfig() Config {
+	return Config{
+		StoreTimeout:          50 * time.Millisecond,
+		Gateways:              1,
+		NegativeCacheTTL:      250 * time.Millisecond,
+		NegativeCacheSize:     4096,
+		IdempotencyTTL:        2 * time.Minute,
+		BreakerFailures:       5,
+		BreakerCooldown:       time.Second,
+		UnavailableRetryAfter: time.Second,
+		FallbackKeys:          100_000,
+		Namespace:             "al",
+	}
+}
+
+// Validate says what is wrong with c, or returns nil.
+func (c Config) Validate() error {
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	if c.StoreTimeout <= 0 {
+		bad("StoreTimeout must be positive, got %s", c.StoreTimeout)
+	}
+	if c.Gateways < 1 {
+		bad("Gateways must be at least 1, got %d", c.Gateways)
+	}
+	if c.NegativeCacheTTL < 0 {
+		bad("NegativeCacheTTL must not be negative, got %s", c.NegativeCacheTTL)
+	}
+	if c.NegativeCacheTTL > 0 && (c.NegativeCacheSize < 1 || c.NegativeCacheSize > 1<<24) {
+		bad("NegativeCacheSize must be in [1, %d], got %d", 1<<24, c.NegativeCacheSize)
+	}
+	if c.IdempotencyTTL < 0 || c.IdempotencyTTL > time.Hour {
+		bad("IdempotencyTTL must be in [0, 1h], got %s", c.IdempotencyTTL)
+	}
+	if c.BreakerFailures < 1 {
+		bad("BreakerFailures must be at least 1, got %d", c.BreakerFailures)
+	}
+	if c.BreakerCooldown <= 0 {
+		bad("BreakerCooldown must be positive, got %s", c.BreakerCooldown)
+	}
+	if c.UnavailableRetryAfter <= 0 {
+		bad("UnavailableRetryAfter must be positive, got %s", c.UnavailableRetryAfter)
+	}
+	if c.FallbackKeys < 1 {
+		bad("FallbackKeys must be at least 1, got %d", c.FallbackKeys)
+	}
+	if !validNamespace(c.Namespace) {
+		bad("Namespace must be 1-32 of [a-z0-9_-], got %q", c.Namespace)
+	}
+	for i, k := range c.ExtraDescriptors {
+		if !validKey(k) {
+			bad("ExtraDescriptors[%d]: %q is not a descriptor key", i, k)
+		}
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("admission config: %w", errors.Join(errs...))
+	}
+	return nil
+}
+
+// Option sets an optional dependency of an Engine.
+type Option func(*options)
+
+type options struct {
+	clock    Clock
+	logger   *zap.Logger
+	rand     io.Reader
+	registry prometheus.Registerer
+}
+
+// WithClock sets the clock for the negative cache, the gateway-local chunks,
+// the fallback buckets and the breaker. The store keeps its own clock
+// (Redis TIME, or the MemoryStore's clock).
+func WithClock(c Clock) Option { return func(o *options) { o.clock = c } }
+
+// WithLogger sets the logger; the default discards everything.
+func WithLogger(l *zap.Logger) Option { return func(o *options) { o.logger = l } }
+
+// WithRand sets the source of the random prefix of decision ids; the default
+// is crypto/rand.
+func WithRand(r io.Reader) Option { return func(o *options) { o.rand = r } }
+
+// WithRegisterer registers the engine's metrics (allot_admission_*) with r.
+func WithRegisterer(r prometheus.Registerer) Option { return func(o *options) { o.registry = r } }
+
+func validNamespace(s string) bool {
+	if s == "" || len(s) > 32 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if b := s[i]; !(b >= 'a' && b <= 'z' || b >= '0' && b <= '9' || b == '_' || b == '-') {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,73 @@
+// Package admission is allot's decision engine and Go SDK: gateways embed it
+// to decide, for every request, whether it may consume backend capacity now.
+//
+// One request is decided against every rule of the policy that matches its
+// descriptors (pkg/policy), in the fixed evaluation order ip, global, tenant,
+// user, route. All the rules that share a hash tag are decided by ONE call of
+// one Lua script (script.lua, loaded once, called with EVALSHA and reloaded
+// on NOSCRIPT): the script checks every rule first and then debits all of
+// them, or none, so a denied request spends nothing and the denying rule is
+// deterministic. All keys of a tenant share the tag {t:<tenant>}, so this
+// holds on Redis Cluster too. Redis TIME is the only clock inside the script;
+// amounts are integers (millitokens for buckets).
+//
+// # Rule kinds
+//
+//   - token_bucket: capacity and refill (P-READ: 20, 2/s); the retry hint is
+//     the deficit over the refill rate, rounded up to whole seconds; no refill
+//     for negative time; the idle TTL is the time to refill fully.
+//   - fixed_window: epoch-aligned windows (P-ANON); admits up to twice the
+//     limit across a boundary, by design.
+//   - sliding_window: the counter estimate prev*(1-elapsed/W)+curr.
+//   - concurrency: slots as leases in a sorted set of request ids scored by
+//     deadline; acquiring drops expired ones; Release and Renew.
+//   - global_quota: a leased pool of chunks deposited by the region agent
+//     (DepositChunk), each with its own expiry, spent earliest-expiring
+//     first. A tenant's pool is part of the tenant's atomic script; a
+//     fleet-wide pool (P-GLOBAL) is spent from a gateway-local chunk taken
+//     from the regional pool, refunded in process when a later rule denies.
+//
+// Weighted cost (P-EXPORT costs 10) multiplies everything; Request.Hits
+// multiplies it again. A cost above what a rule can ever admit is an error.
+//
+// # Around the store
+//
+//   - Negative cache: after a denial with retry hint R, the same counter is
+//     denied in process for min(R, Config.NegativeCacheTTL) with no store
+//     call, in fixed memory.
+//   - Idempotency: a request id admitted within Config.IdempotencyTTL gets the
+//     earlier decision back and is not charged again.
+//   - Fail modes: when the store does not answer within Config.StoreTimeout,
+//     or the circuit breaker is open, each rule's fail mode decides: closed
+//     answers Unavailable (503), open admits (counted), fallback spends an
+//     in-process bucket of the rule divided by Config.Gateways.
+//
+// # Stores
+//
+// The same engine runs on the embedded MemoryStore (one process; the
+// reference design's V0 and the demo) and on a RedisStore over a standalone
+// server or a Redis Cluster. A conformance suite runs the same tests on all
+// three. RedisStore batches concurrent calls into pipelines.
+//
+// # Usage
+//
+//  1. Create a store: NewMemoryStore, or NewRedisStore on a go-redis client.
+//  2. Create the engine from a parsed policy and its version: New.
+//  3. For each request, build descriptors from verified claims (never from
+//     client headers) and call Decide. Allow: forward, and Release the
+//     decision when the work ends if it holds concurrency slots. Deny: 429
+//     with Retry-After. Unavailable: 503 with Retry-After. pkg/admission/httpmw
+//     does all of this for net/http.
+//  4. Apply newer policy versions as they are published; older or invalid
+//     ones are rejected and the version in force stays.
+//  5. The region agent deposits leased chunks with DepositChunk, reads
+//     PoolStats for demand, and marks exhausted pools with MarkExhausted.
+//
+// Guarantees are those of the reference design: two requests cannot both
+// consume the same remaining budget of one store instance; multi-rule
+// decisions are all-or-nothing within one hash tag (rules under different
+// tags, such as an ip rule beside a tenant's rules, are decided in order and
+// compensated with a refund when a later one denies; a refund that fails
+// leaves the earlier rules charged, the safe direction); Retry-After is a
+// hint, never a reservation.
+package admission

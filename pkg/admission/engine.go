@@ -1,0 +1,744 @@
+package admission
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/allot-dev/allot/pkg/policy"
+)
+
+// Engine decides requests against one policy version at a time. It is safe
+// for concurrent use. The store is shared; the engine owns the in-process
+// parts: the negative cache, the gateway-local chunks, the fallback buckets
+// and the circuit breaker.
+type Engine struct {
+	cfg   Config
+	store Store
+	clock Clock
+	log   *zap.Logger
+	hash  hasher
+	start time.Time
+
+	snap    atomic.Pointer[snapshot]
+	applyMu sync.Mutex
+	chunks  map[string]*localChunk // by rule digest; guarded by applyMu
+
+	neg *negCache // nil when disabled
+	brk breaker
+	fb  *fallback
+
+	idPrefix string
+	idSeq    atomic.Uint64
+
+	closed atomic.Bool
+	m      counters
+
+	// storeClock makes the engine pass its own clock to the store instead of
+	// letting the store read Redis TIME. Only tests set it (export_test.go),
+	// so that one fake clock drives every backend.
+	storeClock bool
+}
+
+// New returns an engine deciding with doc as policy version version.
+func New(cfg Config, store Store, doc *policy.Document, version uint64, opts ...Option) (*Engine, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if store == nil {
+		return nil, errors.New("admission: nil store")
+	}
+	o := options{clock: SystemClock{}, logger: zap.NewNop(), rand: rand.Reader}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	var seed [4]byte
+	if _, err := io.ReadFull(o.rand, seed[:]); err != nil {
+		return nil, fmt.Errorf("admission: decision id seed: %w", err)
+	}
+	e := &Engine{
+		cfg:      cfg,
+		store:    store,
+		clock:    o.clock,
+		log:      o.logger.Named("admission"),
+		hash:     hasher{ns: cfg.Namespace, salt: cfg.KeySalt},
+		start:    o.clock.Now(),
+		chunks:   make(map[string]*localChunk),
+		fb:       newFallback(cfg.FallbackKeys),
+		idPrefix: "d-" + hex.EncodeToString(seed[:]) + "-",
+	}
+	e.brk.threshold = int64(cfg.BreakerFailures)
+	e.brk.cooldown = cfg.BreakerCooldown.Nanoseconds()
+	if cfg.NegativeCacheTTL > 0 {
+		e.neg = newNegCache(cfg.NegativeCacheSize)
+	}
+	if err := e.Apply(doc, version); err != nil {
+		return nil, err
+	}
+	if o.registry != nil {
+		if err := o.registry.Register(&collector{e: e}); err != nil {
+			return nil, fmt.Errorf("admission: register metrics: %w", err)
+		}
+	}
+	return e, nil
+}
+
+// Apply makes doc, as version, the policy for every later decision. It
+// swaps the whole compiled snapshot atomically, so each decision sees one
+// coherent version. It rejects a version that is not newer than the one in
+// force (ErrStalePolicy) and an invalid document (ErrInvalidPolicy); either
+// way the previous version stays in force (last-known-good). Counters of
+// rules whose identity did not change carry over.
+func (e *Engine) Apply(doc *policy.Document, version uint64) error {
+	e.applyMu.Lock()
+	defer e.applyMu.Unlock()
+	if cur := e.snap.Load(); cur != nil && version <= cur.version {
+		return fmt.Errorf("%w: version %d is not newer than %d", ErrStalePolicy, version, cur.version)
+	}
+	s, err := compile(doc, version, &e.cfg)
+	if err != nil {
+		return err
+	}
+	live := make(map[string]*localChunk)
+	for _, sp := range s.specs {
+		if !sp.local {
+			continue
+		}
+		c := e.chunks[sp.digest]
+		if c == nil {
+			c = &localChunk{}
+		}
+		live[sp.digest] = c
+		sp.chunk = c
+	}
+	e.chunks = live
+	e.snap.Store(s)
+	return nil
+}
+
+// Policy returns the document and version in force.
+func (e *Engine) Policy() (*policy.Document, uint64) {
+	s := e.snap.Load()
+	return s.doc, s.version
+}
+
+// Close makes later calls fail with ErrClosed. The store is not closed: its
+// owner closes it.
+func (e *Engine) Close() error {
+	e.closed.Store(true)
+	return nil
+}
+
+// mono returns now on the engine's monotonic clock, in nanoseconds.
+func (e *Engine) mono(now time.Time) int64 { return now.Sub(e.start).Nanoseconds() }
+
+// storeNow is the time passed to the store: 0 (the store's clock, Redis
+// TIME) except in tests.
+func (e *Engine) storeNow(now time.Time) int64 {
+	if e.storeClock {
+		return now.UnixMilli()
+	}
+	return 0
+}
+
+func (e *Engine) newID() string {
+	return e.idPrefix + strconv.FormatUint(e.idSeq.Add(1), 36)
+}
+
+// item is one matched rule of a request being decided.
+type item struct {
+	sp    *spec
+	key   string // counter key; the pool's sorted set for a pool
+	hash  uint64 // negative cache and fallback key
+	tag   string
+	cost  int64
+	res   *RuleResult // in the decision's Rules
+	spent *chunkState // local chunk spend, for a refund
+}
+
+// group is a set of items decided together: one store call for the rules
+// sharing a hash tag, or one gateway-local chunk.
+type group struct {
+	tag    string
+	idx    []int
+	local  bool
+	op     *op        // the store call, for a refund
+	fb     []*fbState // fallback debits, for a refund
+	fbIdx  []int
+	replay bool
+}
+
+// Decide answers req. It returns an error only for bad input (wrapping
+// ErrInvalidRequest; nothing is debited) or after Close. Store trouble is
+// never an error here: each rule's fail mode decides, within
+// Config.StoreTimeout, and the decision says so.
+func (e *Engine) Decide(ctx context.Context, req *Request) (*Decision, error) {
+	if e.closed.Load() {
+		return nil, ErrClosed
+	}
+	snap := e.snap.Load()
+	items, results, err := e.plan(snap, req)
+	if err != nil {
+		return nil, err
+	}
+	d := &Decision{PolicyVersion: snap.version, Remaining: -1, Source: SourceNone}
+	e.m.decisions.Add(1)
+	if len(items) == 0 {
+		d.ID = e.newID()
+		e.m.allowed.Add(1)
+		return d, nil
+	}
+	now := e.clock.Now()
+	mono := e.mono(now)
+
+	// A key denied a moment ago is denied again without a store call.
+	if e.neg != nil {
+		for i := range items {
+			it := &items[i]
+			if it.sp.shadow || it.sp.kind == kindSlots {
+				continue
+			}
+			if retryAt, ok := e.neg.get(it.hash, mono); ok {
+				e.m.negHits.Add(1)
+				d.ID = e.newID()
+				d.Source = SourceNegativeCache
+				it.res.Allowed = false
+				it.res.RetryAfter = retrySeconds(retryAt, mono)
+				e.finish(d, items, results, i, Deny, it.res.RetryAfter)
+				return d, nil
+			}
+		}
+	}
+	d.ID = e.newID()
+	member := req.RequestID
+	if member == "" {
+		member = d.ID
+	}
+	groups := groupItems(items)
+	d.Source = SourceLocal
+	for gi := range groups {
+		g := &groups[gi]
+		var (
+			outcome Outcome
+			deny    int
+			retry   int64
+		)
+		if g.local {
+			deny = g.idx[0]
+			outcome, retry = e.runLocal(ctx, g, items, now, mono)
+		} else {
+			outcome, deny, retry = e.runStore(ctx, g, items, req, d, member, now, mono)
+		}
+		if outcome != Allow {
+			e.compensate(groups[:gi], items, mono)
+			e.finish(d, items, results, deny, outcome, retry)
+			return d, nil
+		}
+	}
+	for gi := range groups {
+		if groups[gi].replay {
+			// The earlier decision already spent the local chunks.
+			for _, lg := range groups {
+				if lg.local {
+					it := &items[lg.idx[0]]
+					it.sp.chunk.refund(it.spent, mono, it.cost)
+				}
+			}
+			d.Source = SourceReplay
+			e.m.replays.Add(1)
+			break
+		}
+	}
+	e.finish(d, items, results, -1, Allow, 0)
+	for i := range items {
+		it := &items[i]
+		if it.sp.kind == kindSlots && it.res.Allowed && it.res.FailMode == "" {
+			d.slots = append(d.slots, slotRef{key: it.key, member: member, ttl: it.sp.b})
+		}
+	}
+	for gi := range groups {
+		for j, s := range groups[gi].fb {
+			it := &items[groups[gi].fbIdx[j]]
+			if it.sp.kind == kindSlots {
+				d.slots = append(d.slots, slotRef{fb: s})
+			}
+		}
+	}
+	return d, nil
+}
+
+// plan validates req and matches it against snap. Each item's result
+// points into the returned slice, which becomes the decision's Rules.
+func (e *Engine) plan(snap *snapshot, req *Request) ([]item, []RuleResult, error) {
+	if req == nil {
+		return nil, nil, fmt.Errorf("request: nil: %w", ErrInvalidRequest)
+	}
+	hits, err := req.validate(snap.known)
+	if err != nil {
+		return nil, nil, err
+	}
+	matched := snap.matcher.Match(req.Descriptors)
+	if len(matched) == 0 {
+		return nil, nil, nil
+	}
+	var tenant, ip string
+	for _, en := range req.Descriptors {
+		switch en.Key {
+		case "tenant":
+			if tenant == "" {
+				tenant = en.Value
+			}
+		case "ip":
+			if ip == "" {
+				ip = en.Value
+			}
+		}
+	}
+	items := make([]item, len(matched))
+	results := make([]RuleResult, len(matched)) // becomes Decision.Rules
+	for i, m := range matched {
+		sp := snap.specs[m.Rule]
+		it := &items[i]
+		it.sp = sp
+		if sp.kind != kindSlots {
+			if hits > sp.ceiling/sp.unit {
+				return nil, nil, fmt.Errorf("hits: %d x cost %d exceeds what rule %s can ever admit (%d): %w",
+					hits, sp.rule.Cost, sp.name, sp.ceiling/sp.unit*sp.rule.Cost, ErrBadCost)
+			}
+			it.cost = sp.unit * hits
+		}
+		switch {
+		case sp.kind == kindPool:
+			it.tag, it.key = sp.poolTag, sp.poolZ
+			_, it.hash = e.hash.counter(sp.poolTag, sp.digest, nil)
+		case sp.scope == policy.ScopeIP:
+			it.tag = e.hash.ipTag(ip)
+		case sp.scope == policy.ScopeGlobal:
+			it.tag = "g:" + sp.name
+		default:
+			it.tag = tenantTag(tenant)
+		}
+		if sp.kind != kindPool {
+			it.key, it.hash = e.hash.counter(it.tag, sp.digest, m.Parts)
+		}
+		it.res = &results[i]
+		*it.res = RuleResult{
+			Rule:      sp.name,
+			Scope:     sp.scope,
+			Kind:      sp.rule.Kind,
+			Shadow:    sp.shadow,
+			Allowed:   true,
+			Remaining: -1,
+		}
+		if !sp.shadow && sp.scope != policy.ScopeGlobal && sp.scope != policy.ScopeIP && sp.quota > 0 {
+			it.res.Quota, it.res.Window = sp.quota, sp.window
+		}
+	}
+	return items, results, nil
+}
+
+// groupItems groups items by hash tag in evaluation order; a rule spent from
+// a gateway-local chunk is a group of its own.
+func groupItems(items []item) []group {
+	var gs []group
+	for i := range items {
+		it := &items[i]
+		if it.sp.local {
+			gs = append(gs, group{local: true, idx: []int{i}})
+			continue
+		}
+		found := false
+		for j := range gs {
+			if !gs[j].local && gs[j].tag == it.tag {
+				gs[j].idx = append(gs[j].idx, i)
+				found = true
+				break
+			}
+		}
+		if !found {
+			gs = append(gs, group{tag: it.tag, idx: []int{i}})
+		}
+	}
+	return gs
+}
+
+// decideOp builds the store call for group g.
+func (e *Engine) decideOp(g *group, items []item, req *Request, id, member string, now time.Time) *op {
+	o := &op{code: opDecide, now: e.storeNow(now), id: id, member: member}
+	o.keys = make([]string, 0, 1+len(g.idx)+1)
+	if req.RequestID != "" && e.cfg.IdempotencyTTL > 0 {
+		o.keys = append(o.keys, e.hash.idemKey(g.tag, req.RequestID))
+		o.idemTTL = e.cfg.IdempotencyTTL.Milliseconds()
+	} else {
+		o.keys = append(o.keys, e.cfg.Namespace+":{"+g.tag+"}:id:-") // same slot, never touched
+	}
+	o.rules = make([]ruleArg, len(g.idx))
+	// String-state keys first, so the script reads them with one MGET.
+	for pass := 0; pass < 2; pass++ {
+		for j, i := range g.idx {
+			it := &items[i]
+			sp := it.sp
+			str := sp.kind == kindBucket || sp.kind == kindFixed || sp.kind == kindSliding
+			if str != (pass == 0) {
+				continue
+			}
+			ra := ruleArg{kind: sp.kind, key: len(o.keys) + 1, a: sp.a, b: sp.b, c: it.cost, d: sp.d, shadow: sp.shadow, box: sp.box}
+			o.keys = append(o.keys, it.key)
+			if str {
+				o.strKeys++
+			}
+			if sp.kind == kindPool {
+				ra.a = it.cost
+				if it.cost != sp.unit {
+					ra.box = nil // a pool's first argument is the cost
+				}
+				o.keys = append(o.keys, sp.poolH)
+			}
+			o.rules[j] = ra
+		}
+	}
+	return o
+}
+
+// call runs o on the store through the breaker, within timeout when it is
+// positive. It reports whether the breaker refused the call.
+func (e *Engine) call(ctx context.Context, o *op, mono int64, timeout time.Duration) (refused bool, err error) {
+	if ok, _ := e.brk.allow(mono); !ok {
+		return true, ErrUnavailable
+	}
+	o.timeout = timeout
+	err = e.store.run(ctx, o)
+	e.m.storeCalls.Add(1)
+	switch {
+	case err == nil:
+		e.brk.done(mono, false)
+	case errors.Is(err, ErrOverloaded) || errors.Is(err, ErrClosed) || ctx.Err() != nil:
+		// Our own queue, our own shutdown or the caller giving up: not the
+		// store's fault, so the breaker does not count it.
+		e.m.storeErrors.Add(1)
+		e.brk.abort()
+	default:
+		e.m.storeErrors.Add(1)
+		e.brk.done(e.mono(e.clock.Now()), true)
+		e.log.Debug("store call failed", zap.Error(err))
+	}
+	return false, err
+}
+
+// runStore decides group g in one store call, or by the fail modes.
+func (e *Engine) runStore(ctx context.Context, g *group, items []item, req *Request, d *Decision,
+	member string, now time.Time, mono int64) (Outcome, int, int64) {
+	o := e.decideOp(g, items, req, d.ID, member, now)
+	if _, err := e.call(ctx, o, mono, e.cfg.StoreTimeout); err != nil {
+		return e.failGroup(g, items, now, mono)
+	}
+	n := len(g.idx)
+	if len(o.out) < 2 {
+		return e.failGroup(g, items, now, mono)
+	}
+	replay := o.out[0] == 1
+	if replay {
+		g.replay = true
+		d.ID = o.outID
+		if len(o.out) != 2+4*n { // decided under another policy version
+			return Allow, -1, 0
+		}
+	} else if len(o.out) != 2+4*n {
+		e.log.Warn("malformed store reply", zap.Int("len", len(o.out)), zap.Int("rules", n))
+		return e.failGroup(g, items, now, mono)
+	}
+	if d.Source == SourceLocal || d.Source == SourceNone {
+		d.Source = SourceStore
+	}
+	g.op = o
+	deny := -1
+	var retry int64
+	for j, i := range g.idx {
+		it := &items[i]
+		r := o.out[2+4*j : 6+4*j]
+		it.res.Allowed = r[0] == 1
+		it.res.Remaining = r[1]
+		it.res.Reset = ceilSeconds(r[3])
+		if !it.res.Allowed {
+			it.res.RetryAfter = msToRetry(r[2])
+			if it.sp.shadow {
+				continue
+			}
+			if deny < 0 && o.out[1] == int64(j+1) {
+				deny = i
+			}
+			retry = maxRetry(retry, it.res.RetryAfter)
+			if e.neg != nil && !replay && it.sp.kind != kindSlots {
+				e.remember(it.hash, r[2], mono)
+			}
+		}
+	}
+	if deny >= 0 {
+		return Deny, deny, retry
+	}
+	return Allow, -1, 0
+}
+
+// remember puts a denied key in the negative cache for min(hint, ceiling).
+func (e *Engine) remember(hash uint64, retryMs, mono int64) {
+	ceiling := e.cfg.NegativeCacheTTL.Nanoseconds()
+	hold, retryAt := ceiling, int64(-1)
+	if retryMs >= 0 {
+		r := retryMs * int64(time.Millisecond)
+		hold = min(r, ceiling)
+		retryAt = mono + r
+	}
+	if hold > 0 {
+		e.neg.put(hash, mono+hold, retryAt)
+	}
+}
+
+// failGroup decides group g by its rules' fail modes: the first rule in
+// order that does not admit decides; closed answers Unavailable, a fallback
+// bucket that is empty answers Deny; open admits (counted). Fallback debits
+// happen only when the whole group admits.
+func (e *Engine) failGroup(g *group, items []item, now time.Time, mono int64) (Outcome, int, int64) {
+	var fbItems []fbItem
+	var fbIdx []int
+	for _, i := range g.idx {
+		it := &items[i]
+		it.res.Remaining = -1
+		if it.sp.shadow {
+			continue
+		}
+		switch it.sp.fail {
+		case policy.FailOpen:
+			it.res.FailMode = policy.FailOpen
+		case policy.FailFallback:
+			it.res.FailMode = policy.FailFallback
+			fbItems = append(fbItems, fbItem{sp: it.sp, hash: it.hash, cost: it.cost})
+			fbIdx = append(fbIdx, i)
+		default:
+			it.res.FailMode = policy.FailClosed
+			it.res.Allowed = false
+			e.m.failClosed.Add(1)
+			return Unavailable, i, e.unavailableRetry(mono)
+		}
+	}
+	wall := now.UnixMilli()
+	if len(fbItems) > 0 {
+		deny, retryMs, states := e.fb.decide(fbItems, wall)
+		if deny >= 0 {
+			it := &items[fbIdx[deny]]
+			it.res.Allowed = false
+			it.res.RetryAfter = msToRetry(retryMs)
+			e.m.fallback.Add(1)
+			return Deny, fbIdx[deny], it.res.RetryAfter
+		}
+		g.fb, g.fbIdx = states, fbIdx
+		e.m.fallback.Add(uint64(len(fbItems)))
+	}
+	for _, i := range g.idx {
+		if items[i].res.FailMode == policy.FailOpen {
+			e.m.failOpen.Add(1)
+		}
+	}
+	return Allow, -1, 0
+}
+
+// unavailableRetry is the Retry-After of a 503: until the breaker lets a
+// probe through, or the configured default.
+func (e *Engine) unavailableRetry(mono int64) int64 {
+	if ok, at := e.brk.allow(mono); !ok && at > mono {
+		return retrySeconds(at, mono)
+	}
+	return ceilSeconds(e.cfg.UnavailableRetryAfter.Milliseconds())
+}
+
+// runLocal spends a global quota from the gateway-local chunk, taking a new
+// chunk from the regional pool when it is empty.
+func (e *Engine) runLocal(ctx context.Context, g *group, items []item, now time.Time, mono int64) (Outcome, int64) {
+	it := &items[g.idx[0]]
+	c := it.sp.chunk
+	failMode := func() (Outcome, int64) {
+		out, _, retry := e.failGroup(g, items, now, e.mono(now))
+		return out, retry
+	}
+	for attempt := 0; attempt < 3; attempt++ {
+		if s := c.spend(mono, it.cost); s != nil {
+			it.spent = s
+			it.res.Remaining = s.tokens.Load()
+			e.m.localSpends.Add(1)
+			return Allow, 0
+		}
+		c.mu.Lock()
+		if mono < c.starved {
+			retryAt := c.retryAt
+			c.mu.Unlock()
+			it.res.Allowed, it.res.Remaining = false, 0
+			it.res.RetryAfter = retrySeconds(retryAt, mono)
+			return Deny, it.res.RetryAfter
+		}
+		if ch := c.refill; ch != nil {
+			c.mu.Unlock()
+			select {
+			case <-ch:
+				continue
+			case <-ctx.Done():
+				return failMode()
+			}
+		}
+		ch := make(chan struct{})
+		c.refill = ch
+		c.mu.Unlock()
+
+		o := &op{code: opTake, now: e.storeNow(now), keys: []string{it.sp.poolZ, it.sp.poolH}, n1: it.sp.gatewayChunk}
+		sent := mono
+		_, err := e.call(ctx, o, mono, e.cfg.StoreTimeout)
+		now = e.clock.Now()
+		mono = e.mono(now)
+		c.mu.Lock()
+		c.refill = nil
+		close(ch)
+		if err == nil && len(o.out) == 3 && o.out[0] > 0 {
+			e.m.localTakes.Add(1)
+			st := &chunkState{expires: sent + o.out[1]*int64(time.Millisecond)}
+			if old := c.cur.Load(); old != nil && mono < old.expires {
+				// Keep what is left of the old chunk, under the earlier expiry.
+				st.tokens.Store(old.tokens.Swap(0))
+				st.expires = min(st.expires, old.expires)
+			}
+			st.tokens.Add(o.out[0])
+			c.cur.Store(st)
+		} else if err == nil && len(o.out) == 3 {
+			retry := o.out[2] * int64(time.Millisecond)
+			hold := min(retry, e.cfg.NegativeCacheTTL.Nanoseconds())
+			c.starved, c.retryAt = mono+hold, mono+retry
+			c.mu.Unlock()
+			it.res.Allowed, it.res.Remaining = false, 0
+			it.res.RetryAfter = msToRetry(o.out[2])
+			return Deny, it.res.RetryAfter
+		}
+		c.mu.Unlock()
+		if err != nil || len(o.out) != 3 {
+			return failMode()
+		}
+	}
+	it.res.Allowed, it.res.Remaining = false, 0
+	it.res.RetryAfter = 1
+	return Deny, 1
+}
+
+// compensate undoes the debits of groups that admitted before a later group
+// denied: local chunks and fallback buckets in process, store groups with a
+// refund call. A failed refund is logged and counted; it leaves counters
+// charged, the safe direction.
+func (e *Engine) compensate(groups []group, items []item, mono int64) {
+	for gi := range groups {
+		g := &groups[gi]
+		switch {
+		case g.local:
+			it := &items[g.idx[0]]
+			it.sp.chunk.refund(it.spent, mono, it.cost)
+			it.spent = nil
+		case g.op != nil && !g.replay:
+			r := *g.op
+			r.code, r.idemTTL, r.done, r.out = opRefund, 0, nil, nil
+			if _, err := e.call(context.Background(), &r, mono, e.cfg.StoreTimeout); err != nil {
+				e.m.refundErrors.Add(1)
+				e.log.Warn("refund failed; the earlier rules stay charged", zap.Error(err))
+			}
+		}
+		for j, s := range g.fb {
+			it := &items[g.fbIdx[j]]
+			e.fb.mu.Lock()
+			switch it.sp.kind {
+			case kindBucket:
+				s.tok = min(it.sp.fbCap, s.tok+it.cost)
+			case kindSlots:
+				if s.inflight > 0 {
+					s.inflight--
+				}
+			default:
+				s.c = max(0, s.c-it.cost)
+			}
+			e.fb.mu.Unlock()
+		}
+		g.fb = nil
+	}
+}
+
+// finish fills the decision from the items.
+func (e *Engine) finish(d *Decision, items []item, results []RuleResult, deny int, outcome Outcome, retry int64) {
+	d.Outcome = outcome
+	d.Rules = results
+	degraded := false
+	for i := range d.Rules {
+		r := &d.Rules[i]
+		if r.Shadow && !r.Allowed {
+			d.WouldDeny = true
+		}
+		if r.FailMode != "" {
+			degraded = true
+		}
+		if !r.Shadow && r.Remaining >= 0 && (d.Remaining < 0 || r.Remaining < d.Remaining) {
+			d.Remaining = r.Remaining
+		}
+	}
+	if degraded && d.Source != SourceReplay {
+		d.Source = SourceFailMode
+	}
+	switch outcome {
+	case Allow:
+		e.m.allowed.Add(1)
+	case Deny:
+		e.m.denied.Add(1)
+	case Unavailable:
+		e.m.unavailable.Add(1)
+	}
+	if deny >= 0 {
+		d.Rule, d.Scope = items[deny].sp.name, items[deny].sp.scope
+		if retry == 0 {
+			retry = 1
+		}
+		d.RetryAfter = retry
+	}
+}
+
+// msToRetry converts a retry hint in milliseconds to whole seconds, rounded
+// up and at least 1; -1 (waiting will not help) stays -1.
+func msToRetry(ms int64) int64 {
+	if ms < 0 {
+		return -1
+	}
+	return max(1, ceilSeconds(ms))
+}
+
+func ceilSeconds(ms int64) int64 {
+	if ms <= 0 {
+		return 0
+	}
+	return (ms + 999) / 1000
+}
+
+// retrySeconds is the whole seconds from mono until at (monotonic ns),
+// rounded up, at least 1; -1 when at is -1.
+func retrySeconds(at, mono int64) int64 {
+	if at < 0 {
+		return -1
+	}
+	s := (at - mono + int64(time.Second) - 1) / int64(time.Second)
+	return max(1, s)
+}
+
+// maxRetry combines two retry hints; -1 (never) dominates.
+func maxRetry(a, b int64) int64 {
+	if a < 0 || b < 0 {
+		return -1
+	}
+	return max(a, b)
+}

@@ -1,0 +1,78 @@
+package admission
+
+import "errors"
+
+// ErrInvalidRequest is wrapped by every error Decide returns for bad input:
+// unknown or malformed descriptors, a bad cost, an oversized request, a
+// missing tenant. Nothing was debited. Gateways map it to 400.
+var ErrInvalidRequest = errors.New("invalid request")
+
+// The specific bad-input errors. Each wraps ErrInvalidRequest, and the error
+// Decide returns wraps one of them with the field at fault, e.g.
+// `descriptors[3].key: unknown descriptor "colour"`.
+var (
+	// ErrUnknownDescriptor is a descriptor key no rule of the policy uses
+	// (and not listed in Config.ExtraDescriptors): most likely a typo.
+	ErrUnknownDescriptor = wrapInvalid("unknown descriptor")
+	// ErrBadDescriptor is a malformed descriptor: an empty or invalid key, a
+	// key given twice, or a value that is not printable UTF-8.
+	ErrBadDescriptor = wrapInvalid("bad descriptor")
+	// ErrTooLarge is an oversized request: too many descriptors, or a key,
+	// value or request id longer than the limits in this package.
+	ErrTooLarge = wrapInvalid("request too large")
+	// ErrBadCost is a negative or huge hit count, or a cost (rule cost x
+	// hits) above what the rule can ever admit (its capacity, limit or
+	// chunk): such a request could never succeed.
+	ErrBadCost = wrapInvalid("bad cost")
+	// ErrMissingTenant is a request that names a user without a tenant:
+	// per-user counters live inside a tenant, so the tenant is required.
+	ErrMissingTenant = wrapInvalid("missing tenant")
+)
+
+// ErrInvalidPolicy is returned by New and Apply for a document that fails
+// policy validation; it also wraps policy.ErrInvalid.
+var ErrInvalidPolicy = errors.New("invalid policy")
+
+// ErrStalePolicy is returned by Apply for a version that is not newer than
+// the one in force: versions only move forward, so a replayed old snapshot
+// can never replace a newer one.
+var ErrStalePolicy = errors.New("stale policy version")
+
+// ErrClosed is returned after Close.
+var ErrClosed = errors.New("admission: closed")
+
+// ErrUnknownQuota is returned by the leased-pool methods for a name that is
+// not a global_quota rule of the policy in force.
+var ErrUnknownQuota = errors.New("unknown quota")
+
+// ErrBadGrant is returned by DepositChunk for an empty grant id, a
+// non-positive token count or TTL, or oversized values.
+var ErrBadGrant = errors.New("bad grant")
+
+// ErrUnavailable is returned by the methods that talk to the store outside
+// the decision path (DepositChunk, PoolStats, Renew, ...) when it cannot
+// answer in time or the circuit breaker is open. Decide never returns it:
+// there the rule's fail mode decides.
+var ErrUnavailable = errors.New("store unavailable")
+
+// ErrOverloaded is reported (wrapped in ErrUnavailable) when more store calls
+// are pending than RedisConfig.MaxPending allows.
+var ErrOverloaded = errors.New("store overloaded")
+
+// ErrSlotLost is returned by Renew when a concurrency slot has already
+// expired or was released: the work it guarded is no longer counted.
+var ErrSlotLost = errors.New("concurrency slot lost")
+
+// ErrStoreFull is reported (wrapped in ErrUnavailable) by the embedded store
+// when it holds MemoryConfig.MaxKeys live keys and must not grow.
+var ErrStoreFull = errors.New("store full")
+
+type invalidError struct{ msg string }
+
+func wrapInvalid(msg string) error { return &invalidError{msg: msg} }
+
+// Error returns the error's message.
+func (e *invalidError) Error() string { return e.msg }
+
+// Unwrap returns ErrInvalidRequest.
+func (e *invalidError) Unwrap() error { return ErrInvalidRequest }

@@ -1,0 +1,219 @@
+package admission
+
+import (
+	"sync"
+	"sync/atomic"
+)
+
+// breaker is a circuit breaker around the store (reference chapter 13): after
+// `threshold` consecutive failures it opens for `cooldown`, during which no
+// store call is made and rules go straight to their fail modes; then one
+// probe call is let through, and its success closes the breaker. Times are
+// monotonic nanoseconds. The closed path costs two atomic loads.
+type breaker struct {
+	threshold int64
+	cooldown  int64
+
+	failures  atomic.Int64
+	openUntil atomic.Int64 // 0 while closed
+	opens     atomic.Uint64
+
+	mu      sync.Mutex
+	probing bool
+}
+
+// allow reports whether a store call may be made at now; when not, it also
+// returns when the breaker will let a probe through.
+func (b *breaker) allow(now int64) (bool, int64) {
+	u := b.openUntil.Load()
+	if u == 0 {
+		return true, 0
+	}
+	if now < u {
+		return false, u
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.probing {
+		return false, now + b.cooldown
+	}
+	b.probing = true
+	return true, 0
+}
+
+// done records the outcome of a call allowed at now.
+func (b *breaker) done(now int64, failed bool) {
+	if !failed {
+		if b.failures.Load() != 0 || b.openUntil.Load() != 0 {
+			b.mu.Lock()
+			b.failures.Store(0)
+			b.openUntil.Store(0)
+			b.probing = false
+			b.mu.Unlock()
+		}
+		return
+	}
+	n := b.failures.Add(1)
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.probing || n >= b.threshold && b.openUntil.Load() == 0 {
+		b.openUntil.Store(now + b.cooldown)
+		b.probing = false
+		b.opens.Add(1)
+	}
+}
+
+// abort records that a call allowed at now ended without telling anything
+// about the store (the caller gave up, or our own queue was full): a probe
+// slot it held is freed, the counts are unchanged.
+func (b *breaker) abort() {
+	if b.openUntil.Load() == 0 {
+		return
+	}
+	b.mu.Lock()
+	b.probing = false
+	b.mu.Unlock()
+}
+
+// isOpen reports whether calls are currently refused.
+func (b *breaker) isOpen(now int64) bool {
+	u := b.openUntil.Load()
+	return u != 0 && now < u
+}
+
+// fallback holds the in-process buckets that replace a fallback rule while
+// the store cannot answer (reference chapter 13): each is the rule divided by
+// the number of gateways, so if traffic splits evenly the fleet admits at most
+// the rule, and fewer if it does not. It is a reduced guarantee, stated as
+// such. Global quotas use their lease's fallback_per_region instead. Sliding
+// windows fall back to a fixed window of the same share.
+type fallback struct {
+	mu  sync.Mutex
+	m   map[uint64]*fbState
+	max int
+}
+
+// fbState is one fallback counter. Times are wall milliseconds.
+type fbState struct {
+	tok, ts  int64 // bucket: millitokens and last refill
+	w, c     int64 // window index and count
+	inflight int64 // concurrency slots held
+	last     int64 // last use, for sweeping
+}
+
+// fbItem is one rule of a group decided by the fallback.
+type fbItem struct {
+	sp   *spec
+	hash uint64
+	cost int64
+}
+
+func newFallback(max int) *fallback {
+	return &fallback{m: make(map[uint64]*fbState), max: max}
+}
+
+// state returns the counter of hash, creating it; nil when full.
+func (f *fallback) state(hash uint64, now int64, sp *spec) *fbState {
+	if s := f.m[hash]; s != nil {
+		return s
+	}
+	if len(f.m) >= f.max {
+		for k, s := range f.m { // drop idle counters (over a minute unused)
+			if s.inflight == 0 && now-s.last > 60_000 {
+				delete(f.m, k)
+			}
+		}
+		if len(f.m) >= f.max {
+			return nil
+		}
+	}
+	s := &fbState{tok: sp.fbCap, ts: now, w: -1}
+	f.m[hash] = s
+	return s
+}
+
+// decide checks items in order and, when all admit, debits them all. It
+// returns the index of the first item that denies (-1 when none) with its
+// retry hint in milliseconds, and the states debited (for slot release).
+func (f *fallback) decide(items []fbItem, now int64) (int, int64, []*fbState) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	states := make([]*fbState, len(items))
+	for i, it := range items {
+		s := f.state(it.hash, now, it.sp)
+		if s == nil {
+			return i, scriptEmptyRetry, nil
+		}
+		states[i] = s
+		if ok, retry := s.check(it.sp, it.cost, now); !ok {
+			return i, retry, nil
+		}
+	}
+	for i, it := range items {
+		states[i].debit(it.sp, it.cost, now)
+	}
+	return -1, 0, states
+}
+
+// release gives back a fallback concurrency slot.
+func (f *fallback) release(s *fbState) {
+	f.mu.Lock()
+	if s.inflight > 0 {
+		s.inflight--
+	}
+	f.mu.Unlock()
+}
+
+func (s *fbState) refill(sp *spec, now int64) {
+	if s.tok < sp.fbCap && sp.fbRefill > 0 && now > s.ts {
+		s.tok = min(sp.fbCap, s.tok+(now-s.ts)*sp.fbRefill/1000)
+	}
+	s.ts = max(s.ts, now)
+}
+
+func (s *fbState) window(sp *spec, now int64) {
+	if sp.fbWindow <= 0 {
+		return
+	}
+	if idx := now / sp.fbWindow; idx != s.w {
+		s.w, s.c = idx, 0
+	}
+}
+
+func (s *fbState) check(sp *spec, cost, now int64) (bool, int64) {
+	switch sp.kind {
+	case kindBucket:
+		s.refill(sp, now)
+		if s.tok >= cost {
+			return true, 0
+		}
+		if sp.fbRefill <= 0 {
+			return false, -1
+		}
+		return false, ceilDiv((cost-s.tok)*1000, sp.fbRefill)
+	case kindFixed, kindSliding, kindPool:
+		s.window(sp, now)
+		if s.c+cost <= sp.fbLimit {
+			return true, 0
+		}
+		return false, (s.w+1)*sp.fbWindow - now
+	case kindSlots:
+		if s.inflight < sp.fbLimit {
+			return true, 0
+		}
+		return false, scriptEmptyRetry
+	}
+	return false, scriptEmptyRetry
+}
+
+func (s *fbState) debit(sp *spec, cost, now int64) {
+	s.last = now
+	switch sp.kind {
+	case kindBucket:
+		s.tok -= cost
+	case kindFixed, kindSliding, kindPool:
+		s.c += cost
+	case kindSlots:
+		s.inflight++
+	}
+}

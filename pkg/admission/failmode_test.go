@@ -1,0 +1,284 @@
+package admission_test
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/allot-dev/allot/internal/redistest"
+	"github.com/allot-dev/allot/pkg/admission"
+	"github.com/allot-dev/allot/pkg/policy"
+)
+
+// failHarness is an engine on a Redis store at addr with a fake clock.
+func failHarness(t *testing.T, addr string, doc *policy.Document, mutate func(*admission.Config)) (*harness, *admission.RedisStore) {
+	t.Helper()
+	client := redis.NewClient(&redis.Options{
+		Addr:        addr,
+		DialTimeout: 200 * time.Millisecond,
+		ReadTimeout: 300 * time.Millisecond,
+		MaxRetries:  -1,
+		// One dial attempt: a refused connection fails at once.
+		DialerRetries: 1,
+	})
+	t.Cleanup(func() { client.Close() })
+	store, err := admission.NewRedisStore(client, admission.DefaultRedisConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { store.Close() })
+	clock := newFakeClock(t0)
+	cfg := admission.DefaultConfig()
+	cfg.Namespace = namespace()
+	cfg.Gateways = 2
+	cfg.NegativeCacheTTL = 0
+	cfg.StoreTimeout = 100 * time.Millisecond
+	cfg.BreakerFailures = 3
+	if mutate != nil {
+		mutate(&cfg)
+	}
+	e, err := admission.New(cfg, store, doc, 1, admission.WithClock(clock), admission.WithLogger(zaptest.NewLogger(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	admission.UseStoreClock(e)
+	t.Cleanup(func() { e.Close() })
+	return &harness{t: t, e: e, clock: clock, ns: cfg.Namespace, doc: doc, client: client}, store
+}
+
+const openPolicy = `
+name: open
+rules:
+  - name: lenient
+    scope: tenant
+    match: [{key: tenant}]
+    kind: token_bucket
+    capacity: 1
+    refill_per_second: 1
+    fail_mode: open
+`
+
+// TestFailModesUnreachable points the engine at a closed port: each rule's
+// declared fail mode decides, and the breaker stops the calls.
+func TestFailModesUnreachable(t *testing.T) {
+	addr, err := redistest.ClosedAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, _ := failHarness(t, addr, northstar(t), nil)
+
+	// P-EXPORT is fail closed: 503 with a Retry-After, never an unmetered export.
+	d := h.decide(export("cedar")...)
+	if d.Outcome != admission.Unavailable || d.Rule != "p-export" || d.RetryAfter < 1 || d.Source != admission.SourceFailMode {
+		t.Fatalf("export: %+v; want unavailable by p-export with a Retry-After", d)
+	}
+	if r := rule(t, d, "p-export"); r.FailMode != policy.FailClosed {
+		t.Fatalf("p-export decided by %q, want closed", r.FailMode)
+	}
+
+	// P-READ and P-GLOBAL fall back to local allowances: P-READ's bucket is
+	// 20 / 2 gateways = 10 at 1 token/s.
+	for i := 0; i < 10; i++ {
+		d := h.decide(catalog("cedar", "U-17")...)
+		wantAllowed(t, d, "fallback read")
+		if r := rule(t, d, "p-read"); r.FailMode != policy.FailFallback {
+			t.Fatalf("p-read decided by %q, want fallback", r.FailMode)
+		}
+		if r := rule(t, d, "p-global"); r.FailMode != policy.FailFallback {
+			t.Fatalf("p-global decided by %q, want fallback", r.FailMode)
+		}
+	}
+	wantDenied(t, h.decide(catalog("cedar", "U-17")...), "11th fallback read", "p-read", policy.ScopeUser, 1)
+	h.clock.Advance(time.Second)
+	wantAllowed(t, h.decide(catalog("cedar", "U-17")...), "refilled fallback read")
+
+	// P-ANON's fallback window: 20 / 2 = 10 per 10 s.
+	for i := 0; i < 10; i++ {
+		wantAllowed(t, h.decide(anon("203.0.113.7")...), "fallback anon")
+	}
+	if d := h.decide(anon("203.0.113.7")...); d.Allowed() || d.Rule != "p-anon" {
+		t.Fatalf("11th anonymous request: %+v; want denied by p-anon's fallback", d)
+	}
+
+	s := h.e.Stats()
+	if s.BreakerOpens == 0 || !h.e.BreakerOpen() {
+		t.Fatalf("stats %+v: the breaker should have opened", s)
+	}
+	calls := s.StoreCalls
+	for i := 0; i < 100; i++ {
+		h.decide(export("cedar")...)
+	}
+	if got := h.e.Stats().StoreCalls; got != calls {
+		t.Fatalf("store calls grew from %d to %d while the breaker was open", calls, got)
+	}
+	if s.Fallback == 0 || s.FailClosed == 0 {
+		t.Fatalf("stats %+v: want fallback and closed counted", s)
+	}
+
+	// fail_mode open admits, counted.
+	ho, _ := failHarness(t, addr, parse(t, openPolicy), nil)
+	for i := 0; i < 5; i++ {
+		d := ho.decide("tenant", "cedar")
+		wantAllowed(t, d, "fail open")
+		if r := rule(t, d, "lenient"); r.FailMode != policy.FailOpen {
+			t.Fatalf("decided by %q, want open", r.FailMode)
+		}
+	}
+	if got := ho.e.Stats().FailOpen; got != 5 {
+		t.Fatalf("FailOpen = %d, want 5", got)
+	}
+
+	// Off the decision path the store's trouble is an error.
+	if _, err := h.e.PoolStats(context.Background(), "p-global"); err == nil {
+		t.Fatal("PoolStats on an unreachable store succeeded")
+	}
+}
+
+// TestFailModesPaused stops a real redis-server with SIGSTOP: connections
+// stay open and calls hang. Decisions still return within the store timeout,
+// by the fail modes; the breaker then stops calling; after SIGCONT and the
+// cooldown a probe closes the breaker again.
+func TestFailModesPaused(t *testing.T) {
+	srv := redistest.NewServer(t)
+	h, _ := failHarness(t, srv.Addr(), northstar(t), nil)
+	wantAllowed(t, h.decide(export("cedar")...), "before the pause")
+
+	if err := srv.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	resumed := false
+	defer func() {
+		if !resumed {
+			_ = srv.Resume()
+		}
+	}()
+	// Many concurrent callers: all answered by fail modes, none hang.
+	var wg sync.WaitGroup
+	for i := 0; i < 32; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			d, err := h.e.Decide(context.Background(), &admission.Request{Descriptors: entries(export("t" + itoa(i))...)})
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			if d.Outcome != admission.Unavailable {
+				t.Errorf("paused store: %s, want unavailable (p-export fails closed)", d.Outcome)
+			}
+		}(i)
+	}
+	wg.Wait()
+	if !h.e.BreakerOpen() {
+		t.Fatalf("breaker closed after %d failed calls", h.e.Stats().StoreErrors)
+	}
+	calls := h.e.Stats().StoreCalls
+	for i := 0; i < 200; i++ {
+		if d := h.decide(export("cedar")...); d.Outcome != admission.Unavailable {
+			t.Fatalf("breaker open: %s, want unavailable", d.Outcome)
+		}
+	}
+	if got := h.e.Stats().StoreCalls; got != calls {
+		t.Fatalf("store calls %d -> %d while the breaker was open: calls pile up", calls, got)
+	}
+
+	if err := srv.Resume(); err != nil {
+		t.Fatal(err)
+	}
+	resumed = true
+	h.clock.Advance(2 * time.Second) // past the cooldown: the next call probes
+	var d *admission.Decision
+	for i := 0; i < 50; i++ { // the server may need a moment to drain
+		if d = h.decide(export("cedar")...); d.Source == admission.SourceStore {
+			break
+		}
+		h.clock.Advance(2 * time.Second)
+		time.Sleep(20 * time.Millisecond)
+	}
+	if d.Source != admission.SourceStore || h.e.BreakerOpen() {
+		t.Fatalf("after resume: %+v, breaker open %v; want the store deciding again", d, h.e.BreakerOpen())
+	}
+}
+
+// TestNoScriptReload: after SCRIPT FLUSH the next call meets NOSCRIPT,
+// reloads the script with EVAL and decides normally.
+func TestNoScriptReload(t *testing.T) {
+	srv := redistest.NewServer(t)
+	h, store := failHarness(t, srv.Addr(), northstar(t), nil)
+	ctx := context.Background()
+	if err := store.Load(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if ok, _ := h.client.ScriptExists(ctx, admission.ScriptSHA()).Result(); len(ok) != 1 || !ok[0] {
+		t.Fatal("Load did not load the script")
+	}
+	wantAllowed(t, h.decide(export("cedar")...), "loaded")
+	if err := h.client.ScriptFlush(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	d := h.decide(export("cedar")...)
+	wantAllowed(t, d, "after SCRIPT FLUSH")
+	if d.Source != admission.SourceStore || rule(t, d, "p-export").Remaining != 0 {
+		t.Fatalf("after reload: %+v", d)
+	}
+	if ok, _ := h.client.ScriptExists(ctx, admission.ScriptSHA()).Result(); len(ok) != 1 || !ok[0] {
+		t.Fatal("the script was not reloaded")
+	}
+}
+
+// TestRedisErrorIsFailMode: a corrupt bucket and a slot set of the wrong
+// type make the script fail (an error reply, WRONGTYPE); the rules' fail
+// modes decide, nothing panics.
+func TestRedisErrorIsFailMode(t *testing.T) {
+	redistest.Require(t, shared.err)
+	h, _ := failHarness(t, shared.redis.Addr(), northstar(t), nil)
+	calls, err := h.e.ScriptCalls(&admission.Request{Descriptors: entries(export("cedar")...)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Keys: idempotency, the p-export bucket, the p-export-concurrency set.
+	for _, key := range calls[0].Keys[1:] {
+		if err := h.client.Set(context.Background(), key, "garbage", time.Minute).Err(); err != nil {
+			t.Fatal(err)
+		}
+		d := h.decide(export("cedar")...)
+		if d.Outcome != admission.Unavailable || d.Rule != "p-export" {
+			t.Fatalf("garbage at %s: %+v; want unavailable by p-export", key, d)
+		}
+		if err := h.client.Del(context.Background(), key).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	wantAllowed(t, h.decide(export("cedar")...), "after the cleanup")
+}
+
+// TestMemoryStoreFull: a full embedded store fails calls that would create
+// keys; the fail modes decide.
+func TestMemoryStoreFull(t *testing.T) {
+	store, err := admission.NewMemoryStore(admission.MemoryConfig{MaxKeys: 2}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := admission.DefaultConfig()
+	e, err := admission.New(cfg, store, parse(t, openPolicy), 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	for i := 0; i < 4; i++ {
+		d, err := e.Decide(ctx, &admission.Request{Descriptors: entries("tenant", "t"+itoa(i))})
+		if err != nil || !d.Allowed() {
+			t.Fatalf("Decide: %v %v", d, err)
+		}
+	}
+	if store.Len() > 2 {
+		t.Fatalf("store holds %d keys, cap 2", store.Len())
+	}
+	if e.Stats().FailOpen != 2 {
+		t.Fatalf("FailOpen %d, want 2 (two tenants found the store full)", e.Stats().FailOpen)
+	}
+}

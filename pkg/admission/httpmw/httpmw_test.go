@@ -1,0 +1,310 @@
+package httpmw_test
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
+
+	"github.com/allot-dev/allot/examples"
+	"github.com/allot-dev/allot/internal/redistest"
+	"github.com/allot-dev/allot/pkg/admission"
+	"github.com/allot-dev/allot/pkg/admission/httpmw"
+	"github.com/allot-dev/allot/pkg/policy"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+type ctxKey struct{}
+
+// auth stands for the gateway's authentication middleware: it verifies a
+// token and puts the identity in the context. Here the "token" is the
+// Authorization header "tenant/user", trusted only because this is a test.
+func auth(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if tok, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer "); ok {
+			tenant, user, _ := strings.Cut(tok, "/")
+			r = r.WithContext(context.WithValue(r.Context(), ctxKey{}, httpmw.Identity{Tenant: tenant, User: user, Authenticated: true}))
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+func identify(r *http.Request) httpmw.Identity {
+	id, _ := r.Context().Value(ctxKey{}).(httpmw.Identity)
+	return id
+}
+
+type gateway struct {
+	srv *httptest.Server
+	e   *admission.Engine
+}
+
+func newGateway(t *testing.T, store admission.Store, cfg admission.Config) *gateway {
+	t.Helper()
+	doc, err := policy.Parse(examples.Northstar)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e, err := admission.New(cfg, store, doc, 7)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.Close() })
+	g := &gateway{e: e}
+	mw, err := httpmw.New(e, httpmw.DefaultConfig(), httpmw.WithIdentity(identify))
+	if err != nil {
+		t.Fatal(err)
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") })
+	g.srv = httptest.NewServer(auth(mw(mux)))
+	t.Cleanup(g.srv.Close)
+	return g
+}
+
+func memStore(t *testing.T) admission.Store {
+	s, err := admission.NewMemoryStore(admission.DefaultMemoryConfig(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func (g *gateway) do(t *testing.T, method, path, token string, header ...string) *http.Response {
+	t.Helper()
+	req, _ := http.NewRequest(method, g.srv.URL+path, nil)
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
+	}
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { resp.Body.Close() })
+	return resp
+}
+
+func decode(t *testing.T, resp *http.Response) map[string]any {
+	t.Helper()
+	var m map[string]any
+	if err := json.NewDecoder(resp.Body).Decode(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+func TestAuthenticatedRead(t *testing.T) {
+	g := newGateway(t, memStore(t), admission.DefaultConfig())
+	if _, err := g.e.DepositChunk(context.Background(), "p-global", "g1", 1000, time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	resp := g.do(t, "GET", "/catalog", "cedar/U-17")
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	if got, want := resp.Header.Get("RateLimit-Policy"), `"p-read";q=20;w=10`; got != want {
+		t.Errorf("RateLimit-Policy = %q, want %q", got, want)
+	}
+	if got, want := resp.Header.Get("RateLimit"), `"p-read";r=19;t=1`; got != want {
+		t.Errorf("RateLimit = %q, want %q", got, want)
+	}
+	for i := 0; i < 7; i++ {
+		resp = g.do(t, "GET", "/catalog", "cedar/U-17")
+	}
+	if got, want := resp.Header.Get("RateLimit"), `"p-read";r=12;t=4`; got != want {
+		t.Errorf("after 8 reads RateLimit = %q, want %q", got, want)
+	}
+	for i := 0; i < 12; i++ {
+		g.do(t, "GET", "/catalog", "cedar/U-17")
+	}
+	resp = g.do(t, "GET", "/catalog", "cedar/U-17")
+	if resp.StatusCode != http.StatusTooManyRequests || resp.Header.Get("Retry-After") != "1" {
+		t.Fatalf("21st read: %d Retry-After %q; want 429 and 1", resp.StatusCode, resp.Header.Get("Retry-After"))
+	}
+	b := decode(t, resp)
+	if b["error"] != "rate_limited" || b["scope"] != "user" || !strings.HasPrefix(b["decisionId"].(string), "d-") {
+		t.Fatalf("body %v", b)
+	}
+	for k := range b {
+		if k != "error" && k != "scope" && k != "decisionId" {
+			t.Errorf("body field %q: a refusal names the scope and the decision, no counters", k)
+		}
+	}
+	// Headers on the 429 are the caller's own numbers.
+	if got := resp.Header.Get("RateLimit"); got != `"p-read";r=0;t=10` {
+		t.Errorf("429 RateLimit = %q", got)
+	}
+	// Another user of the same tenant is unaffected.
+	if resp := g.do(t, "GET", "/catalog", "cedar/U-18"); resp.StatusCode != 200 {
+		t.Fatalf("another user: %d", resp.StatusCode)
+	}
+}
+
+func TestAnonymousGetsNoLimits(t *testing.T) {
+	g := newGateway(t, memStore(t), admission.DefaultConfig())
+	for i := 0; i < 20; i++ {
+		// A forged X-Forwarded-For changes nothing: the address is the
+		// connection's.
+		resp := g.do(t, "GET", "/login", "", "X-Forwarded-For", "198.51.100."+strings.Repeat("1", 1+i%3))
+		if resp.StatusCode != 200 {
+			t.Fatalf("anonymous %d: %d", i, resp.StatusCode)
+		}
+		if resp.Header.Get("RateLimit") != "" || resp.Header.Get("RateLimit-Policy") != "" {
+			t.Fatal("limits advertised to an anonymous caller")
+		}
+	}
+	resp := g.do(t, "GET", "/login", "")
+	if resp.StatusCode != http.StatusTooManyRequests || resp.Header.Get("Retry-After") == "" {
+		t.Fatalf("21st anonymous request: %d", resp.StatusCode)
+	}
+	if b := decode(t, resp); b["scope"] != "ip" {
+		t.Fatalf("body %v", b)
+	}
+	if resp.Header.Get("RateLimit") != "" {
+		t.Fatal("limits advertised to an anonymous caller on a 429")
+	}
+}
+
+// TestExportSlots: slots are held while the handler runs and released when
+// it returns; the fourth concurrent export is refused by scope tenant.
+func TestExportSlots(t *testing.T) {
+	clock := &stepClock{t: time.Now()}
+	store, err := admission.NewMemoryStore(admission.DefaultMemoryConfig(), clock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc, _ := policy.Parse(examples.Northstar)
+	e, err := admission.New(admission.DefaultConfig(), store, doc, 1, admission.WithClock(clock))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	block := make(chan struct{})
+	mw, _ := httpmw.New(e, httpmw.DefaultConfig(), httpmw.WithIdentity(identify))
+	srv := httptest.NewServer(auth(mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		<-block
+	}))))
+	defer srv.Close()
+	post := func() int {
+		req, _ := http.NewRequest("POST", srv.URL+"/reports/export", nil)
+		req.Header.Set("Authorization", "Bearer cedar/ops")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Error(err)
+			return 0
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	var wg sync.WaitGroup
+	codes := make(chan int, 3)
+	for i := 0; i < 3; i++ {
+		wg.Add(1)
+		go func() { defer wg.Done(); codes <- post() }()
+		// Let the export get its slot, then 5 s pass: enough rate tokens.
+		waitFor(t, func() bool { return e.Stats().Allowed == uint64(i+1) })
+		clock.advance(5 * time.Second)
+	}
+	if got := post(); got != http.StatusTooManyRequests {
+		t.Fatalf("fourth concurrent export: %d, want 429", got)
+	}
+	close(block)
+	wg.Wait()
+	close(codes)
+	for c := range codes {
+		if c != 200 {
+			t.Fatalf("export: %d", c)
+		}
+	}
+	// All released: another export runs.
+	clock.advance(5 * time.Second)
+	if got := post(); got != 200 {
+		t.Fatalf("export after the others finished: %d", got)
+	}
+}
+
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("condition not reached")
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+type stepClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (c *stepClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *stepClock) advance(d time.Duration) {
+	c.mu.Lock()
+	c.t = c.t.Add(d)
+	c.mu.Unlock()
+}
+
+// TestUnavailable: with the store unreachable, a fail-closed rule answers
+// 503 with Retry-After; a fallback rule keeps serving.
+func TestUnavailable(t *testing.T) {
+	addr, err := redistest.ClosedAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	client := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1, DialerRetries: 1, DialTimeout: 100 * time.Millisecond})
+	defer client.Close()
+	store, err := admission.NewRedisStore(client, admission.DefaultRedisConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	cfg := admission.DefaultConfig()
+	cfg.StoreTimeout = 200 * time.Millisecond
+	g := newGateway(t, store, cfg)
+	resp := g.do(t, "POST", "/reports/export", "cedar/ops")
+	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" {
+		t.Fatalf("export with the store down: %d Retry-After %q; want 503 with Retry-After", resp.StatusCode, resp.Header.Get("Retry-After"))
+	}
+	if b := decode(t, resp); b["error"] != "limiter_unavailable" {
+		t.Fatalf("body %v", b)
+	}
+	if resp := g.do(t, "GET", "/catalog", "cedar/U-1"); resp.StatusCode != 200 {
+		t.Fatalf("catalog read on fallback: %d", resp.StatusCode)
+	}
+}
+
+func TestBadRequest(t *testing.T) {
+	g := newGateway(t, memStore(t), admission.DefaultConfig())
+	resp := g.do(t, "GET", "/"+strings.Repeat("x", 400), "cedar/U-1")
+	if resp.StatusCode != http.StatusBadRequest {
+		t.Fatalf("oversized route: %d, want 400", resp.StatusCode)
+	}
+	if b := decode(t, resp); !strings.Contains(b["message"].(string), "value") {
+		t.Fatalf("body %v", b)
+	}
+	if _, err := httpmw.New(nil, httpmw.DefaultConfig()); err == nil {
+		t.Fatal("nil decider accepted")
+	}
+	if _, err := httpmw.New(g.e, httpmw.Config{}); err == nil {
+		t.Fatal("zero config accepted")
+	}
+}

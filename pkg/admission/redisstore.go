@@ -1,0 +1,247 @@
+package admission
+
+import (
+	"context"
+	"crypto/sha1"
+	_ "embed"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+)
+
+//go:embed script.lua
+var scriptSource string
+
+// ScriptSource returns the admission script's Lua source.
+func ScriptSource() string { return scriptSource }
+
+// ScriptSHA returns the SHA-1 digest EVALSHA calls the script by.
+func ScriptSHA() string {
+	sum := sha1.Sum([]byte(scriptSource))
+	return hex.EncodeToString(sum[:])
+}
+
+// RedisConfig configures a RedisStore and its auto-batcher.
+type RedisConfig struct {
+	// BatchSize is the most store calls sent in one pipeline.
+	BatchSize int
+	// BatchDelay is how long a call may wait for companions when pipelines
+	// are already in flight and the batch is not full; 0 sends as soon as a
+	// pipeline slot is free. A call never waits when nothing is in flight.
+	BatchDelay time.Duration
+	// MaxPipelines is the most pipelines in flight at once; more calls wait
+	// for one to return, and are batched meanwhile.
+	MaxPipelines int
+	// MaxPending is the most calls waiting to be sent; beyond it calls fail
+	// at once with ErrOverloaded (the fail modes decide), so a slow Redis
+	// cannot pile up unbounded work.
+	MaxPending int
+	// PipelineTimeout bounds one pipeline round trip; it protects the batcher
+	// when the client does not time out by itself. Callers give up earlier,
+	// at their own deadline.
+	PipelineTimeout time.Duration
+}
+
+// DefaultRedisConfig returns batches of up to 16 calls, 4 pipelines in
+// flight, no added delay, 4096 pending calls and a 1 s pipeline timeout.
+func DefaultRedisConfig() RedisConfig {
+	return RedisConfig{
+		BatchSize:       16,
+		BatchDelay:      0,
+		MaxPipelines:    4,
+		MaxPending:      4096,
+		PipelineTimeout: time.Second,
+	}
+}
+
+// Validate says what is wrong with c, or returns nil.
+func (c RedisConfig) Validate() error {
+	var errs []error
+	if c.BatchSize < 1 || c.BatchSize > 1024 {
+		errs = append(errs, fmt.Errorf("BatchSize must be in [1, 1024], got %d", c.BatchSize))
+	}
+	if c.BatchDelay < 0 || c.BatchDelay > 10*time.Millisecond {
+		errs = append(errs, fmt.Errorf("BatchDelay must be in [0, 10ms], got %s", c.BatchDelay))
+	}
+	if c.MaxPipelines < 1 {
+		errs = append(errs, fmt.Errorf("MaxPipelines must be at least 1, got %d", c.MaxPipelines))
+	}
+	if c.MaxPending < c.BatchSize {
+		errs = append(errs, fmt.Errorf("MaxPending must be at least BatchSize (%d), got %d", c.BatchSize, c.MaxPending))
+	}
+	if c.PipelineTimeout <= 0 {
+		errs = append(errs, fmt.Errorf("PipelineTimeout must be positive, got %s", c.PipelineTimeout))
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("redis store config: %w", errors.Join(errs...))
+	}
+	return nil
+}
+
+// RedisStore runs the admission script on Redis, standalone or Cluster
+// (any redis.UniversalClient). Concurrent calls are batched into pipelines by
+// a small auto-batcher, so a busy gateway pays one round trip per batch
+// rather than per decision. It owns no connection: the caller creates and
+// closes the client.
+type RedisStore struct {
+	client redis.UniversalClient
+	sha    string
+	cfg    RedisConfig
+	log    *zap.Logger
+	b      *batcher
+	timers sync.Pool // of stopped *time.Timer, for call timeouts
+}
+
+var _ Store = (*RedisStore)(nil)
+
+// RedisOption sets an optional dependency of a RedisStore.
+type RedisOption func(*RedisStore)
+
+// WithRedisLogger sets the store's logger; the default discards everything.
+func WithRedisLogger(l *zap.Logger) RedisOption {
+	return func(s *RedisStore) { s.log = l.Named("redis") }
+}
+
+// NewRedisStore returns a store on client. It does not contact Redis: the
+// script is loaded by the first call that finds it missing (EVALSHA, then
+// EVAL on NOSCRIPT), or ahead of time by Load.
+func NewRedisStore(client redis.UniversalClient, cfg RedisConfig, opts ...RedisOption) (*RedisStore, error) {
+	if client == nil {
+		return nil, errors.New("redis store: nil client")
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	s := &RedisStore{client: client, sha: ScriptSHA(), cfg: cfg, log: zap.NewNop()}
+	for _, o := range opts {
+		o(s)
+	}
+	s.b = newBatcher(cfg, s.exec)
+	s.timers.New = func() any {
+		t := time.NewTimer(time.Hour)
+		t.Stop()
+		return t
+	}
+	return s, nil
+}
+
+// Load loads the script into every master (SCRIPT LOAD), so the first
+// decisions need no reload.
+func (s *RedisStore) Load(ctx context.Context) error {
+	load := func(ctx context.Context, c *redis.Client) error {
+		return c.ScriptLoad(ctx, scriptSource).Err()
+	}
+	var err error
+	switch c := s.client.(type) {
+	case *redis.ClusterClient:
+		err = c.ForEachMaster(ctx, load)
+	default:
+		err = s.client.ScriptLoad(ctx, scriptSource).Err()
+	}
+	if err != nil {
+		return fmt.Errorf("redis store: load script: %w", err)
+	}
+	return nil
+}
+
+// Close fails the calls still waiting to be sent with ErrClosed and waits for
+// the pipelines in flight. It does not close the client.
+func (s *RedisStore) Close() error {
+	s.b.close()
+	return nil
+}
+
+func (s *RedisStore) run(ctx context.Context, o *op) error {
+	o.done = make(chan struct{})
+	if err := s.b.submit(o); err != nil {
+		return err
+	}
+	var expired <-chan time.Time
+	if o.timeout > 0 {
+		t := s.timers.Get().(*time.Timer)
+		t.Reset(o.timeout)
+		defer func() {
+			t.Stop() // no stale tick can be received after Stop (Go 1.23 timers)
+			s.timers.Put(t)
+		}()
+		expired = t.C
+	}
+	// When the caller stops waiting, the batcher still owns o and will
+	// finish it; the caller must not read it.
+	select {
+	case <-o.done:
+		return o.err
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-expired:
+		return fmt.Errorf("redis store: no answer within %s: %w", o.timeout, context.DeadlineExceeded)
+	}
+}
+
+// exec sends one batch as one pipeline of EVALSHA calls, repeats the calls
+// that met NOSCRIPT with EVAL (which loads the script), and fills the
+// results.
+func (s *RedisStore) exec(batch []*op) {
+	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.PipelineTimeout)
+	defer cancel()
+	cmds := make([]*redis.Cmd, len(batch))
+	pipe := s.client.Pipeline()
+	for i, o := range batch {
+		cmds[i] = pipe.EvalSha(ctx, s.sha, o.keys, o.args()...)
+	}
+	_, _ = pipe.Exec(ctx) // each command carries its own error
+	var again []int
+	for i, c := range cmds {
+		if isNoScript(c.Err()) {
+			again = append(again, i)
+		}
+	}
+	if len(again) > 0 {
+		s.log.Debug("reloading script", zap.Int("calls", len(again)))
+		pipe := s.client.Pipeline()
+		for _, i := range again {
+			cmds[i] = pipe.Eval(ctx, scriptSource, batch[i].keys, batch[i].args()...)
+		}
+		_, _ = pipe.Exec(ctx)
+	}
+	for i, o := range batch {
+		o.err = parseReply(cmds[i], o)
+		close(o.done)
+	}
+}
+
+func isNoScript(err error) bool {
+	return err != nil && redis.HasErrorPrefix(err, "NOSCRIPT")
+}
+
+// parseReply fills o from the script's array reply.
+func parseReply(c *redis.Cmd, o *op) error {
+	vals, err := c.Slice()
+	if err != nil {
+		return err
+	}
+	decide := o.code == opDecide || o.code == opRefund
+	out := make([]int64, 0, len(vals))
+	for i, v := range vals {
+		if decide && i == 1 {
+			s, ok := v.(string)
+			if !ok {
+				return fmt.Errorf("redis store: reply[1] is %T, want the decision id", v)
+			}
+			o.outID = s
+			continue
+		}
+		n, ok := v.(int64)
+		if !ok {
+			return fmt.Errorf("redis store: reply[%d] is %T, want an integer", i, v)
+		}
+		out = append(out, n)
+	}
+	o.out = out
+	return nil
+}

@@ -1,0 +1,367 @@
+-- allot admission script. ONE script, loaded once (EVALSHA, reloaded on
+-- NOSCRIPT), runs every store operation of the admission engine; ARGV[1]
+-- selects the operation. All KEYS of one call share a hash tag, so the call is
+-- atomic on one Redis node, standalone or cluster. memstore.go implements the
+-- same operations for the embedded store; the conformance suite checks that
+-- both give the same answers.
+--
+-- Clock: ARGV[2] is 0 in production and the script reads Redis TIME, the one
+-- clock every gateway shares. Tests may pass a fixed time in milliseconds.
+-- Amounts are integers: token buckets count millitokens, windows and pools
+-- count cost units, times are milliseconds.
+--
+-- Operations
+--   d  decide   KEYS: idem, then the string-state keys (buckets, windows),
+--               then the others (slots, pools)
+--               ARGV: op now id member idemTTL n ns, then 7 per rule:
+--               kind keyIndex a b c d shadow (ns: how many string-state keys).
+--               Checks every rule in ARGV order, then debits all of them or
+--               none. Returns
+--               {replay, id, firstDeny, then per rule: ok remaining retry reset}.
+--   r  refund   same layout as d: gives back what a decide debited
+--   t  take     KEYS: pool z, pool h   ARGV: op now want -> {taken, ttl, retry}
+--   p  deposit  KEYS: pool z, pool h   ARGV: op now grant tokens ttl -> {added, available}
+--   s  stats    KEYS: pool z, pool h   ARGV: op now
+--               -> {available, consumed, starved, deposited, expired, chunks, exhausted}
+--   e  exhaust  KEYS: pool z, pool h   ARGV: op now ms -> {1}
+--   x  release  KEYS: slots            ARGV: op now member -> {released}
+--   n  renew    KEYS: slots            ARGV: op now member ttl -> {held}
+--
+-- Rule kinds, their state and their arguments (a b c d):
+--   1 token bucket    "tokens:stamp"        capacity_m refill_m_per_s cost_m idle_ttl_ms
+--   2 fixed window    "index:count"         limit window_ms cost -
+--   3 sliding window  "index:count:prev"    limit window_ms cost -
+--   4 concurrency     sorted set            max_in_flight slot_ttl_ms - -
+--   5 leased pool     sorted set + hash     cost - - -   (keys z, then h)
+
+local op = ARGV[1]
+local now = tonumber(ARGV[2])
+if now == 0 then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local SLACK = 1000          -- ms added to every idle TTL
+local POOL_TTL = 86400000   -- ms a pool's counters outlive its last write
+local EMPTY_RETRY = 1000    -- ms hint when a pool is empty but not exhausted
+
+local function fmt(v) return string.format('%d', v) end
+
+-- Leased pools: z is a sorted set of grant ids scored by expiry (ms); h holds
+-- each grant's remaining tokens as field g:<id> and the counters.
+local function pool_load(z, h)
+  local gone = redis.call('ZRANGEBYSCORE', z, '-inf', now)
+  if #gone > 0 then
+    local lost = 0
+    for _, g in ipairs(gone) do
+      lost = lost + (tonumber(redis.call('HGET', h, 'g:' .. g)) or 0)
+      redis.call('HDEL', h, 'g:' .. g)
+    end
+    redis.call('ZREMRANGEBYSCORE', z, '-inf', now)
+    if lost > 0 then redis.call('HINCRBY', h, 'expired', lost) end
+  end
+  local live = redis.call('ZRANGE', z, 0, -1, 'WITHSCORES')
+  local ids, rem, exp, total = {}, {}, {}, 0
+  for j = 1, #live, 2 do
+    local g = live[j]
+    local r = tonumber(redis.call('HGET', h, 'g:' .. g)) or 0
+    ids[#ids + 1] = g
+    rem[#rem + 1] = r
+    exp[#exp + 1] = tonumber(live[j + 1])
+    total = total + r
+  end
+  return ids, rem, exp, total
+end
+
+-- pool_spend debits want tokens from the earliest-expiring grants first and
+-- returns the expiry of the first grant it touched.
+local function pool_spend(h, ids, rem, exp, want)
+  local first = 0
+  local left = want
+  for j = 1, #ids do
+    if left <= 0 then break end
+    if rem[j] > 0 then
+      local d = math.min(rem[j], left)
+      redis.call('HINCRBY', h, 'g:' .. ids[j], -d)
+      rem[j] = rem[j] - d
+      left = left - d
+      if first == 0 then first = exp[j] end
+    end
+  end
+  redis.call('HINCRBY', h, 'consumed', want - left)
+  redis.call('PEXPIRE', h, POOL_TTL)
+  return first
+end
+
+local function pool_retry(h)
+  local exh = tonumber(redis.call('HGET', h, 'exh')) or 0
+  if exh > now then return exh - now end
+  return EMPTY_RETRY
+end
+
+if op == 'd' or op == 'r' then
+  local refund = op == 'r'
+  local idemTTL = tonumber(ARGV[5])
+  if not refund and idemTTL > 0 then
+    local prev = redis.call('GET', KEYS[1])
+    if prev then
+      local bar = string.find(prev, '|', 1, true)
+      local out = {1, string.sub(prev, 1, bar - 1)}
+      for v in string.gmatch(string.sub(prev, bar + 1), '[^,]+') do out[#out + 1] = tonumber(v) end
+      return out
+    end
+  end
+  local member = ARGV[4]
+  local n = tonumber(ARGV[6])
+  local ns = tonumber(ARGV[7])
+  -- The string-state keys (buckets and windows) come first, after the
+  -- idempotency key: one MGET reads them all.
+  local vals = {}
+  if ns > 0 then vals = redis.call('MGET', unpack(KEYS, 2, 1 + ns)) end
+  local out = {0, ARGV[3], 0}
+  local o = 3
+  local wn, wk, wv, wt = 0, {}, {}, {} -- string writes: key, value, ttl
+  local zn, zk, zd, zt = 0, {}, {}, {} -- slot acquisitions: key, deadline, ttl
+  local pools = {}
+  local deny = 0
+  for i = 1, n do
+    local b = 7 + (i - 1) * 7
+    local kind, ki = tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
+    local a, bb, c, d = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5]), tonumber(ARGV[b + 6])
+    local shadow = ARGV[b + 7] == '1'
+    local key = KEYS[ki]
+    local ok, remaining, retry, reset = 1, 0, 0, 0
+    local write
+    if kind == 1 then
+      -- token bucket "tokens:stamp": a = capacity_m, bb = refill_m per s,
+      -- c = cost_m, d = idle ttl
+      local v = vals[ki - 1]
+      local tok, ts
+      if v then
+        local x, y = string.match(v, '^(%-?%d+):(%-?%d+)$')
+        tok, ts = tonumber(x), tonumber(y)
+        if not tok then return redis.error_reply('allot: corrupt bucket at ' .. key) end
+      end
+      local fresh = not tok
+      if fresh then tok, ts = a, now end
+      if tok > a then tok = a end
+      if tok >= a then
+        if now > ts then ts = now end
+      elseif bb > 0 and now > ts then -- never refill for negative time
+        local delta = now - ts
+        local full = math.ceil((a - tok) * 1000 / bb)
+        if delta >= full then
+          tok, ts = a, now
+        else
+          local add = math.floor(delta * bb / 1000)
+          tok = tok + add
+          ts = ts + math.ceil(add * 1000 / bb) -- keep the fraction for later
+        end
+      end
+      if refund then
+        if not fresh then redis.call('SET', key, string.format('%d:%d', math.min(a, tok + c), ts), 'KEEPTTL') end
+      elseif tok >= c then
+        write = string.format('%d:%d', tok - c, ts)
+        remaining = tok - c
+        if bb > 0 then reset = math.ceil((a - remaining) * 1000 / bb) end
+      else
+        ok = 0
+        remaining = tok
+        if bb > 0 then
+          retry = math.ceil((c - tok) * 1000 / bb)
+          reset = math.ceil((a - tok) * 1000 / bb)
+        else
+          retry = -1
+        end
+      end
+      remaining = math.floor(remaining / 1000)
+    elseif kind == 2 or kind == 3 then
+      -- windows "index:count[:previous]": a = limit, bb = window ms, c = cost
+      local idx = math.floor(now / bb)
+      local v = vals[ki - 1]
+      local w, cnt, prev
+      if v then
+        local x, y, z = string.match(v, '^(%-?%d+):(%-?%d+):?(%-?%d*)$')
+        w, cnt, prev = tonumber(x), tonumber(y) or 0, tonumber(z) or 0
+        if not w then return redis.error_reply('allot: corrupt window at ' .. key) end
+      end
+      local stored = w
+      if not w then
+        w, cnt, prev = idx, 0, 0
+      elseif w > idx then
+        idx = w -- the clock went back: keep counting in the newest window
+      elseif w == idx - 1 and kind == 3 then
+        prev, cnt = cnt, 0
+      elseif w < idx then
+        prev, cnt = 0, 0
+      end
+      local elapsed = math.max(0, now - idx * bb)
+      local wend = (idx + 1) * bb - now
+      if wend < 0 then wend = 0 end
+      if refund then
+        if stored == idx then
+          if kind == 2 then
+            redis.call('SET', key, string.format('%d:%d', idx, math.max(0, cnt - c)), 'KEEPTTL')
+          else
+            redis.call('SET', key, string.format('%d:%d:%d', idx, math.max(0, cnt - c), prev), 'KEEPTTL')
+          end
+        end
+      elseif kind == 2 then
+        reset = wend
+        if cnt + c <= a then
+          write, d = string.format('%d:%d', idx, cnt + c), wend + SLACK
+          remaining = a - cnt - c
+        else
+          ok, retry, remaining = 0, wend, math.max(0, a - cnt)
+        end
+      else
+        local est = prev * (bb - elapsed) / bb + cnt
+        reset = wend
+        if est + c <= a then
+          write, d = string.format('%d:%d:%d', idx, cnt + c, prev), wend + bb + SLACK
+          remaining = math.floor(a - est - c)
+        else
+          ok = 0
+          remaining = math.max(0, math.floor(a - est))
+          if cnt + c <= a then
+            -- wait until the previous window's weight has decayed enough
+            retry = math.ceil(bb - bb * (a - cnt - c) / prev) - elapsed
+          else
+            -- wait for the next window, where this window becomes the previous
+            retry = wend + math.ceil(bb - bb * (a - c) / cnt)
+          end
+          if retry < 1 then retry = 1 end
+        end
+      end
+    elseif kind == 4 then
+      -- concurrency: a = max in flight, bb = slot ttl
+      if refund then
+        redis.call('ZREM', key, member)
+      else
+        redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+        local held = redis.call('ZSCORE', key, member)
+        local used = redis.call('ZCARD', key)
+        if held or used < a then
+          write = true
+          if held then remaining = a - used else remaining = a - used - 1 end
+        else
+          ok, retry, remaining = 0, EMPTY_RETRY, 0
+        end
+      end
+    elseif kind == 5 then
+      -- leased pool: a = cost; KEYS[ki + 1] is the pool's hash. Pool debits
+      -- are not refunded: tokens spent stay spent (the safe side).
+      local h = KEYS[ki + 1]
+      if not refund then
+        local ids, rem, exp, total = pool_load(key, h)
+        if total >= a then
+          write = {h = h, ids = ids, rem = rem, exp = exp, cost = a}
+          remaining = total - a
+        else
+          ok, remaining = 0, total
+          retry = pool_retry(h)
+          redis.call('HINCRBY', h, 'starved', 1)
+          redis.call('PEXPIRE', h, POOL_TTL)
+        end
+      end
+    end
+    if not refund then
+      if ok == 1 then
+        if kind <= 3 then
+          wn = wn + 1
+          wk[wn], wv[wn], wt[wn] = key, write, d
+        elseif kind == 4 then
+          zn = zn + 1
+          zk[zn], zd[zn], zt[zn] = key, now + bb, bb + SLACK
+        else
+          pools[#pools + 1] = write
+        end
+      elseif not shadow and deny == 0 then
+        deny = i
+      end
+      out[o + 1], out[o + 2], out[o + 3], out[o + 4] = ok, remaining, retry, reset
+      o = o + 4
+    end
+  end
+  if refund then return {0, ARGV[3], 0} end
+  out[3] = deny
+  if deny == 0 then
+    -- every live rule allows: debit them all (and each allowing shadow rule)
+    for j = 1, wn do redis.call('SET', wk[j], wv[j], 'PX', wt[j]) end
+    for j = 1, zn do
+      redis.call('ZADD', zk[j], zd[j], member)
+      redis.call('PEXPIRE', zk[j], zt[j])
+    end
+    for _, p in ipairs(pools) do pool_spend(p.h, p.ids, p.rem, p.exp, p.cost) end
+    if idemTTL > 0 then
+      local rest = {}
+      for j = 3, #out do rest[#rest + 1] = fmt(out[j]) end
+      redis.call('SET', KEYS[1], ARGV[3] .. '|' .. table.concat(rest, ','), 'PX', idemTTL)
+    end
+  end
+  return out
+end
+
+if op == 't' then
+  local want = tonumber(ARGV[3])
+  local ids, rem, exp, total = pool_load(KEYS[1], KEYS[2])
+  if total <= 0 then
+    redis.call('HINCRBY', KEYS[2], 'starved', 1)
+    redis.call('PEXPIRE', KEYS[2], POOL_TTL)
+    return {0, 0, pool_retry(KEYS[2])}
+  end
+  local take = math.min(want, total)
+  local first = pool_spend(KEYS[2], ids, rem, exp, take)
+  return {take, first - now, 0}
+end
+
+if op == 'p' then
+  local grant, tokens, ttl = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+  local added = 0
+  if tokens > 0 and ttl > 0 and not redis.call('ZSCORE', KEYS[1], grant) then
+    redis.call('ZADD', KEYS[1], now + ttl, grant)
+    redis.call('HSET', KEYS[2], 'g:' .. grant, fmt(tokens))
+    redis.call('HINCRBY', KEYS[2], 'deposited', tokens)
+    redis.call('HDEL', KEYS[2], 'exh')
+    -- Both keys outlive every grant, so expired grants are always pruned
+    -- (and counted) by the script, never dropped silently by Redis.
+    redis.call('PEXPIRE', KEYS[1], POOL_TTL)
+    redis.call('PEXPIRE', KEYS[2], POOL_TTL)
+    added = 1
+  end
+  local _, _, _, total = pool_load(KEYS[1], KEYS[2])
+  return {added, total}
+end
+
+if op == 's' then
+  local ids, _, _, total = pool_load(KEYS[1], KEYS[2])
+  local v = redis.call('HMGET', KEYS[2], 'consumed', 'starved', 'deposited', 'expired', 'exh')
+  local exh = tonumber(v[5]) or 0
+  if exh > now then exh = exh - now else exh = 0 end
+  return {total, tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0, tonumber(v[4]) or 0, #ids, exh}
+end
+
+if op == 'e' then
+  redis.call('HSET', KEYS[2], 'exh', fmt(now + tonumber(ARGV[3])))
+  redis.call('PEXPIRE', KEYS[2], POOL_TTL)
+  return {1}
+end
+
+if op == 'x' then
+  return {redis.call('ZREM', KEYS[1], ARGV[3])}
+end
+
+if op == 'n' then
+  local ttl = tonumber(ARGV[4])
+  local dl = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[3]))
+  if not dl then return {0} end
+  if dl <= now then
+    redis.call('ZREM', KEYS[1], ARGV[3])
+    return {0}
+  end
+  redis.call('ZADD', KEYS[1], now + ttl, ARGV[3])
+  if redis.call('PTTL', KEYS[1]) < ttl + SLACK then redis.call('PEXPIRE', KEYS[1], ttl + SLACK) end
+  return {1}
+end
+
+return redis.error_reply('allot: unknown operation ' .. tostring(op))

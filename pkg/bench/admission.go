@@ -1,0 +1,404 @@
+package bench
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/allot-dev/allot/pkg/admission"
+	"github.com/allot-dev/allot/pkg/policy"
+)
+
+// The admission suite: the figures issue 3 asks for, measured in one run on
+// one Redis.
+//
+//	raw        (a)  the admission script through go-redis, one EVALSHA per decision
+//	pipelined  (a') the same script, Pipeline decisions per round trip
+//	sdk        (b)  the SDK (Engine.Decide on a RedisStore), 1 rule per decision
+//	sdk3            the SDK, 3 rules per decision (tenant, user, route)
+//	paced           the SDK at half of sdk's maximum rate: the latency to quote
+//
+// Every mode reports Redis CPU microseconds per decision from INFO
+// commandstats (the script's usec per call) and INFO cpu (the whole server,
+// networking included), which are steadier than decisions per second on a
+// shared machine.
+
+// Modes lists the suite's modes in the order "all" runs them.
+func Modes() []string { return []string{"raw", "pipelined", "sdk", "sdk3", "paced"} }
+
+// SuiteConfig configures the admission suite.
+type SuiteConfig struct {
+	// Modes to run, from Modes(); "paced" without a Rate needs "sdk" first.
+	Modes []string
+	// Workers is the number of concurrent callers.
+	Workers int
+	// Keys is the number of distinct counters (users) requests spread over.
+	Keys int
+	// Requests and Duration bound each mode.
+	Requests int64
+	Duration time.Duration
+	// Warmup runs before each measurement.
+	Warmup time.Duration
+	// Pipeline is the decisions per round trip of the pipelined mode.
+	Pipeline int
+	// Rate is the paced mode's rate; 0 means half of the sdk mode's.
+	Rate float64
+	// Redis configures the SDK's store and batcher.
+	Redis admission.RedisConfig
+}
+
+// DefaultSuiteConfig returns 64 workers over 10,000 keys, 10 s or 3 million
+// calls per mode after 1 s of warmup, pipelines of 16.
+func DefaultSuiteConfig() SuiteConfig {
+	return SuiteConfig{
+		Modes:    Modes(),
+		Workers:  64,
+		Keys:     10_000,
+		Requests: 3_000_000,
+		Duration: 10 * time.Second,
+		Warmup:   time.Second,
+		Pipeline: 16,
+		Redis:    admission.DefaultRedisConfig(),
+	}
+}
+
+// Validate says what is wrong with c, or returns nil.
+func (c SuiteConfig) Validate() error {
+	var errs []error
+	for _, m := range c.Modes {
+		if !slices.Contains(Modes(), m) {
+			errs = append(errs, fmt.Errorf("unknown mode %q; want one of %s", m, strings.Join(Modes(), ", ")))
+		}
+	}
+	if c.Keys < 1 || c.Keys > 10_000_000 {
+		errs = append(errs, fmt.Errorf("Keys must be in [1, 1e7], got %d", c.Keys))
+	}
+	if c.Pipeline < 1 || c.Pipeline > 1024 {
+		errs = append(errs, fmt.Errorf("Pipeline must be in [1, 1024], got %d", c.Pipeline))
+	}
+	if err := (Config{Workers: c.Workers, Requests: c.Requests, Duration: c.Duration, Warmup: c.Warmup, Rate: c.Rate}).Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	if err := c.Redis.Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// Figure is one mode's result with the Redis CPU it cost.
+type Figure struct {
+	Result
+	// ScriptUsec is the script's CPU time per call, from INFO commandstats
+	// (cmdstat_evalsha usec_per_call).
+	ScriptUsec float64
+	// ServerUsec is the server's whole CPU time (user + sys, from INFO cpu)
+	// per decision, networking included.
+	ServerUsec float64
+}
+
+// String formats the figure on one line.
+func (f Figure) String() string {
+	return fmt.Sprintf("%s  redis cpu/decision: script %.2f us, server %.2f us", f.Result, f.ScriptUsec, f.ServerUsec)
+}
+
+const onePolicy = `
+name: bench-1
+rules:
+  - name: user
+    scope: user
+    match: [{key: tenant}, {key: user}]
+    kind: token_bucket
+    capacity: 1000000000
+    refill_per_second: 1000000
+`
+
+const threePolicy = `
+name: bench-3
+rules:
+  - name: tenant
+    scope: tenant
+    match: [{key: tenant}]
+    kind: token_bucket
+    capacity: 1000000000
+    refill_per_second: 1000000
+  - name: user
+    scope: user
+    match: [{key: tenant}, {key: user}]
+    kind: token_bucket
+    capacity: 1000000000
+    refill_per_second: 1000000
+  - name: route
+    scope: route
+    match: [{key: tenant}, {key: route}]
+    kind: fixed_window
+    limit: 1000000000
+    window: 1m
+`
+
+// requests returns one request per key: 100 tenants, one user per key.
+func requests(keys int) []*admission.Request {
+	rs := make([]*admission.Request, keys)
+	for i := range rs {
+		rs[i] = &admission.Request{Descriptors: []policy.Entry{
+			{Key: "tenant", Value: "t" + strconv.Itoa(i%100)},
+			{Key: "user", Value: "u" + strconv.Itoa(i)},
+			{Key: "route", Value: "GET /catalog"},
+		}}
+	}
+	return rs
+}
+
+// keyOf spreads worker w's i-th call over n keys.
+func keyOf(w int, i uint64, n int) int {
+	return int((uint64(w)*7919 + i*104729) % uint64(n))
+}
+
+// RunSuite runs the admission suite against client, printing each figure to
+// out as it is measured.
+func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig, out io.Writer) ([]Figure, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	store, err := admission.NewRedisStore(client, cfg.Redis)
+	if err != nil {
+		return nil, err
+	}
+	defer store.Close()
+	if err := store.Load(ctx); err != nil {
+		return nil, err
+	}
+	engines := map[string]*admission.Engine{}
+	for name, src := range map[string]string{"1": onePolicy, "3": threePolicy} {
+		doc, err := policy.Parse([]byte(src))
+		if err != nil {
+			return nil, err
+		}
+		ecfg := admission.DefaultConfig()
+		ecfg.Namespace = "bench" + name
+		ecfg.StoreTimeout = time.Second // measure the store, not the fail modes
+		ecfg.ExtraDescriptors = []string{"route"}
+		e, err := admission.New(ecfg, store, doc, 1)
+		if err != nil {
+			return nil, err
+		}
+		defer e.Close()
+		engines[name] = e
+	}
+	reqs := requests(cfg.Keys)
+	calls := make([]admission.ScriptCall, len(reqs))
+	for i, r := range reqs {
+		c, err := engines["1"].ScriptCalls(r)
+		if err != nil || len(c) != 1 {
+			return nil, fmt.Errorf("script call for key %d: %v (%d calls)", i, err, len(c))
+		}
+		calls[i] = c[0]
+	}
+	sha := admission.ScriptSHA()
+	base := Config{Workers: cfg.Workers, Requests: cfg.Requests, Duration: cfg.Duration, Warmup: cfg.Warmup}
+	decide := func(e *admission.Engine) Target {
+		return func(ctx context.Context, w int, i uint64) error {
+			d, err := e.Decide(ctx, reqs[keyOf(w, i, len(reqs))])
+			switch {
+			case err != nil:
+				return err
+			case !d.Allowed():
+				return fmt.Errorf("%s by %s (source %s)", d.Outcome, d.Rule, d.Source)
+			}
+			return nil
+		}
+	}
+	var figures []Figure
+	var sdkRate float64
+	for _, mode := range cfg.Modes {
+		c := base
+		c.Name = mode
+		var target Target
+		switch mode {
+		case "raw":
+			c.Name = "(a) raw, 1 call/decision"
+			target = func(ctx context.Context, w int, i uint64) error {
+				k := calls[keyOf(w, i, len(calls))]
+				return client.EvalSha(ctx, sha, k.Keys, k.Args...).Err()
+			}
+		case "pipelined":
+			c.Name = fmt.Sprintf("(a') pipelined x%d", cfg.Pipeline)
+			c.OpsPerCall = cfg.Pipeline
+			c.Requests = max(1, cfg.Requests/int64(cfg.Pipeline))
+			target = func(ctx context.Context, w int, i uint64) error {
+				pipe := client.Pipeline()
+				for j := 0; j < cfg.Pipeline; j++ {
+					k := calls[keyOf(w, i*uint64(cfg.Pipeline)+uint64(j), len(calls))]
+					pipe.EvalSha(ctx, sha, k.Keys, k.Args...)
+				}
+				_, err := pipe.Exec(ctx)
+				return err
+			}
+		case "sdk":
+			c.Name = "(b) sdk, 1 rule"
+			target = decide(engines["1"])
+		case "sdk3":
+			c.Name = "(b) sdk, 3 rules"
+			target = decide(engines["3"])
+		case "paced":
+			c.Rate = cfg.Rate
+			if c.Rate == 0 {
+				if sdkRate == 0 {
+					return figures, errors.New(`mode "paced" needs -rate or the "sdk" mode before it`)
+				}
+				c.Rate = sdkRate / 2
+			}
+			c.Name = fmt.Sprintf("(b) sdk paced at %.0f/s", c.Rate)
+			target = decide(engines["1"])
+		}
+		f, err := measure(ctx, client, c, target)
+		if err != nil {
+			return figures, fmt.Errorf("%s: %w", mode, err)
+		}
+		if mode == "sdk" {
+			sdkRate = f.PerSecond
+		}
+		figures = append(figures, f)
+		fmt.Fprintln(out, f)
+	}
+	return figures, nil
+}
+
+// measure runs one mode between two readings of the server's statistics.
+func measure(ctx context.Context, client redis.UniversalClient, c Config, target Target) (Figure, error) {
+	if c.Warmup > 0 { // warm up outside the statistics window
+		w := c
+		w.Duration, w.Warmup, w.Requests = c.Warmup, 0, max(1, c.Requests/10)
+		if _, err := Run(ctx, w, target); err != nil {
+			return Figure{}, err
+		}
+		c.Duration -= min(c.Warmup, c.Duration/2)
+		c.Warmup = 0
+	}
+	if err := client.ConfigResetStat(ctx).Err(); err != nil {
+		return Figure{}, fmt.Errorf("CONFIG RESETSTAT: %w", err)
+	}
+	cpu0, err := serverCPU(ctx, client)
+	if err != nil {
+		return Figure{}, err
+	}
+	r, err := Run(ctx, c, target)
+	if err != nil {
+		return Figure{}, err
+	}
+	cpu1, err := serverCPU(ctx, client)
+	if err != nil {
+		return Figure{}, err
+	}
+	f := Figure{Result: r}
+	calls, usec, err := scriptStats(ctx, client)
+	if err != nil {
+		return Figure{}, err
+	}
+	if calls > 0 {
+		f.ScriptUsec = usec / calls
+	}
+	if r.Decisions > 0 {
+		f.ServerUsec = (cpu1 - cpu0) * 1e6 / float64(r.Decisions)
+	}
+	return f, nil
+}
+
+// info returns the fields of an INFO section.
+func info(ctx context.Context, client redis.UniversalClient, section string) (map[string]string, error) {
+	s, err := client.Info(ctx, section).Result()
+	if err != nil {
+		return nil, fmt.Errorf("INFO %s: %w", section, err)
+	}
+	m := map[string]string{}
+	sc := bufio.NewScanner(strings.NewReader(s))
+	for sc.Scan() {
+		if k, v, ok := strings.Cut(strings.TrimSpace(sc.Text()), ":"); ok {
+			m[k] = v
+		}
+	}
+	return m, nil
+}
+
+// serverCPU is the server's user + sys CPU seconds.
+func serverCPU(ctx context.Context, client redis.UniversalClient) (float64, error) {
+	m, err := info(ctx, client, "cpu")
+	if err != nil {
+		return 0, err
+	}
+	u, err1 := strconv.ParseFloat(m["used_cpu_user"], 64)
+	s, err2 := strconv.ParseFloat(m["used_cpu_sys"], 64)
+	if err1 != nil || err2 != nil {
+		return 0, fmt.Errorf("INFO cpu: used_cpu_user %q used_cpu_sys %q", m["used_cpu_user"], m["used_cpu_sys"])
+	}
+	return u + s, nil
+}
+
+// scriptStats returns the EVALSHA and EVAL calls and their CPU microseconds
+// since the last CONFIG RESETSTAT.
+func scriptStats(ctx context.Context, client redis.UniversalClient) (calls, usec float64, err error) {
+	m, err := info(ctx, client, "commandstats")
+	if err != nil {
+		return 0, 0, err
+	}
+	for _, cmd := range []string{"cmdstat_evalsha", "cmdstat_eval"} {
+		for _, kv := range strings.Split(m[cmd], ",") {
+			k, v, _ := strings.Cut(kv, "=")
+			n, _ := strconv.ParseFloat(v, 64)
+			switch k {
+			case "calls":
+				calls += n
+			case "usec":
+				usec += n
+			}
+		}
+	}
+	return calls, usec, nil
+}
+
+// Summarize prints the comparisons issue 3 targets: (b) against (a), 3 rules
+// against 1, and the paced p99.
+func Summarize(out io.Writer, figs []Figure) {
+	by := map[string]Figure{}
+	for _, f := range figs {
+		switch {
+		case strings.HasPrefix(f.Name, "(a) "):
+			by["raw"] = f
+		case strings.HasPrefix(f.Name, "(a') "):
+			by["pipelined"] = f
+		case f.Name == "(b) sdk, 1 rule":
+			by["sdk"] = f
+		case f.Name == "(b) sdk, 3 rules":
+			by["sdk3"] = f
+		case strings.HasPrefix(f.Name, "(b) sdk paced"):
+			by["paced"] = f
+		}
+	}
+	fmt.Fprintln(out, "summary:")
+	if a, ok := by["raw"]; ok {
+		if b, ok := by["sdk"]; ok && a.PerSecond > 0 {
+			fmt.Fprintf(out, "  (b)/(a) throughput: %.2f (target >= 1)\n", b.PerSecond/a.PerSecond)
+		}
+	}
+	if a, ok := by["pipelined"]; ok {
+		if b, ok := by["sdk"]; ok && a.PerSecond > 0 {
+			fmt.Fprintf(out, "  (b)/(a') throughput: %.2f\n", b.PerSecond/a.PerSecond)
+		}
+	}
+	if one, ok := by["sdk"]; ok {
+		if three, ok := by["sdk3"]; ok && three.PerSecond > 0 && one.ScriptUsec > 0 {
+			fmt.Fprintf(out, "  3 rules vs 1: time per decision x%.2f, script cpu x%.2f, server cpu x%.2f (target < 1.5)\n",
+				one.PerSecond/three.PerSecond, three.ScriptUsec/one.ScriptUsec, three.ServerUsec/one.ServerUsec)
+		}
+	}
+	if p, ok := by["paced"]; ok {
+		fmt.Fprintf(out, "  paced p99: %s (target < 2ms)\n", round(p.P99))
+	}
+}

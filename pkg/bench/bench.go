@@ -1,0 +1,309 @@
+// Package bench is allot's load generator. It drives a Target — a function
+// that decides one request (or one batch) — from concurrent workers, bounded
+// both in count and in time, either as fast as it answers (closed loop) or
+// paced to a fixed total rate (open loop, latency measured from each
+// request's scheduled start so that a stall is not hidden), and reports
+// throughput and latency percentiles.
+//
+// The target is just a function, so the same runner measures the admission
+// SDK against Redis, the raw script through go-redis, and later the region
+// agent's Connect and Envoy RLS endpoints.
+//
+// # Usage
+//
+//  1. Write a Target: decide one request for worker w, sequence number i
+//     (use them to pick a key), and return an error only for a failed call.
+//  2. Fill a Config: Workers, and both bounds (Requests and Duration). Set
+//     Rate for an open-loop run.
+//  3. Run it and print the Result.
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"math/bits"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Target decides one call's worth of requests (Config.OpsPerCall of them)
+// for worker w; i numbers the worker's calls from 0. It returns an error only
+// when the call failed.
+type Target func(ctx context.Context, w int, i uint64) error
+
+// Config bounds and shapes a run.
+type Config struct {
+	// Name labels the result.
+	Name string
+	// Workers is the number of concurrent callers.
+	Workers int
+	// Requests stops the run after this many calls in total.
+	Requests int64
+	// Duration stops the run after this long, whatever the count.
+	Duration time.Duration
+	// Warmup runs the target this long before measuring (bounded by
+	// Requests too); 0 for none.
+	Warmup time.Duration
+	// Rate paces the calls to this many per second in total (open loop);
+	// 0 runs each worker as fast as the target answers (closed loop).
+	Rate float64
+	// OpsPerCall is how many decisions one call makes (e.g. a pipeline of
+	// 16); throughput is reported in decisions. 0 means 1.
+	OpsPerCall int
+}
+
+// Validate says what is wrong with c, or returns nil.
+func (c Config) Validate() error {
+	var errs []error
+	if c.Workers < 1 || c.Workers > 100_000 {
+		errs = append(errs, fmt.Errorf("Workers must be in [1, 100000], got %d", c.Workers))
+	}
+	if c.Requests < 1 {
+		errs = append(errs, fmt.Errorf("Requests must be positive (every run is bounded in count), got %d", c.Requests))
+	}
+	if c.Duration <= 0 || c.Duration > time.Hour {
+		errs = append(errs, fmt.Errorf("Duration must be in (0, 1h] (every run is bounded in time), got %s", c.Duration))
+	}
+	if c.Warmup < 0 || c.Warmup > c.Duration {
+		errs = append(errs, fmt.Errorf("Warmup must be in [0, Duration], got %s", c.Warmup))
+	}
+	if c.Rate < 0 || math.IsNaN(c.Rate) || math.IsInf(c.Rate, 0) {
+		errs = append(errs, fmt.Errorf("Rate must be a finite non-negative number, got %v", c.Rate))
+	}
+	if c.OpsPerCall < 0 {
+		errs = append(errs, fmt.Errorf("OpsPerCall must not be negative, got %d", c.OpsPerCall))
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("bench config: %w", errors.Join(errs...))
+	}
+	return nil
+}
+
+// Result is what one run measured.
+type Result struct {
+	// Name is Config.Name.
+	Name string
+	// Calls and Errors count target calls after the warmup.
+	Calls, Errors int64
+	// Decisions is Calls x OpsPerCall.
+	Decisions int64
+	// Elapsed is the measured time.
+	Elapsed time.Duration
+	// PerSecond is decisions per second.
+	PerSecond float64
+	// Mean and the percentiles are call latencies (for a paced run, from
+	// the scheduled start).
+	Mean, P50, P90, P99, P999, Max time.Duration
+	// FirstErr is the first error a call returned.
+	FirstErr error
+}
+
+// String formats the result on one line.
+func (r Result) String() string {
+	s := fmt.Sprintf("%-28s %10.0f/s  calls %-8d errors %-5d p50 %-9s p90 %-9s p99 %-9s p99.9 %-9s max %s",
+		r.Name, r.PerSecond, r.Calls, r.Errors, round(r.P50), round(r.P90), round(r.P99), round(r.P999), round(r.Max))
+	if r.FirstErr != nil {
+		s += fmt.Sprintf("  first error: %v", r.FirstErr)
+	}
+	return s
+}
+
+func round(d time.Duration) time.Duration {
+	switch {
+	case d >= time.Millisecond:
+		return d.Round(10 * time.Microsecond)
+	case d >= time.Microsecond:
+		return d.Round(100 * time.Nanosecond)
+	}
+	return d
+}
+
+// Run drives target as cfg says and returns what it measured. It stops at
+// the first of Requests calls, Duration, or ctx's end.
+func Run(ctx context.Context, cfg Config, target Target) (Result, error) {
+	if err := cfg.Validate(); err != nil {
+		return Result{}, err
+	}
+	if target == nil {
+		return Result{}, errors.New("bench: nil target")
+	}
+	ops := int64(max(cfg.OpsPerCall, 1))
+	ctx, cancel := context.WithTimeout(ctx, cfg.Duration)
+	defer cancel()
+
+	var (
+		claimed   atomic.Int64
+		measuring atomic.Bool
+		errMu     sync.Mutex
+		firstErr  error
+		hists     = make([]*histogram, cfg.Workers)
+		errCounts = make([]int64, cfg.Workers)
+		calls     = make([]int64, cfg.Workers)
+		wg        sync.WaitGroup
+	)
+	start := time.Now()
+	measureFrom := start.Add(cfg.Warmup)
+	measuring.Store(cfg.Warmup == 0)
+	var interval time.Duration
+	if cfg.Rate > 0 {
+		interval = time.Duration(float64(cfg.Workers) / cfg.Rate * float64(time.Second))
+	}
+	for w := 0; w < cfg.Workers; w++ {
+		hists[w] = &histogram{}
+		wg.Add(1)
+		go func(w int) {
+			defer wg.Done()
+			h := hists[w]
+			var timer *time.Timer // reused by a paced worker
+			defer func() {
+				if timer != nil {
+					timer.Stop()
+				}
+			}()
+			next := start
+			if interval > 0 {
+				next = start.Add(interval * time.Duration(w) / time.Duration(cfg.Workers))
+			}
+			for i := uint64(0); ; i++ {
+				if claimed.Add(1) > cfg.Requests {
+					return
+				}
+				if interval > 0 {
+					if d := time.Until(next); d > 0 {
+						if timer == nil {
+							timer = time.NewTimer(d)
+						} else {
+							timer.Reset(d)
+						}
+						select {
+						case <-timer.C:
+						case <-ctx.Done():
+							return
+						}
+					}
+				}
+				if ctx.Err() != nil {
+					return
+				}
+				t := time.Now()
+				if interval > 0 {
+					t = next // latency from the scheduled start
+					next = next.Add(interval)
+				}
+				err := target(ctx, w, i)
+				end := time.Now()
+				if !measuring.Load() {
+					if end.Before(measureFrom) {
+						continue
+					}
+					measuring.Store(true)
+				}
+				if err != nil {
+					if ctx.Err() != nil {
+						return // a call cut short by the end of the run
+					}
+					errCounts[w]++
+					errMu.Lock()
+					if firstErr == nil {
+						firstErr = err
+					}
+					errMu.Unlock()
+				}
+				calls[w]++
+				h.record(end.Sub(t))
+			}
+		}(w)
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	if cfg.Warmup > 0 && elapsed > cfg.Warmup {
+		elapsed -= cfg.Warmup
+	}
+	total := &histogram{}
+	r := Result{Name: cfg.Name, Elapsed: elapsed, FirstErr: firstErr}
+	for w := range hists {
+		total.merge(hists[w])
+		r.Calls += calls[w]
+		r.Errors += errCounts[w]
+	}
+	r.Decisions = r.Calls * ops
+	if elapsed > 0 {
+		r.PerSecond = float64(r.Decisions) / elapsed.Seconds()
+	}
+	r.Mean = total.mean()
+	r.P50, r.P90, r.P99, r.P999 = total.quantile(0.50), total.quantile(0.90), total.quantile(0.99), total.quantile(0.999)
+	r.Max = time.Duration(total.max)
+	return r, nil
+}
+
+// histogram is a log-linear latency histogram in nanoseconds: exact below
+// 64 ns, then 32 buckets per power of two (at most ~3% error), no allocation
+// per sample.
+type histogram struct {
+	counts [64 + 40*32]uint64
+	n      uint64
+	sum    float64
+	max    int64
+}
+
+func bucketOf(v int64) int {
+	if v < 64 {
+		return int(max(v, 0))
+	}
+	e := bits.Len64(uint64(v)) - 6
+	m := int(uint64(v) >> e) // 32..63
+	return min(64+(e-1)*32+(m-32), len(histogram{}.counts)-1)
+}
+
+// upper is the largest value in bucket i.
+func upper(i int) int64 {
+	if i < 64 {
+		return int64(i)
+	}
+	e := (i-64)/32 + 1
+	m := int64((i-64)%32 + 32)
+	return (m+1)<<e - 1
+}
+
+func (h *histogram) record(d time.Duration) {
+	v := int64(d)
+	h.counts[bucketOf(v)]++
+	h.n++
+	h.sum += float64(v)
+	h.max = max(h.max, v)
+}
+
+func (h *histogram) merge(o *histogram) {
+	for i, c := range o.counts {
+		h.counts[i] += c
+	}
+	h.n += o.n
+	h.sum += o.sum
+	h.max = max(h.max, o.max)
+}
+
+func (h *histogram) mean() time.Duration {
+	if h.n == 0 {
+		return 0
+	}
+	return time.Duration(h.sum / float64(h.n))
+}
+
+// quantile returns the upper bound of the bucket holding quantile q.
+func (h *histogram) quantile(q float64) time.Duration {
+	if h.n == 0 {
+		return 0
+	}
+	rank := uint64(math.Ceil(q * float64(h.n)))
+	var seen uint64
+	for i, c := range h.counts {
+		seen += c
+		if seen >= rank {
+			return time.Duration(min(upper(i), h.max))
+		}
+	}
+	return time.Duration(h.max)
+}

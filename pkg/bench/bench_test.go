@@ -1,0 +1,109 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func TestRunBoundedByCount(t *testing.T) {
+	var n atomic.Int64
+	r, err := Run(context.Background(), Config{Name: "count", Workers: 8, Requests: 1000, Duration: time.Minute},
+		func(ctx context.Context, w int, i uint64) error {
+			n.Add(1)
+			return nil
+		})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n.Load() != 1000 || r.Calls != 1000 || r.Decisions != 1000 || r.Errors != 0 {
+		t.Fatalf("calls %d, result %+v; want exactly 1000", n.Load(), r)
+	}
+	if r.P50 > r.P99 || r.P99 > r.Max || !strings.Contains(r.String(), "count") {
+		t.Fatalf("percentiles out of order: %s", r)
+	}
+}
+
+func TestRunBoundedByTime(t *testing.T) {
+	r, err := Run(context.Background(), Config{Workers: 2, Requests: 1 << 40, Duration: 50 * time.Millisecond, OpsPerCall: 16},
+		func(ctx context.Context, w int, i uint64) error {
+			select {
+			case <-time.After(time.Millisecond):
+			case <-ctx.Done():
+			}
+			return nil
+		})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Calls == 0 || r.Calls > 200 || r.Decisions != 16*r.Calls {
+		t.Fatalf("result %+v: want a short run bounded by its duration", r)
+	}
+}
+
+func TestRunPacedAndErrors(t *testing.T) {
+	boom := errors.New("boom")
+	r, err := Run(context.Background(), Config{Workers: 4, Requests: 40, Duration: 10 * time.Second, Rate: 400},
+		func(ctx context.Context, w int, i uint64) error {
+			if i == 0 && w == 0 {
+				return boom
+			}
+			return nil
+		})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 40 calls at 400/s take about 0.1 s; open loop cannot go faster.
+	if r.Calls != 40 || r.Errors != 1 || !errors.Is(r.FirstErr, boom) || r.PerSecond > 800 {
+		t.Fatalf("result %+v", r)
+	}
+}
+
+func TestConfigValidate(t *testing.T) {
+	tests := []struct {
+		name string
+		give Config
+		want string
+	}{
+		{"no workers", Config{Requests: 1, Duration: time.Second}, "Workers"},
+		{"unbounded count", Config{Workers: 1, Duration: time.Second}, "Requests"},
+		{"unbounded time", Config{Workers: 1, Requests: 1}, "Duration"},
+		{"warmup", Config{Workers: 1, Requests: 1, Duration: time.Second, Warmup: time.Minute}, "Warmup"},
+		{"rate", Config{Workers: 1, Requests: 1, Duration: time.Second, Rate: -1}, "Rate"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if err := tt.give.Validate(); err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("Validate = %v, want an error naming %s", err, tt.want)
+			}
+		})
+	}
+}
+
+func TestHistogram(t *testing.T) {
+	var h histogram
+	for v := int64(1); v <= 1_000_000; v++ {
+		h.record(time.Duration(v))
+	}
+	for _, tc := range []struct {
+		q    float64
+		want int64
+	}{{0.5, 500_000}, {0.99, 990_000}, {1, 1_000_000}} {
+		got := int64(h.quantile(tc.q))
+		if got < tc.want || float64(got) > float64(tc.want)*1.04 {
+			t.Errorf("quantile(%v) = %d, want within 4%% above %d", tc.q, got, tc.want)
+		}
+	}
+	for i := 0; i < len(h.counts)-1; i++ {
+		if bucketOf(upper(i)) != i || bucketOf(upper(i)+1) != i+1 {
+			t.Fatalf("bucket %d: upper %d maps to %d, next to %d", i, upper(i), bucketOf(upper(i)), bucketOf(upper(i)+1))
+		}
+	}
+}
