@@ -1,0 +1,205 @@
+package chaos
+
+import (
+	"context"
+	"flag"
+	"math/rand/v2"
+	"os"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/allot-dev/allot/chaos/check"
+	"github.com/allot-dev/allot/pkg/topology"
+)
+
+var (
+	soakFlag = flag.Duration("chaos.soak", 0, "run random fault schedules for this long instead of the short schedule (raise -timeout to match)")
+	seedFlag = flag.Int64("chaos.seed", 0, "seed of the run's random choices (0: from the time; printed either way)")
+	onlyFlag = flag.String("chaos.scenarios", "", "comma-separated scenarios to run instead of all of them (short schedule only)")
+	histFlag = flag.Bool("chaos.history", false, "write the whole history to chaos/out/history.jsonl even when every check passes")
+)
+
+func runSeed(t *testing.T) int64 {
+	seed := *seedFlag
+	if seed == 0 {
+		seed = time.Now().UnixNano() % 1_000_000_000
+	}
+	t.Logf("seed %d (replay: go test ./chaos -run '%s$' -chaos.seed=%d)", seed, t.Name(), seed)
+	return seed
+}
+
+// newSuite starts a suite or, where network namespaces cannot be made,
+// skips saying why (fails when CI is set).
+func newSuite(t *testing.T, cfg Config) *Suite {
+	t.Helper()
+	ctx := context.Background()
+	if err := topology.NetnsSupport(ctx); err != nil {
+		if os.Getenv("CI") != "" {
+			t.Fatalf("the chaos suite needs network namespaces, and CI must provide them: %v", err)
+		}
+		t.Skipf("skipping the chaos suite: %v", err)
+	}
+	cfg.OutDir = "out"
+	cfg.Logf = t.Logf
+	s, err := Start(ctx, cfg)
+	if err != nil {
+		t.Fatalf("start: %v (process logs: chaos/out/logs/processes.log)", err)
+	}
+	t.Cleanup(func() {
+		if err := s.Close(); err != nil {
+			t.Errorf("cleanup: %v", err)
+		}
+	})
+	return s
+}
+
+// TestChaos runs every scenario once (or, with -chaos.soak, random
+// schedules for that long) against a live topology and checks the whole
+// history. The report goes to chaos/out/report.txt.
+func TestChaos(t *testing.T) {
+	seed := runSeed(t)
+	began := time.Now()
+	s := newSuite(t, DefaultConfig(seed))
+	ctx := context.Background()
+	rng := rand.New(rand.NewPCG(uint64(seed), 2))
+	steps, until := ShortSchedule(), time.Now().Add(time.Hour)
+	if *onlyFlag != "" {
+		steps = nil
+		for _, name := range strings.Split(*onlyFlag, ",") {
+			i := slices.IndexFunc(Scenarios(), func(sc Scenario) bool { return sc.Name == name })
+			if i < 0 {
+				t.Fatalf("-chaos.scenarios: no scenario %q", name)
+			}
+			steps = append(steps, Step{Scenarios()[i]})
+		}
+	}
+	if *soakFlag > 0 {
+		// A step takes at least two windows: this many always fill the soak.
+		steps = RandomSchedule(rng, int(*soakFlag/(2*s.cfg.Window))+1)
+		until = time.Now().Add(*soakFlag)
+	}
+	// One calm window first.
+	if err := s.waitUntil(ctx, s.nextBoundary(s.cfg.Window)); err != nil {
+		t.Fatal(err)
+	}
+	runErr := s.RunSchedule(ctx, rng, steps, until)
+	h, finErr := s.Finish(ctx)
+	res := check.Run(h, s.CheckParams())
+	report, err := s.Report("report.txt", "allot chaos: "+scheduleName(steps), h, res, time.Since(began))
+	t.Log("\n" + report)
+	if err != nil {
+		t.Errorf("report: %v", err)
+	}
+	if *histFlag || !res.OK() || runErr != nil {
+		if err := s.WriteHistory("history.jsonl", h); err != nil {
+			t.Errorf("history: %v", err)
+		}
+	}
+	if runErr != nil {
+		t.Fatalf("schedule: %v", runErr)
+	}
+	if finErr != nil {
+		t.Fatalf("finish: %v", finErr)
+	}
+	// The checkers must have had something to check.
+	if res.Grants == 0 || res.LedgerReads == 0 || res.Replays == 0 {
+		t.Fatalf("vacuous history: %d grants, %d ledger reads, %d replays", res.Grants, res.LedgerReads, res.Replays)
+	}
+	for _, q := range s.Quotas() {
+		if l := res.Linearizability[q.Name]; l.Windows == 0 || len(l.Unknown) > 0 {
+			t.Errorf("quota %s: linearizability checked %d windows, undecided in %v", q.Name, l.Windows, l.Unknown)
+		}
+		var admitted int64
+		for _, w := range res.Windows[q.Name] {
+			admitted += w.Admitted
+		}
+		if admitted == 0 {
+			t.Errorf("quota %s: nothing admitted", q.Name)
+		}
+	}
+	if !res.OK() {
+		t.Errorf("%d violations (listed in the report above and in chaos/out/report.txt)", len(res.Violations))
+	}
+}
+
+func scheduleName(steps []Step) string {
+	var names []string
+	for _, st := range steps {
+		names = append(names, st.String())
+	}
+	if len(names) > 12 {
+		names = append(names[:12], "...")
+	}
+	return strings.Join(names, ", ")
+}
+
+// TestCheckerCatchesBrokenConfig runs deliberately broken configurations
+// and asserts that the checkers report each of them:
+//
+//   - atlas: region us admits the full limit on its own, bypassing the
+//     allocator, while eu leases from it: admitted > G + 0;
+//   - noclamp: leases are not clamped (TTL runs into the next window) while
+//     the bound the run is held to is the clamp-on one, 0; calm windows
+//     followed by flood windows spend carried-over tokens on top of G;
+//   - late: region ap trusts its wall clock, 500 ms behind, for lease
+//     deadlines: it spends past the allocator's expiry.
+func TestCheckerCatchesBrokenConfig(t *testing.T) {
+	seed := runSeed(t)
+	began := time.Now()
+	zero := int64(0)
+	cfg := DefaultConfig(seed)
+	cfg.Regions = []string{"ap", "eu", "us"}
+	cfg.Quotas = []QuotaPlan{
+		{Name: "atlas", Limit: 1000, Chunk: 100, Clamp: true, Demand: map[string]float64{"eu": 250, "us": 250}, Independent: map[string]int64{"us": 1000}},
+		{Name: "noclamp", Limit: 1000, Chunk: 250, Clamp: false, Demand: map[string]float64{"eu": 150, "us": 150}, Flood: map[string]float64{"eu": 500, "us": 500}, ClaimBound: &zero},
+		{Name: "late", Limit: 1000, Chunk: 100, Clamp: true, Demand: map[string]float64{"ap": 200}, WallDeadline: map[string]bool{"ap": true}},
+	}
+	s := newSuite(t, cfg)
+	ctx := context.Background()
+	for _, r := range s.regions {
+		if r.Name() == "ap" {
+			if err := r.SetClockSkew(ctx, -500*time.Millisecond); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if err := s.waitUntil(ctx, s.nextBoundary(5*s.cfg.Window)); err != nil {
+		t.Fatal(err)
+	}
+	h, err := s.Finish(ctx)
+	if err != nil {
+		t.Fatalf("finish: %v", err)
+	}
+	res := check.Run(h, s.CheckParams())
+	report, rerr := s.Report("broken-report.txt", "allot chaos: deliberately broken configurations (the checkers must object)", h, res, time.Since(began))
+	t.Log("\n" + report)
+	if rerr != nil {
+		t.Errorf("report: %v", rerr)
+	}
+	want := []struct {
+		check, quota, why string
+	}{
+		{check.CheckBound, "atlas", "a region given the full limit independently"},
+		{check.CheckUnleased, "atlas", "admissions without any lease"},
+		{check.CheckBound, "noclamp", "clamp off while the bound claims 0"},
+		{check.CheckLateSpend, "late", "deadlines by a skewed wall clock"},
+	}
+	for _, w := range want {
+		var found *check.Violation
+		for i, v := range res.Violations {
+			if v.Check == w.check && v.Quota == w.quota {
+				found = &res.Violations[i]
+				break
+			}
+		}
+		if found == nil {
+			t.Errorf("%s on %s (%s) was not reported", w.check, w.quota, w.why)
+			continue
+		}
+		if w.check == check.CheckBound && !(strings.Contains(found.Detail, "admitted") && strings.Contains(found.Detail, "eu") && strings.Contains(found.Detail, "fault timeline")) {
+			t.Errorf("bound violation lacks the window's ledgers or timeline:\n%s", found.Detail)
+		}
+	}
+}

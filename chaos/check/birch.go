@@ -1,0 +1,105 @@
+package check
+
+import (
+	"fmt"
+	"sort"
+	"time"
+
+	"github.com/allot-dev/allot/chaos/history"
+)
+
+// checkBirch: a well-behaved quota sees no denials outside fault windows. A
+// denial is excused when a fault span that touches its region covers it
+// (extended by grace past the span's end), or when the region had not yet
+// received its first grant of the quota (start-up).
+func checkBirch(h history.History, quotas map[string]Quota, grace time.Duration) []Violation {
+	first := map[reqKey]int64{} // (region, quota) -> first grant received
+	for _, e := range h.Events {
+		if e.Kind == history.KindAcquire && e.Outcome == history.OK && e.Tokens > 0 {
+			k := reqKey{e.Region, e.Quota}
+			if t, ok := first[k]; !ok || e.At < t {
+				first[k] = e.At
+			}
+		}
+	}
+	type key struct {
+		region, quota string
+		window        int64
+	}
+	agg := map[key]*Violation{}
+	counts := map[key]int64{}
+	for _, e := range h.Events {
+		q, ok := quotas[e.Quota]
+		if e.Kind != history.KindDeny || !ok || !q.Birch {
+			continue
+		}
+		if t, ok := first[reqKey{e.Region, e.Quota}]; !ok || e.At < t {
+			continue
+		}
+		if excused(h.Spans, e.Region, e.At, grace) {
+			continue
+		}
+		k := key{e.Region, e.Quota, trueWindow(e.At, q.WindowMs)}
+		counts[k] += e.Tokens
+		if agg[k] == nil {
+			agg[k] = &Violation{Check: CheckBirch, Quota: e.Quota, Window: k.window, Region: e.Region, At: e.At}
+			agg[k].Detail = fmt.Sprintf("first denial at %s (%s), outside every fault window", fmtTime(e.At), e.Reason)
+		}
+	}
+	var out []Violation
+	for k, v := range agg {
+		v.Detail = fmt.Sprintf("%d denials; %s", counts[k], v.Detail)
+		out = append(out, *v)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].At < out[j].At })
+	return out
+}
+
+func excused(spans []history.Span, region string, at int64, grace time.Duration) bool {
+	for _, s := range spans {
+		if s.Skipped == "" && s.Affects(region) && at >= s.Start && at <= s.End+int64(grace) {
+			return true
+		}
+	}
+	return false
+}
+
+// recovery measures, for each span, how long after RecoverFrom every region
+// it touches had a successful Acquire again.
+func recovery(h history.History) []time.Duration {
+	regions := map[string]bool{}
+	for _, e := range h.Events {
+		if e.Kind == history.KindAcquire {
+			regions[e.Region] = true
+		}
+	}
+	out := make([]time.Duration, len(h.Spans))
+	for i, s := range h.Spans {
+		if s.Skipped != "" {
+			continue
+		}
+		firstOK := map[string]int64{}
+		for _, e := range h.Events {
+			if e.Kind != history.KindAcquire || e.Outcome != history.OK || e.At < s.RecoverFrom || !s.Affects(e.Region) {
+				continue
+			}
+			if t, ok := firstOK[e.Region]; !ok || e.At < t {
+				firstOK[e.Region] = e.At
+			}
+		}
+		var worst int64
+		for r := range regions {
+			if !s.Affects(r) {
+				continue
+			}
+			t, ok := firstOK[r]
+			if !ok {
+				worst = -1
+				break
+			}
+			worst = max(worst, t-s.RecoverFrom)
+		}
+		out[i] = time.Duration(worst)
+	}
+	return out
+}

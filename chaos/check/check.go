@@ -1,0 +1,354 @@
+// Package check holds the chaos suite's checkers. Each reads a whole
+// recorded history (package history) and returns the violations it finds;
+// none of them looks at a clock or a network, so each is tested on
+// hand-written histories as well as on real runs.
+//
+//   - Bound: every quota, every window by the true clock: admitted <= G +
+//     the stated bound.
+//   - Grants: lost grants = 0 (every grant a region received is in every
+//     later ledger read of its window) and no request id granted twice
+//     (replays return the recorded grant; grant ids are unique).
+//   - Leases: no admission after its lease's deadline or the allocator's
+//     expiry, no admission without a lease, no grant overspent.
+//   - Linearizable: the Acquire/Release/GetWindow history of every quota and
+//     window is linearizable against a model of the pool (porcupine), and
+//     windows never reopen.
+//   - Birch: a well-behaved quota sees no denials outside fault windows.
+//
+// Stranded capacity and time-to-recover are computed for the report, not
+// asserted.
+package check
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/allot-dev/allot/chaos/history"
+	"github.com/allot-dev/allot/pkg/lease"
+)
+
+// Quota is what the checkers know of one leased quota.
+type Quota struct {
+	// Name of the quota.
+	Name string
+	// Limit is G per window.
+	Limit int64
+	// WindowMs is the window length.
+	WindowMs int64
+	// Bound is the overshoot the run is held to: what GetBound stated, or
+	// a claim under test.
+	Bound int64
+	// Birch marks a well-behaved quota: no denials outside fault windows.
+	Birch bool
+}
+
+// Ceiling is G plus the bound.
+func (q Quota) Ceiling() int64 { return q.Limit + q.Bound }
+
+// Params configure a check.
+type Params struct {
+	// Quotas are the checked quotas.
+	Quotas []Quota
+	// FaultGrace extends every fault span past its end for the Birch check:
+	// the time a healed region may take to be served again.
+	FaultGrace time.Duration
+	// LinearizabilityTimeout bounds porcupine on one window (default 20s).
+	LinearizabilityTimeout time.Duration
+	// ApplyTimeout is how long after its last attempt an unanswered Acquire
+	// may still take effect (the allocator's proposal timeout).
+	ApplyTimeout time.Duration
+}
+
+// Check names.
+const (
+	CheckBound        = "bound"
+	CheckLostGrant    = "lost_grant"
+	CheckDoubleGrant  = "double_grant"
+	CheckUnverified   = "ledger_unread"
+	CheckLateSpend    = "spent_after_deadline"
+	CheckUnleased     = "spent_without_lease"
+	CheckOverspent    = "grant_overspent"
+	CheckLinearizable = "linearizability"
+	CheckReopened     = "window_reopened"
+	CheckBirch        = "birch_denied"
+	CheckRelease      = "release_rejected"
+)
+
+// Violation is one broken invariant.
+type Violation struct {
+	// Check names the checker (Check* constants).
+	Check string
+	// Quota, Window and Region locate it (when they apply).
+	Quota  string
+	Window int64
+	Region string
+	// At is when (true Unix ns), when it applies.
+	At int64
+	// Detail explains it, with the ledgers and the fault timeline for a
+	// bound violation.
+	Detail string
+}
+
+// String renders the violation on one line (its detail may add more).
+func (v Violation) String() string {
+	var loc []string
+	if v.Quota != "" {
+		loc = append(loc, "quota "+v.Quota)
+	}
+	if v.Window != 0 {
+		loc = append(loc, fmt.Sprintf("window %d", v.Window))
+	}
+	if v.Region != "" {
+		loc = append(loc, "region "+v.Region)
+	}
+	if v.At != 0 {
+		loc = append(loc, "at "+fmtTime(v.At))
+	}
+	return fmt.Sprintf("%s [%s]: %s", v.Check, strings.Join(loc, ", "), v.Detail)
+}
+
+// RegionWindow is one region's numbers in one window of a quota.
+type RegionWindow struct {
+	// Offered = Admitted + Denied, by the true clock.
+	Admitted, Denied int64
+	// Granted is what the region received for this window (its view);
+	// LedgerGranted what the allocator's ledger says (last read).
+	Granted, LedgerGranted int64
+	// Stranded is tokens of this window's grants that expired unspent;
+	// Released those handed back.
+	Stranded, Released int64
+}
+
+// Window is one window of one quota.
+type Window struct {
+	// Quota and Index identify it.
+	Quota string
+	Index int64
+	// Start and End in true Unix ns.
+	Start, End int64
+	// Admitted is the total admitted by the true clock.
+	Admitted int64
+	// Stranded is the total stranded of this window's grants.
+	Stranded int64
+	// Regions are the per-region numbers.
+	Regions map[string]*RegionWindow
+	// LedgerRead says the allocator's ledger was read after the window's
+	// last grant was received.
+	LedgerRead bool
+}
+
+// Result is the outcome of Run.
+type Result struct {
+	// Windows per quota, by index.
+	Windows map[string][]*Window
+	// Violations of every check.
+	Violations []Violation
+	// Linearizability per quota.
+	Linearizability map[string]LinResult
+	// Grants is the number of grants received; Replays the replays checked;
+	// LedgerReads the ledger reads grants were checked against.
+	Grants, Replays, LedgerReads int
+	// Unresolved counts Acquires never answered (their effect is unknown)
+	// and ledger grants no region knows of.
+	Unresolved, Unclaimed int
+	// Recovery per span (same order as the history's spans); negative when
+	// not every affected region was served again before the end.
+	Recovery []time.Duration
+}
+
+// OK says no check failed.
+func (r *Result) OK() bool { return len(r.Violations) == 0 }
+
+// Count returns how many violations of check there are (all if check is "").
+func (r *Result) Count(check string) int {
+	n := 0
+	for _, v := range r.Violations {
+		if check == "" || v.Check == check {
+			n++
+		}
+	}
+	return n
+}
+
+// Run runs every checker over h.
+func Run(h history.History, p Params) *Result {
+	if p.LinearizabilityTimeout <= 0 {
+		p.LinearizabilityTimeout = 20 * time.Second
+	}
+	if p.ApplyTimeout <= 0 {
+		p.ApplyTimeout = 5 * time.Second
+	}
+	r := &Result{Windows: map[string][]*Window{}, Linearizability: map[string]LinResult{}}
+	quotas := map[string]Quota{}
+	for _, q := range p.Quotas {
+		quotas[q.Name] = q
+	}
+	windows := tally(h, quotas)
+	for name, ws := range windows {
+		r.Windows[name] = ws
+	}
+	r.Violations = append(r.Violations, checkBound(h, quotas, windows)...)
+	r.Violations = append(r.Violations, checkGrants(h, quotas, windows, r)...)
+	r.Violations = append(r.Violations, checkLeases(h)...)
+	r.Violations = append(r.Violations, checkBirch(h, quotas, p.FaultGrace)...)
+	for _, q := range p.Quotas {
+		lr, vs := checkLinearizable(h, q, p)
+		r.Linearizability[q.Name] = lr
+		r.Violations = append(r.Violations, vs...)
+	}
+	r.Recovery = recovery(h)
+	sort.SliceStable(r.Violations, func(i, j int) bool {
+		a, b := r.Violations[i], r.Violations[j]
+		if a.Check != b.Check {
+			return a.Check < b.Check
+		}
+		if a.Quota != b.Quota {
+			return a.Quota < b.Quota
+		}
+		return a.Window < b.Window
+	})
+	return r
+}
+
+// tally builds the per-window numbers of every known quota.
+func tally(h history.History, quotas map[string]Quota) map[string][]*Window {
+	idx := map[string]map[int64]*Window{}
+	get := func(quota string, w int64) *Window {
+		q := quotas[quota]
+		m := idx[quota]
+		if m == nil {
+			m = map[int64]*Window{}
+			idx[quota] = m
+		}
+		win := m[w]
+		if win == nil {
+			win = &Window{Quota: quota, Index: w, Start: lease.WindowStart(w, q.WindowMs) * 1e6, End: lease.WindowEnd(w, q.WindowMs) * 1e6, Regions: map[string]*RegionWindow{}}
+			m[w] = win
+		}
+		return win
+	}
+	region := func(win *Window, r string) *RegionWindow {
+		rw := win.Regions[r]
+		if rw == nil {
+			rw = &RegionWindow{}
+			win.Regions[r] = rw
+		}
+		return rw
+	}
+	for _, e := range h.Events {
+		q, ok := quotas[e.Quota]
+		if !ok {
+			continue
+		}
+		switch e.Kind {
+		case history.KindAdmit:
+			win := get(e.Quota, trueWindow(e.At, q.WindowMs))
+			win.Admitted += e.Tokens
+			region(win, e.Region).Admitted += e.Tokens
+		case history.KindDeny:
+			region(get(e.Quota, trueWindow(e.At, q.WindowMs)), e.Region).Denied += e.Tokens
+		case history.KindAcquire:
+			if e.Outcome == history.OK && e.Tokens > 0 {
+				region(get(e.Quota, e.Window), e.Region).Granted += e.Tokens
+			}
+		case history.KindStrand:
+			win := get(e.Quota, e.Window)
+			win.Stranded += e.Tokens
+			region(win, e.Region).Stranded += e.Tokens
+		case history.KindRelease:
+			if e.Outcome == history.OK {
+				region(get(e.Quota, e.Window), e.Region).Released += e.Returned
+			}
+		case history.KindGetWindow:
+			if e.Outcome != history.OK {
+				continue
+			}
+			win := get(e.Quota, e.Window)
+			per := map[string]int64{}
+			for _, g := range e.Grants {
+				per[g.Region] += g.Tokens
+			}
+			for r, n := range per {
+				region(win, r).LedgerGranted = n
+			}
+		}
+	}
+	out := map[string][]*Window{}
+	for name, m := range idx {
+		for _, w := range m {
+			out[name] = append(out[name], w)
+		}
+		sort.Slice(out[name], func(i, j int) bool { return out[name][i].Index < out[name][j].Index })
+	}
+	return out
+}
+
+// trueWindow is the window holding true instant ns.
+func trueWindow(ns, windowMs int64) int64 {
+	return lease.WindowIndex(floorDiv(ns, 1e6), windowMs)
+}
+
+func floorDiv(a, b int64) int64 {
+	q := a / b
+	if a%b != 0 && (a < 0) != (b < 0) {
+		q--
+	}
+	return q
+}
+
+func fmtTime(ns int64) string {
+	return time.Unix(0, ns).UTC().Format("15:04:05.000")
+}
+
+// checkBound: admitted <= G + bound in every window by the true clock.
+func checkBound(h history.History, quotas map[string]Quota, windows map[string][]*Window) []Violation {
+	var out []Violation
+	for name, ws := range windows {
+		q := quotas[name]
+		for _, w := range ws {
+			if w.Admitted <= q.Ceiling() {
+				continue
+			}
+			out = append(out, Violation{Check: CheckBound, Quota: name, Window: w.Index, At: w.Start,
+				Detail: fmt.Sprintf("admitted %d > G %d + bound %d = %d in [%s, %s)\n%s%s",
+					w.Admitted, q.Limit, q.Bound, q.Ceiling(), fmtTime(w.Start), fmtTime(w.End), Ledgers(w), Timeline(h, w.Start-int64(q.WindowMs)*1e6, w.End+int64(q.WindowMs)*1e6))})
+		}
+	}
+	return out
+}
+
+// Ledgers renders a window's per-region ledger.
+func Ledgers(w *Window) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "  %-8s %9s %9s %9s %9s %9s %9s\n", "region", "admitted", "denied", "granted", "ledger", "released", "stranded")
+	names := make([]string, 0, len(w.Regions))
+	for r := range w.Regions {
+		names = append(names, r)
+	}
+	sort.Strings(names)
+	for _, r := range names {
+		x := w.Regions[r]
+		fmt.Fprintf(&b, "  %-8s %9d %9d %9d %9d %9d %9d\n", r, x.Admitted, x.Denied, x.Granted, x.LedgerGranted, x.Released, x.Stranded)
+	}
+	return b.String()
+}
+
+// Timeline renders the fault timeline between from and to (true ns).
+func Timeline(h history.History, from, to int64) string {
+	var b strings.Builder
+	b.WriteString("  fault timeline:\n")
+	n := 0
+	for _, f := range h.Faults {
+		if f.At < from || f.At > to {
+			continue
+		}
+		fmt.Fprintf(&b, "    %s %-18s %-8s %s\n", fmtTime(f.At), f.Scenario, f.Action, f.Detail)
+		n++
+	}
+	if n == 0 {
+		b.WriteString("    (no fault near this window)\n")
+	}
+	return b.String()
+}

@@ -1,0 +1,365 @@
+package check
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/allot-dev/allot/chaos/history"
+)
+
+// Times in these histories are true Unix ns; window w of 1000 ms spans
+// [w s, w+1 s).
+const (
+	ms  = int64(time.Millisecond)
+	sec = int64(time.Second)
+)
+
+var atlas = Quota{Name: "atlas", Limit: 100, WindowMs: 1000}
+
+func acquire(region, id string, asked, tokens, window, call, at, expiresMs int64, grant string) history.Event {
+	return history.Event{Kind: history.KindAcquire, Region: region, Quota: "atlas", RequestID: id, Asked: asked, Tokens: tokens,
+		Window: window, Call: call, At: at, Outcome: history.OK, GrantID: grant, ExpiresMs: expiresMs, Deadline: expiresMs*ms - 250*ms}
+}
+
+func admit(region, grant string, n, at, deadline int64) history.Event {
+	return history.Event{Kind: history.KindAdmit, Region: region, Quota: "atlas", GrantID: grant, Tokens: n, At: at, Deadline: deadline}
+}
+
+func read(window, call, at, remaining, granted, released int64, grants ...history.LedgerGrant) history.Event {
+	return history.Event{Kind: history.KindGetWindow, Quota: "atlas", Window: window, Call: call, At: at, Outcome: history.OK,
+		Remaining: remaining, Granted: granted, Released: released, Grants: grants, Reason: "current"}
+}
+
+func run(t *testing.T, h history.History, qs ...Quota) *Result {
+	t.Helper()
+	if len(qs) == 0 {
+		qs = []Quota{atlas}
+	}
+	return Run(h, Params{Quotas: qs, FaultGrace: 500 * time.Millisecond, LinearizabilityTimeout: 10 * time.Second})
+}
+
+func TestBound(t *testing.T) {
+	base := []history.Event{
+		acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+		acquire("us", "r2", 40, 40, 10, 10*sec, 10*sec+60*ms, 10_900, "g2"),
+		read(10, 10*sec+500*ms, 10*sec+510*ms, 0, 100, 0,
+			history.LedgerGrant{GrantID: "g1", Region: "eu", Tokens: 60}, history.LedgerGrant{GrantID: "g2", Region: "us", Tokens: 40}),
+		admit("eu", "g1", 60, 10*sec+100*ms, 10*sec+600*ms),
+		admit("us", "g2", 40, 10*sec+100*ms, 10*sec+600*ms),
+	}
+	tests := []struct {
+		name  string
+		extra []history.Event
+		bound int64
+		want  int
+	}{
+		{name: "at G", want: 0},
+		{name: "one over G", extra: []history.Event{{Kind: history.KindAdmit, Region: "us", Quota: "atlas", Tokens: 1, At: 10*sec + 200*ms}}, want: 1},
+		{name: "one over G within a bound of 1", extra: []history.Event{{Kind: history.KindAdmit, Region: "us", Quota: "atlas", Tokens: 1, At: 10*sec + 200*ms}}, bound: 1, want: 0},
+		{name: "over G but in the next window", extra: []history.Event{{Kind: history.KindAdmit, Region: "us", Quota: "atlas", Tokens: 5, At: 11*sec + 200*ms}}, want: 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			q := atlas
+			q.Bound = tt.bound
+			h := history.History{Events: append(append([]history.Event(nil), base...), tt.extra...),
+				Faults: []history.Fault{{Scenario: "partition-region", Action: "inject", Detail: "eu cut", At: 10*sec + 300*ms}}}
+			r := run(t, h, q)
+			if got := r.Count(CheckBound); got != tt.want {
+				t.Fatalf("bound violations = %d, want %d: %v", got, tt.want, r.Violations)
+			}
+			if tt.want > 0 {
+				d := r.Violations[0].Detail
+				for _, s := range []string{"admitted 101 > G 100 + bound 0", "eu", "us", "partition-region", "eu cut"} {
+					if !strings.Contains(d, s) {
+						t.Errorf("detail lacks %q:\n%s", s, d)
+					}
+				}
+			}
+		})
+	}
+}
+
+func TestLostGrantsAndReplays(t *testing.T) {
+	g1 := history.LedgerGrant{GrantID: "g1", Region: "eu", Tokens: 60}
+	tests := []struct {
+		name   string
+		events []history.Event
+		check  string
+		want   int
+	}{
+		{name: "grant in the ledger", check: CheckLostGrant, events: []history.Event{
+			acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			read(10, 10*sec+500*ms, 10*sec+510*ms, 40, 60, 0, g1),
+		}},
+		{name: "grant missing after a failover", check: CheckLostGrant, want: 1, events: []history.Event{
+			acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			read(10, 10*sec+500*ms, 10*sec+510*ms, 100, 0, 0),
+		}},
+		{name: "grant recorded for another region", check: CheckLostGrant, want: 1, events: []history.Event{
+			acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			read(10, 10*sec+500*ms, 10*sec+510*ms, 40, 60, 0, history.LedgerGrant{GrantID: "g1", Region: "us", Tokens: 60}),
+		}},
+		{name: "read invoked before the grant was received need not hold it", check: CheckLostGrant, events: []history.Event{
+			acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			read(10, 10*sec+20*ms, 10*sec+30*ms, 100, 0, 0),
+			read(10, 10*sec+500*ms, 10*sec+510*ms, 40, 60, 0, g1),
+		}},
+		{name: "no read after the last grant", check: CheckUnverified, want: 1, events: []history.Event{
+			acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+		}},
+		{name: "probe replayed", check: CheckDoubleGrant, events: []history.Event{
+			acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			{Kind: history.KindProbe, Region: "eu", Quota: "atlas", RequestID: "r1", Outcome: history.OK, Replayed: true, GrantID: "g1", Tokens: 60, Window: 10, Call: 10*sec + 100*ms, At: 10*sec + 150*ms},
+			read(10, 10*sec+500*ms, 10*sec+510*ms, 40, 60, 0, g1),
+		}},
+		{name: "probe granted anew", check: CheckDoubleGrant, want: 1, events: []history.Event{
+			acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			{Kind: history.KindProbe, Region: "eu", Quota: "atlas", RequestID: "r1", Outcome: history.OK, GrantID: "g7", Tokens: 40, Window: 10, Call: 10*sec + 100*ms, At: 10*sec + 150*ms},
+			read(10, 10*sec+500*ms, 10*sec+510*ms, 0, 100, 0, g1, history.LedgerGrant{GrantID: "g7", Region: "eu", Tokens: 40}),
+		}},
+		{name: "one grant id for two requests", check: CheckDoubleGrant, want: 1, events: []history.Event{
+			acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			acquire("eu", "r2", 60, 40, 10, 10*sec+60*ms, 10*sec+90*ms, 10_900, "g1"),
+			read(10, 10*sec+500*ms, 10*sec+510*ms, 0, 100, 0, g1),
+		}},
+		{name: "release rejected", check: CheckRelease, want: 1, events: []history.Event{
+			{Kind: history.KindRelease, Region: "eu", Quota: "atlas", GrantID: "g1", Tokens: 10, Window: 10, Outcome: history.Failed, Err: "invalid_argument"},
+		}},
+		{name: "release of a window no longer kept", check: CheckRelease, events: []history.Event{
+			{Kind: history.KindRelease, Region: "eu", Quota: "atlas", GrantID: "g1", Tokens: 10, Window: 10, Outcome: history.Failed, Err: "not_found", Reason: "not_found"},
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := run(t, history.History{Events: tt.events})
+			if got := r.Count(tt.check); got != tt.want {
+				t.Fatalf("%s violations = %d, want %d: %v", tt.check, got, tt.want, r.Violations)
+			}
+		})
+	}
+}
+
+func TestLeases(t *testing.T) {
+	grant := acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1") // expires at 10.9 s
+	tests := []struct {
+		name   string
+		events []history.Event
+		check  string
+		want   int
+	}{
+		{name: "spent before the deadline", check: CheckLateSpend, events: []history.Event{admit("eu", "g1", 10, 10*sec+600*ms, 10*sec+650*ms)}},
+		{name: "spent after the allocator's expiry", check: CheckLateSpend, want: 1, events: []history.Event{admit("eu", "g1", 10, 10*sec+950*ms, 11*sec)}},
+		{name: "spent after the region's own deadline", check: CheckLateSpend, want: 1, events: []history.Event{admit("eu", "g1", 10, 10*sec+700*ms, 10*sec+650*ms)}},
+		{name: "another region's grant", check: CheckUnleased, want: 1, events: []history.Event{admit("us", "g1", 10, 10*sec+600*ms, 10*sec+650*ms)}},
+		{name: "spent before received", check: CheckUnleased, want: 1, events: []history.Event{admit("eu", "g1", 10, 10*sec+10*ms, 10*sec+650*ms)}},
+		{name: "overspent", check: CheckOverspent, want: 1, events: []history.Event{admit("eu", "g1", 50, 10*sec+100*ms, 10*sec+650*ms), admit("eu", "g1", 11, 10*sec+200*ms, 10*sec+650*ms)}},
+		{name: "anonymous admissions a live grant covers", check: CheckUnleased, events: []history.Event{
+			{Kind: history.KindAdmit, Region: "eu", Quota: "atlas", Tokens: 60, At: 10*sec + 500*ms},
+		}},
+		{name: "anonymous admissions beyond the grant", check: CheckUnleased, want: 1, events: []history.Event{
+			{Kind: history.KindAdmit, Region: "eu", Quota: "atlas", Tokens: 61, At: 10*sec + 500*ms},
+		}},
+		{name: "anonymous admissions after expiry", check: CheckUnleased, want: 1, events: []history.Event{
+			{Kind: history.KindAdmit, Region: "eu", Quota: "atlas", Tokens: 1, At: 10*sec + 900*ms},
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ev := append([]history.Event{grant, read(10, 11*sec, 11*sec+ms, 40, 60, 0, history.LedgerGrant{GrantID: "g1", Region: "eu", Tokens: 60})}, tt.events...)
+			r := run(t, history.History{Events: ev})
+			if got := r.Count(tt.check); got != tt.want {
+				t.Fatalf("%s violations = %d, want %d: %v", tt.check, got, tt.want, r.Violations)
+			}
+		})
+	}
+}
+
+func TestLeasesFromLedgersAlone(t *testing.T) {
+	// A region that reports admissions but no Acquires (the agent): its
+	// admissions are matched against the grants the ledgers list for it.
+	ledger := read(10, 11*sec, 11*sec+ms, 40, 60, 0, history.LedgerGrant{GrantID: "g1", Region: "eu", Tokens: 60, GrantedMs: 10_050, ExpiresMs: 10_900})
+	tests := []struct {
+		name string
+		adm  []history.Event
+		want int
+	}{
+		{name: "within the grant", adm: []history.Event{{Kind: history.KindAdmit, Region: "eu", Quota: "atlas", Tokens: 60, At: 10*sec + 500*ms}}},
+		{name: "after its expiry", want: 1, adm: []history.Event{{Kind: history.KindAdmit, Region: "eu", Quota: "atlas", Tokens: 1, At: 10*sec + 950*ms}}},
+		{name: "before it was made", want: 1, adm: []history.Event{{Kind: history.KindAdmit, Region: "eu", Quota: "atlas", Tokens: 1, At: 10*sec + 10*ms}}},
+		{name: "more than granted", want: 1, adm: []history.Event{{Kind: history.KindAdmit, Region: "eu", Quota: "atlas", Tokens: 61, At: 10*sec + 500*ms}}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := run(t, history.History{Events: append([]history.Event{ledger}, tt.adm...)})
+			if got := r.Count(CheckUnleased); got != tt.want {
+				t.Fatalf("unleased violations = %d, want %d: %v", got, tt.want, r.Violations)
+			}
+		})
+	}
+}
+
+func TestUnmatchedEDF(t *testing.T) {
+	g := func(at, expMs, tokens int64) history.Event {
+		return history.Event{At: at, ExpiresMs: expMs, Tokens: tokens}
+	}
+	a := func(at, n int64) history.Event { return history.Event{At: at, Tokens: n} }
+	tests := []struct {
+		name   string
+		adm    []history.Event
+		grants []history.Event
+		want   int64
+	}{
+		{name: "earliest expiry first leaves room for later", grants: []history.Event{g(0, 10_000, 5), g(0, 1, 5)},
+			adm: []history.Event{a(int64(500*time.Microsecond), 5), a(5*sec, 5)}, want: 0},
+		{name: "nothing live", grants: []history.Event{g(2*sec, 3000, 5)}, adm: []history.Event{a(sec, 1)}, want: 1},
+		{name: "too many", grants: []history.Event{g(0, 3000, 5)}, adm: []history.Event{a(sec, 4), a(2*sec, 4)}, want: 3},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var got int64
+			for _, e := range unmatched(tt.adm, tt.grants) {
+				got += e.Tokens
+			}
+			if got != tt.want {
+				t.Fatalf("unmatched tokens = %d, want %d", got, tt.want)
+			}
+		})
+	}
+}
+
+func TestLinearizability(t *testing.T) {
+	rel := func(tokens, returned, call, at int64) history.Event {
+		return history.Event{Kind: history.KindRelease, Region: "eu", Quota: "atlas", GrantID: "g1", Tokens: tokens, Returned: returned, Window: 10, Call: call, At: at, Outcome: history.OK}
+	}
+	tests := []struct {
+		name   string
+		events []history.Event
+		check  string
+		want   int
+	}{
+		{name: "grants, release and reads in order", check: CheckLinearizable, events: []history.Event{
+			acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			acquire("us", "r2", 60, 40, 10, 10*sec+100*ms, 10*sec+150*ms, 10_900, "g2"),
+			read(10, 10*sec+200*ms, 10*sec+210*ms, 0, 100, 0),
+			rel(20, 20, 10*sec+300*ms, 10*sec+310*ms),
+			read(10, 10*sec+400*ms, 10*sec+410*ms, 20, 100, 20),
+		}},
+		{name: "concurrent grants in either order", check: CheckLinearizable, events: []history.Event{
+			acquire("eu", "r1", 60, 40, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			acquire("us", "r2", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g2"),
+		}},
+		{name: "a grant larger than the pool", check: CheckLinearizable, want: 1, events: []history.Event{
+			acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			acquire("us", "r2", 60, 60, 10, 10*sec+100*ms, 10*sec+150*ms, 10_900, "g2"),
+		}},
+		{name: "a read that misses an acknowledged grant", check: CheckLinearizable, want: 1, events: []history.Event{
+			acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			read(10, 10*sec+200*ms, 10*sec+210*ms, 100, 0, 0),
+		}},
+		{name: "an unanswered acquire may have applied", check: CheckLinearizable, events: []history.Event{
+			{Kind: history.KindAcquire, Region: "eu", Quota: "atlas", RequestID: "r1", Asked: 30, Call: 10 * sec, At: 10*sec + 100*ms, Outcome: history.Unknown},
+			read(10, 10*sec+200*ms, 10*sec+210*ms, 70, 30, 0),
+		}},
+		{name: "an unanswered acquire may not have applied", check: CheckLinearizable, events: []history.Event{
+			{Kind: history.KindAcquire, Region: "eu", Quota: "atlas", RequestID: "r1", Asked: 30, Call: 10 * sec, At: 10*sec + 100*ms, Outcome: history.Unknown},
+			read(10, 10*sec+200*ms, 10*sec+210*ms, 100, 0, 0),
+		}},
+		{name: "a replay of a recorded grant", check: CheckLinearizable, events: []history.Event{
+			acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			{Kind: history.KindProbe, Region: "eu", Quota: "atlas", RequestID: "r1", Outcome: history.OK, Replayed: true, GrantID: "g1", Tokens: 60, Window: 10, Call: 10*sec + 100*ms, At: 10*sec + 150*ms},
+		}},
+		{name: "a replay with other tokens", check: CheckLinearizable, want: 1, events: []history.Event{
+			acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			{Kind: history.KindProbe, Region: "eu", Quota: "atlas", RequestID: "r1", Outcome: history.OK, Replayed: true, GrantID: "g1", Tokens: 50, Window: 10, Call: 10*sec + 100*ms, At: 10*sec + 150*ms},
+		}},
+		{name: "a window reopened", check: CheckReopened, want: 1, events: []history.Event{
+			read(11, 11*sec, 11*sec+10*ms, 100, 0, 0),
+			acquire("eu", "r1", 60, 60, 10, 11*sec+100*ms, 11*sec+150*ms, 10_900, "g1"),
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := run(t, history.History{Events: tt.events})
+			if got := r.Count(tt.check); got != tt.want {
+				t.Fatalf("%s violations = %d, want %d: %v", tt.check, got, tt.want, r.Violations)
+			}
+		})
+	}
+}
+
+func TestBirch(t *testing.T) {
+	birch := Quota{Name: "atlas", Limit: 100, WindowMs: 1000, Birch: true}
+	deny := func(region string, at int64) history.Event {
+		return history.Event{Kind: history.KindDeny, Region: region, Quota: "atlas", Tokens: 3, At: at, Reason: history.ReasonCutOff}
+	}
+	span := history.Span{Scenario: "partition-region", Start: 20 * sec, End: 22 * sec, RecoverFrom: 22 * sec, Regions: []string{"eu"}}
+	first := []history.Event{
+		acquire("eu", "r1", 10, 10, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+		acquire("us", "r2", 10, 10, 10, 10*sec, 10*sec+50*ms, 10_900, "g2"),
+	}
+	tests := []struct {
+		name string
+		deny history.Event
+		want int
+	}{
+		{name: "before the first grant (start-up)", deny: deny("eu", 9*sec)},
+		{name: "inside the fault of its region", deny: deny("eu", 21*sec)},
+		{name: "within the grace after the heal", deny: deny("eu", 22*sec+400*ms)},
+		{name: "after the grace", deny: deny("eu", 22*sec+600*ms), want: 1},
+		{name: "in a region the fault does not touch", deny: deny("us", 21*sec), want: 1},
+		{name: "with no fault at all", deny: deny("us", 15*sec), want: 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			h := history.History{Events: append(append([]history.Event(nil), first...), tt.deny), Spans: []history.Span{span}}
+			r := run(t, h, birch)
+			if got := r.Count(CheckBirch); got != tt.want {
+				t.Fatalf("birch violations = %d, want %d: %v", got, tt.want, r.Violations)
+			}
+		})
+	}
+}
+
+func TestRecoveryAndTable(t *testing.T) {
+	h := history.History{
+		Events: []history.Event{
+			acquire("eu", "r1", 10, 10, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			acquire("us", "r2", 10, 10, 10, 10*sec, 10*sec+50*ms, 10_900, "g2"),
+			acquire("eu", "r3", 10, 10, 12, 12*sec, 12*sec+700*ms, 12_900, "g3"),
+			acquire("us", "r4", 10, 10, 12, 12*sec, 12*sec+300*ms, 12_900, "g4"),
+			{Kind: history.KindStrand, Region: "eu", Quota: "atlas", GrantID: "g3", Tokens: 10, Window: 12, At: 12*sec + 900*ms},
+			{Kind: history.KindDeny, Region: "eu", Quota: "atlas", Tokens: 4, At: 11*sec + 550*ms, Reason: history.ReasonCutOff},
+			read(10, 10*sec+500*ms, 10*sec+510*ms, 80, 20, 0, history.LedgerGrant{GrantID: "g1", Region: "eu", Tokens: 10}, history.LedgerGrant{GrantID: "g2", Region: "us", Tokens: 10}),
+			read(12, 12*sec+800*ms, 12*sec+810*ms, 80, 20, 0, history.LedgerGrant{GrantID: "g3", Region: "eu", Tokens: 10}, history.LedgerGrant{GrantID: "g4", Region: "us", Tokens: 10}),
+		},
+		Spans: []history.Span{
+			{Scenario: "kill-leader", Start: 11*sec + 500*ms, End: 11*sec + 600*ms, RecoverFrom: 12 * sec},
+			{Scenario: "restart-store", Skipped: "needs the region agent"},
+		},
+	}
+	r := run(t, h)
+	if got, want := r.Recovery[0], 700*time.Millisecond; got != want {
+		t.Fatalf("recovery = %s, want %s", got, want)
+	}
+	rows := Table(h, r, []Quota{atlas}, 500*time.Millisecond)
+	if len(rows) != 3 {
+		t.Fatalf("rows = %+v, want kill-leader, restart-store and calm", rows)
+	}
+	if rows[0].Windows != 2 || rows[0].StrandedPct != 5 || rows[0].Violations != 0 {
+		t.Errorf("kill-leader row = %+v, want 2 windows (11, 12) and 10 of 200 stranded (5%%)", rows[0])
+	}
+	if rows[1].Note == "" {
+		t.Errorf("restart-store row = %+v, want a note saying why it was skipped", rows[1])
+	}
+	var b strings.Builder
+	if err := Render(&b, "test", h, r, []Quota{atlas}, 500*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range []string{"kill-leader", "restart-store", "needs the region agent", "calm", "porcupine atlas"} {
+		if !strings.Contains(b.String(), s) {
+			t.Errorf("report lacks %q:\n%s", s, b.String())
+		}
+	}
+}

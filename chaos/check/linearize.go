@@ -1,0 +1,301 @@
+package check
+
+import (
+	"fmt"
+	"hash/fnv"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/anishathalye/porcupine"
+
+	"github.com/allot-dev/allot/chaos/history"
+	"github.com/allot-dev/allot/pkg/lease"
+)
+
+// ReadCurrent marks (in Event.Reason) a GetWindow of the current window;
+// ReadPast one of a named earlier window.
+const (
+	ReadCurrent = "current"
+	ReadPast    = "past"
+)
+
+// LinResult is the linearizability verdict for one quota.
+type LinResult struct {
+	// Windows is how many windows were checked, Ops how many operations.
+	Windows, Ops int
+	// Illegal lists windows whose history is not linearizable.
+	Illegal []int64
+	// Unknown lists windows porcupine could not decide in time.
+	Unknown []int64
+	// Longest is the longest time porcupine took on one window.
+	Longest time.Duration
+}
+
+// opKind is what a pool operation does.
+type opKind int
+
+const (
+	opAcquire opKind = iota // grants min(asked, remaining) under a new request id
+	opReplay                // a re-sent request id: must replay the recorded grant
+	opRelease               // returns tokens to the pool (or 0 after the window)
+	opRead                  // GetWindow: remaining, granted, released
+)
+
+type poolInput struct {
+	kind   opKind
+	id     string
+	asked  int64
+	tokens int64 // release: tokens handed back
+}
+
+type poolOutput struct {
+	unknown                     bool // no response: the effect may or may not have happened
+	tokens                      int64
+	returned                    int64
+	remaining, granted, release int64
+}
+
+// poolState is one window's pool: what remains, what was granted and
+// released, and the request ids it has granted (with their tokens) in a
+// canonical "id=tokens;" form sorted by id, so states compare with ==.
+type poolState struct {
+	remaining, granted, released int64
+	ids                          string
+}
+
+func (s poolState) lookup(id string) (int64, bool) {
+	for _, kv := range strings.Split(s.ids, ";") {
+		if k, v, ok := strings.Cut(kv, "="); ok && k == id {
+			var n int64
+			fmt.Sscan(v, &n)
+			return n, true
+		}
+	}
+	return 0, false
+}
+
+func (s poolState) with(id string, tokens int64) poolState {
+	parts := []string{}
+	if s.ids != "" {
+		parts = strings.Split(strings.TrimSuffix(s.ids, ";"), ";")
+	}
+	parts = append(parts, fmt.Sprintf("%s=%d", id, tokens))
+	sort.Strings(parts)
+	s.ids = strings.Join(parts, ";") + ";"
+	return s
+}
+
+// poolModel is the allocator's pool of one quota in one window under the
+// demand strategy: an Acquire with a new request id gets min(asked,
+// remaining); a known id replays; a Release in the window returns its tokens;
+// a read sees the totals. Unanswered operations may or may not have applied.
+func poolModel(limit int64) porcupine.Model {
+	grant := func(s poolState, in poolInput) poolState {
+		n := min(in.asked, s.remaining)
+		s.remaining -= n
+		s.granted += n
+		return s.with(in.id, n)
+	}
+	nm := porcupine.NondeterministicModel{
+		Init: func() []any { return []any{poolState{remaining: limit}} },
+		Step: func(st, inp, outp any) []any {
+			s, in, out := st.(poolState), inp.(poolInput), outp.(poolOutput)
+			switch in.kind {
+			case opAcquire:
+				if _, seen := s.lookup(in.id); seen {
+					return nil // a second grant for one request id
+				}
+				if out.unknown {
+					return []any{s, grant(s, in)}
+				}
+				if out.tokens != min(in.asked, s.remaining) {
+					return nil
+				}
+				return []any{grant(s, in)}
+			case opReplay:
+				if n, seen := s.lookup(in.id); !seen || n != out.tokens {
+					return nil
+				}
+				return []any{s}
+			case opRelease:
+				back := s
+				back.remaining += in.tokens
+				back.released += in.tokens
+				switch {
+				case out.unknown:
+					return []any{s, back}
+				case out.returned == in.tokens:
+					return []any{back}
+				case out.returned == 0:
+					return []any{s} // the window had ended: nothing goes back
+				}
+				return nil
+			case opRead:
+				if out.remaining == s.remaining && out.granted == s.granted && out.release == s.released {
+					return []any{s}
+				}
+				return nil
+			}
+			return nil
+		},
+		Equal: func(a, b any) bool { return a.(poolState) == b.(poolState) },
+		Hash: func(st any) uint64 {
+			s := st.(poolState)
+			h := fnv.New64a()
+			fmt.Fprintf(h, "%d/%d/%d/%s", s.remaining, s.granted, s.released, s.ids)
+			return h.Sum64()
+		},
+		DescribeOperation: func(inp, outp any) string {
+			in, out := inp.(poolInput), outp.(poolOutput)
+			switch in.kind {
+			case opAcquire:
+				if out.unknown {
+					return fmt.Sprintf("acquire(%s, %d) -> ?", in.id, in.asked)
+				}
+				return fmt.Sprintf("acquire(%s, %d) -> %d", in.id, in.asked, out.tokens)
+			case opReplay:
+				return fmt.Sprintf("replay(%s) -> %d", in.id, out.tokens)
+			case opRelease:
+				return fmt.Sprintf("release(%d) -> %d", in.tokens, out.returned)
+			}
+			return fmt.Sprintf("read -> rem %d gr %d rel %d", out.remaining, out.granted, out.release)
+		},
+		DescribeState: func(st any) string {
+			s := st.(poolState)
+			return fmt.Sprintf("rem %d gr %d rel %d", s.remaining, s.granted, s.released)
+		},
+	}
+	return nm.ToModel()
+}
+
+// checkLinearizable splits q's history by window (each window's pool is an
+// independent object, so the whole history is linearizable iff every window's
+// is) and runs porcupine on each. Acquires and reads carry their window in
+// the response; a Release belongs to its grant's window; an Acquire that was
+// never answered is put into every window it could have reached. It also
+// checks that windows never reopen: an operation invoked after another
+// returned never reports an older window.
+func checkLinearizable(h history.History, q Quota, p Params) (LinResult, []Violation) {
+	parts := map[int64][]porcupine.Operation{}
+	type stamped struct {
+		call, ret, window int64
+		what              string
+	}
+	var ordered []stamped
+	client := map[string]int{}
+	cid := func(name string) int {
+		if id, ok := client[name]; ok {
+			return id
+		}
+		client[name] = len(client)
+		return client[name]
+	}
+	for _, e := range h.Events {
+		if e.Quota != q.Name {
+			continue
+		}
+		switch e.Kind {
+		case history.KindAcquire:
+			in := poolInput{kind: opAcquire, id: e.RequestID, asked: e.Asked}
+			switch e.Outcome {
+			case history.OK:
+				parts[e.Window] = append(parts[e.Window], porcupine.Operation{ClientId: cid(e.Region), Input: in, Call: e.Call, Output: poolOutput{tokens: e.Tokens}, Return: e.At})
+				ordered = append(ordered, stamped{e.Call, e.At, e.Window, "acquire " + e.RequestID})
+			case history.Unknown:
+				from := trueWindow(e.Call, q.WindowMs)
+				to := trueWindow(e.At+int64(p.ApplyTimeout), q.WindowMs)
+				for w := from; w <= to; w++ {
+					parts[w] = append(parts[w], porcupine.Operation{ClientId: cid(e.Region), Input: in, Call: e.Call, Output: poolOutput{unknown: true}, Return: history.Never})
+				}
+			}
+		case history.KindProbe:
+			if e.Outcome == history.OK && e.Replayed {
+				parts[e.Window] = append(parts[e.Window], porcupine.Operation{ClientId: cid(e.Region), Input: poolInput{kind: opReplay, id: e.RequestID}, Call: e.Call, Output: poolOutput{tokens: e.Tokens}, Return: e.At})
+			}
+		case history.KindRelease:
+			in := poolInput{kind: opRelease, tokens: e.Tokens}
+			switch e.Outcome {
+			case history.OK:
+				parts[e.Window] = append(parts[e.Window], porcupine.Operation{ClientId: cid(e.Region), Input: in, Call: e.Call, Output: poolOutput{returned: e.Returned}, Return: e.At})
+			case history.Unknown:
+				parts[e.Window] = append(parts[e.Window], porcupine.Operation{ClientId: cid(e.Region), Input: in, Call: e.Call, Output: poolOutput{unknown: true}, Return: history.Never})
+			}
+		case history.KindGetWindow:
+			if e.Outcome != history.OK {
+				continue
+			}
+			parts[e.Window] = append(parts[e.Window], porcupine.Operation{ClientId: cid("observer"), Input: poolInput{kind: opRead}, Call: e.Call,
+				Output: poolOutput{remaining: e.Remaining, granted: e.Granted, release: e.Released}, Return: e.At})
+			if e.Reason == ReadCurrent {
+				// A read of a named past window legitimately reports an
+				// older window; only reads of the current one take part in
+				// the never-reopen check.
+				ordered = append(ordered, stamped{e.Call, e.At, e.Window, "read"})
+			}
+		}
+	}
+	var res LinResult
+	var out []Violation
+	model := poolModel(q.Limit)
+	idx := make([]int64, 0, len(parts))
+	for w := range parts {
+		idx = append(idx, w)
+	}
+	sort.Slice(idx, func(i, j int) bool { return idx[i] < idx[j] })
+	for _, w := range idx {
+		ops := parts[w]
+		res.Windows++
+		res.Ops += len(ops)
+		start := time.Now()
+		verdict, info := porcupine.CheckOperationsVerbose(model, ops, p.LinearizabilityTimeout)
+		res.Longest = max(res.Longest, time.Since(start))
+		switch verdict {
+		case porcupine.Illegal:
+			res.Illegal = append(res.Illegal, w)
+			out = append(out, Violation{Check: CheckLinearizable, Quota: q.Name, Window: w, At: lease.WindowStart(w, q.WindowMs) * 1e6,
+				Detail: fmt.Sprintf("the window's %d operations have no linearization; longest linearizable prefix:\n%s%s", len(ops), describePrefix(model, ops, info), Timeline(h, lease.WindowStart(w, q.WindowMs)*1e6, lease.WindowEnd(w, q.WindowMs)*1e6))})
+		case porcupine.Unknown:
+			res.Unknown = append(res.Unknown, w)
+		}
+	}
+	// Windows never reopen.
+	sort.Slice(ordered, func(i, j int) bool { return ordered[i].call < ordered[j].call })
+	byRet := append([]stamped(nil), ordered...)
+	sort.Slice(byRet, func(i, j int) bool { return byRet[i].ret < byRet[j].ret })
+	var maxW int64 = -1 << 62
+	var maxWhat string
+	j := 0
+	for _, o := range ordered {
+		for j < len(byRet) && byRet[j].ret < o.call {
+			if byRet[j].window > maxW {
+				maxW, maxWhat = byRet[j].window, byRet[j].what
+			}
+			j++
+		}
+		if o.window < maxW {
+			out = append(out, Violation{Check: CheckReopened, Quota: q.Name, Window: o.window, At: o.call,
+				Detail: fmt.Sprintf("%s invoked at %s reports window %d after %s had returned window %d", o.what, fmtTime(o.call), o.window, maxWhat, maxW)})
+		}
+	}
+	return res, out
+}
+
+func describePrefix(model porcupine.Model, ops []porcupine.Operation, info porcupine.LinearizationInfo) string {
+	var b strings.Builder
+	partials := info.PartialLinearizationsOperations()
+	if len(partials) == 0 || len(partials[0]) == 0 {
+		return "  (none)\n"
+	}
+	longest := partials[0][0]
+	for _, p := range partials[0] {
+		if len(p) > len(longest) {
+			longest = p
+		}
+	}
+	for _, op := range longest {
+		fmt.Fprintf(&b, "  %s  %s\n", fmtTime(op.Call), model.DescribeOperation(op.Input, op.Output))
+	}
+	fmt.Fprintf(&b, "  (%d of %d operations linearized)\n", len(longest), len(ops))
+	return b.String()
+}
