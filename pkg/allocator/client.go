@@ -23,6 +23,7 @@ type Client struct {
 	endpoints []string
 	attempts  int
 	backoff   time.Duration
+	perTry    time.Duration
 
 	peers *peerClients
 
@@ -39,6 +40,10 @@ func WithHTTPClient(h *http.Client) ClientOption { return func(c *Client) { c.ht
 // WithAttempts sets how many endpoints or leader hints one call tries (default 6).
 func WithAttempts(n int) ClientOption { return func(c *Client) { c.attempts = max(1, n) } }
 
+// WithAttemptTimeout bounds each attempt (default 2s), so a frozen node (for
+// example a SIGSTOPped leader) costs one attempt, not the caller's deadline.
+func WithAttemptTimeout(d time.Duration) ClientOption { return func(c *Client) { c.perTry = d } }
+
 // WithBackoff sets the pause between attempts (default 100ms, doubling, capped at 1s).
 func WithBackoff(d time.Duration) ClientOption { return func(c *Client) { c.backoff = d } }
 
@@ -49,7 +54,7 @@ func NewClient(endpoints []string, opts ...ClientOption) (*Client, error) {
 	}
 	c := &Client{
 		http: NewHTTPClient(), endpoints: append([]string(nil), endpoints...),
-		attempts: 6, backoff: 100 * time.Millisecond, preferred: endpoints[0],
+		attempts: 6, backoff: 100 * time.Millisecond, perTry: 2 * time.Second, preferred: endpoints[0],
 	}
 	for _, o := range opts {
 		o(c)
@@ -70,8 +75,9 @@ func retryable(err error) bool {
 }
 
 // call runs fn against the preferred endpoint, then leader hints and the other
-// endpoints, until it gets an answer that is not Unavailable.
-func call[T any](ctx context.Context, c *Client, fn func(*peerClient) (T, error)) (T, error) {
+// endpoints, until it gets an answer that is not Unavailable. An attempt that
+// times out on its own (not the caller's deadline) moves to the next endpoint.
+func call[T any](ctx context.Context, c *Client, fn func(context.Context, *peerClient) (T, error)) (T, error) {
 	var (
 		zero    T
 		lastErr error
@@ -82,7 +88,12 @@ func call[T any](ctx context.Context, c *Client, fn func(*peerClient) (T, error)
 	c.mu.Unlock()
 	next := 0
 	for attempt := 0; attempt < c.attempts; attempt++ {
-		out, err := fn(c.peer(addr))
+		actx, cancel := context.WithTimeout(ctx, c.perTry)
+		out, err := fn(actx, c.peer(addr))
+		cancel()
+		if err != nil && ctx.Err() == nil && connect.CodeOf(err) == connect.CodeDeadlineExceeded {
+			err = connect.NewError(connect.CodeUnavailable, fmt.Errorf("%s did not answer within %s: %w", addr, c.perTry, err))
+		}
 		if err == nil || !retryable(err) {
 			if err == nil {
 				c.mu.Lock()
@@ -110,7 +121,7 @@ func call[T any](ctx context.Context, c *Client, fn func(*peerClient) (T, error)
 
 // Acquire calls AllocatorService.Acquire.
 func (c *Client) Acquire(ctx context.Context, req *allotv1.AcquireRequest) (*allotv1.AcquireResponse, error) {
-	return call(ctx, c, func(p *peerClient) (*allotv1.AcquireResponse, error) {
+	return call(ctx, c, func(ctx context.Context, p *peerClient) (*allotv1.AcquireResponse, error) {
 		r, err := p.alloc.Acquire(ctx, connect.NewRequest(req))
 		if err != nil {
 			return nil, err
@@ -121,7 +132,7 @@ func (c *Client) Acquire(ctx context.Context, req *allotv1.AcquireRequest) (*all
 
 // Release calls AllocatorService.Release.
 func (c *Client) Release(ctx context.Context, req *allotv1.ReleaseRequest) (*allotv1.ReleaseResponse, error) {
-	return call(ctx, c, func(p *peerClient) (*allotv1.ReleaseResponse, error) {
+	return call(ctx, c, func(ctx context.Context, p *peerClient) (*allotv1.ReleaseResponse, error) {
 		r, err := p.alloc.Release(ctx, connect.NewRequest(req))
 		if err != nil {
 			return nil, err
@@ -140,7 +151,7 @@ type OperatorClient struct{ c *Client }
 func opCall[Req, Resp any](ctx context.Context, c *Client, req *Req,
 	m func(allotv1connect.OperatorServiceClient) func(context.Context, *connect.Request[Req]) (*connect.Response[Resp], error),
 ) (*Resp, error) {
-	return call(ctx, c, func(p *peerClient) (*Resp, error) {
+	return call(ctx, c, func(ctx context.Context, p *peerClient) (*Resp, error) {
 		r, err := m(p.op)(ctx, connect.NewRequest(req))
 		if err != nil {
 			return nil, err

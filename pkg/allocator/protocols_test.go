@@ -2,7 +2,10 @@ package allocator
 
 import (
 	"context"
+	"net/http"
+	"net/http/httptest"
 	"testing"
+	"time"
 
 	"connectrpc.com/connect"
 
@@ -39,5 +42,29 @@ func TestProtocols(t *testing.T) {
 				t.Errorf("unknown quota: got %v, want NotFound", err)
 			}
 		})
+	}
+}
+
+// TestClientSkipsFrozenEndpoint puts a node that accepts calls and never
+// answers (like a SIGSTOPped leader) first in the client's list: the call
+// moves on after one attempt timeout and succeeds on the live node.
+func TestClientSkipsFrozenEndpoint(t *testing.T) {
+	tc := newTestCluster(t, 1)
+	tc.leader()
+	publishTest(t, tc.addrs, clusterPolicy, 1)
+	frozen := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { <-r.Context().Done() }))
+	defer frozen.Close()
+	c, err := NewClient([]string{frozen.URL, tc.addrs[0]}, WithAttemptTimeout(200*time.Millisecond), WithBackoff(10*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	resp, err := c.Acquire(ctx, &allotv1.AcquireRequest{Region: "eu", RequestId: "frozen", Wants: []*allotv1.Want{{Quota: "atlas", Tokens: 1}}})
+	if err != nil {
+		t.Fatalf("the client did not move past the frozen endpoint: %v", err)
+	}
+	if resp.GetGrants()[0].GetTokens() != 1 {
+		t.Errorf("granted %v", resp.GetGrants())
 	}
 }
