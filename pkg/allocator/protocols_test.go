@@ -52,8 +52,15 @@ func TestClientSkipsFrozenEndpoint(t *testing.T) {
 	tc := newTestCluster(t, 1)
 	tc.leader()
 	publishTest(t, tc.addrs, clusterPolicy, 1)
-	frozen := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { <-r.Context().Done() }))
+	thaw := make(chan struct{})
+	frozen := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-r.Context().Done():
+		case <-thaw:
+		}
+	}))
 	defer frozen.Close()
+	defer close(thaw) // runs first: lets the handler end so Close can return
 	c, err := NewClient([]string{frozen.URL, tc.addrs[0]}, WithAttemptTimeout(200*time.Millisecond), WithBackoff(10*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)
