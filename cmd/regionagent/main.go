@@ -1,0 +1,137 @@
+// Command regionagent runs allot's region agent: it leases the region's share
+// of every global quota from the allocator into the region's Redis, follows
+// the allocator's policy (keeping the last-known-good one in -data-dir), and
+// serves admission decisions over Connect (allot.v1.AdmissionService on
+// -api-addr, with /metrics, /healthz and /readyz) and Envoy's rate limit
+// service (gRPC on -envoy-addr).
+//
+//	regionagent -region eu -allocators 127.0.0.1:8001,127.0.0.1:8002,127.0.0.1:8003 \
+//	  -redis 127.0.0.1:6379 -data-dir /var/lib/allot/eu -api-addr :8081 -envoy-addr :8082
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"net"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/allot-dev/allot/pkg/agent"
+	"github.com/allot-dev/allot/pkg/allocator"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, os.Args[1:])
+	stop()
+	if err != nil && !errors.Is(err, flag.ErrHelp) {
+		fmt.Fprintln(os.Stderr, "regionagent:", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, args []string) error {
+	cfg := agent.DefaultConfig()
+	var (
+		allocators, clearKeys string
+		redisAddr, apiAddr    string
+		envoyAddr             string
+		redisPoolSize         int
+		logLevel              = zapcore.InfoLevel
+	)
+	fs := flag.NewFlagSet("regionagent", flag.ContinueOnError)
+	fs.StringVar(&cfg.Region, "region", "", "region this agent leases for (one of the policy's regions)")
+	fs.StringVar(&allocators, "allocators", "", "comma-separated allocator API addresses (empty: standalone on -policy)")
+	fs.StringVar(&redisAddr, "redis", "127.0.0.1:6379", "the region's Redis address")
+	fs.IntVar(&redisPoolSize, "redis-pool", 64, "Redis connections")
+	fs.StringVar(&cfg.DataDir, "data-dir", "", "directory for the last-known-good policy")
+	fs.StringVar(&cfg.PolicyFile, "policy", "", "policy file in force (as version 0) until the allocator's arrives")
+	fs.StringVar(&apiAddr, "api-addr", "127.0.0.1:8081", "Connect API, /metrics, /healthz, /readyz address")
+	fs.StringVar(&envoyAddr, "envoy-addr", "127.0.0.1:8082", "Envoy rate limit service (gRPC) address; empty disables it")
+	fs.StringVar(&cfg.EnvoyDomain, "envoy-domain", "", "the only Envoy rate limit domain accepted (empty: any)")
+	fs.StringVar(&cfg.Engine.Namespace, "namespace", cfg.Engine.Namespace, "Redis key namespace")
+	fs.StringVar(&cfg.Engine.KeySalt, "key-salt", "", "salt of principal hashes in Redis keys (the same for the whole region)")
+	fs.IntVar(&cfg.Engine.Gateways, "gateways", cfg.Engine.Gateways, "gateways sharing the region's Redis (sizes fallback buckets)")
+	fs.DurationVar(&cfg.Engine.StoreTimeout, "store-timeout", cfg.Engine.StoreTimeout, "bound on one Redis call on the decision path")
+	fs.DurationVar(&cfg.Engine.NegativeCacheTTL, "negative-cache", cfg.Engine.NegativeCacheTTL, "negative cache ceiling (0: off, see package agent)")
+	fs.DurationVar(&cfg.Lease.Tick, "lease-tick", cfg.Lease.Tick, "lease manager tick")
+	fs.DurationVar(&cfg.Lease.Lead, "lease-lead", cfg.Lease.Lead, "renew this long before a pool runs dry at its demand")
+	fs.DurationVar(&cfg.Lease.Margin, "lease-margin", cfg.Lease.Margin, "margin subtracted from lease deadlines (match the allocator's)")
+	fs.Int64Var(&cfg.Lease.MinChunk, "min-chunk", cfg.Lease.MinChunk, "smallest chunk asked for")
+	fs.DurationVar(&cfg.Lease.AcquireTimeout, "acquire-timeout", cfg.Lease.AcquireTimeout, "bound on one Acquire call")
+	fs.DurationVar(&cfg.StarveWait, "starve-wait", cfg.StarveWait, "longest wait of a request for a lease renewal")
+	fs.IntVar(&cfg.MaxRequestBytes, "max-request-bytes", cfg.MaxRequestBytes, "largest request message")
+	fs.Float64Var(&cfg.DecisionLogSample, "log-sample", cfg.DecisionLogSample, "fraction of decisions logged")
+	fs.StringVar(&cfg.LogSalt, "log-salt", "", "salt of principal hashes in decision logs")
+	fs.StringVar(&clearKeys, "log-clear-keys", strings.Join(cfg.LogClearKeys, ","), "descriptor keys logged in clear")
+	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", cfg.ShutdownTimeout, "bound on handing unspent tokens back")
+	fs.Var(&logLevel, "log-level", "log level: debug, info, warn, error")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if allocators != "" {
+		cfg.AllocatorEndpoints = strings.Split(allocators, ",")
+	}
+	cfg.LogClearKeys = nil
+	if clearKeys != "" {
+		cfg.LogClearKeys = strings.Split(clearKeys, ",")
+	}
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	zc := zap.NewProductionConfig()
+	zc.Level = zap.NewAtomicLevelAt(logLevel)
+	log, err := zc.Build()
+	if err != nil {
+		return fmt.Errorf("logger: %w", err)
+	}
+	defer func() { _ = log.Sync() }()
+
+	rdb := redis.NewClient(&redis.Options{Addr: redisAddr, PoolSize: redisPoolSize})
+	defer rdb.Close()
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	a, err := agent.New(cfg, rdb, agent.WithLogger(log), agent.WithRegisterer(reg))
+	if err != nil {
+		return err
+	}
+
+	apiLn, err := net.Listen("tcp", apiAddr)
+	if err != nil {
+		return fmt.Errorf("listen api: %w", err)
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return a.Run(gctx) })
+	g.Go(func() error {
+		return allocator.Serve(gctx, allocator.HTTPServer(apiAddr, agent.Mux(a, reg)), apiLn, 5*time.Second)
+	})
+	if envoyAddr != "" {
+		envoyLn, err := net.Listen("tcp", envoyAddr)
+		if err != nil {
+			apiLn.Close()
+			return fmt.Errorf("listen envoy: %w", err)
+		}
+		gs := agent.NewGRPCServer(a)
+		g.Go(func() error { return gs.Serve(envoyLn) })
+		g.Go(func() error {
+			<-gctx.Done()
+			gs.GracefulStop()
+			return nil
+		})
+	}
+	log.Info("region agent listening", zap.String("region", cfg.Region), zap.String("api", apiLn.Addr().String()),
+		zap.String("envoy", envoyAddr), zap.Strings("allocators", cfg.AllocatorEndpoints))
+	return g.Wait()
+}

@@ -1,0 +1,248 @@
+package agent
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/allot-dev/allot/pkg/admission"
+	"github.com/allot-dev/allot/pkg/allocator"
+	"github.com/allot-dev/allot/pkg/policy"
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+)
+
+// Agent is a region agent: it decides requests on the region's Redis with
+// the admission engine, keeps the region's leased pools filled from the
+// allocator, and follows the allocator's policy. It is safe for concurrent
+// use; Run owns its background loops.
+type Agent struct {
+	cfg    Config
+	clock  admission.Clock
+	log    *zap.Logger
+	m      *metrics
+	store  *admission.RedisStore
+	rdb    redis.UniversalClient
+	client *allocator.Client
+	leases *leases
+	dlog   *decisionLog
+	slots  *slotTable
+
+	engine  atomic.Pointer[admission.Engine]
+	applyMu sync.Mutex
+	current atomic.Uint64 // version in force (0: bootstrap or none)
+	digest  string        // guarded by applyMu
+	engOpts []admission.Option
+}
+
+// New returns an agent deciding on the Redis behind rdb (which the caller
+// creates and closes). It puts the last-known-good policy in force when
+// Config.DataDir holds one, else Config.PolicyFile or WithPolicy as version
+// 0; with none of them the agent is not ready (ErrNotReady) until the
+// allocator's policy arrives in Run. New does no network I/O.
+func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if rdb == nil {
+		return nil, errors.New("agent: nil redis client")
+	}
+	o := options{clock: admission.SystemClock{}, logger: zap.NewNop(), rand: rand.Reader}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	var idb [6]byte
+	if _, err := io.ReadFull(o.rand, idb[:]); err != nil {
+		return nil, fmt.Errorf("agent: instance id: %w", err)
+	}
+	log := o.logger.Named("agent").With(zap.String("region", cfg.Region))
+	store, err := admission.NewRedisStore(rdb, cfg.Store, admission.WithRedisLogger(log))
+	if err != nil {
+		return nil, err
+	}
+	client := o.client
+	if client == nil && len(cfg.AllocatorEndpoints) > 0 {
+		if client, err = allocator.NewClient(cfg.AllocatorEndpoints); err != nil {
+			return nil, err
+		}
+	}
+	a := &Agent{
+		cfg: cfg, clock: o.clock, log: log, m: newMetrics(), store: store, rdb: rdb, client: client,
+		dlog:  newDecisionLog(log.Named("decisions"), cfg.DecisionLogSample, cfg.LogSalt, cfg.LogClearKeys),
+		slots: newSlotTable(cfg.MaxTrackedSlots),
+	}
+	a.leases = newLeases(cfg.Lease, cfg.Region, client, o.clock, log, a.m, hex.EncodeToString(idb[:]),
+		newWithdrawer(rdb, cfg.Engine.Namespace), cfg.ShutdownTimeout)
+	a.engOpts = []admission.Option{admission.WithClock(o.clock), admission.WithLogger(log), admission.WithRand(o.rand)}
+	if o.registry != nil {
+		a.engOpts = append(a.engOpts, admission.WithRegisterer(o.registry))
+		if err := a.m.register(o.registry, a.leases); err != nil {
+			return nil, fmt.Errorf("agent: register metrics: %w", err)
+		}
+	}
+
+	rec, err := loadLKG(cfg.DataDir)
+	switch {
+	case err != nil:
+		// A damaged file must not stop the agent: it waits for the
+		// allocator instead, as if there were none.
+		log.Warn("last-known-good policy ignored", zap.Error(err))
+	case rec != nil:
+		if err := a.install(rec.doc, rec.version, rec.digest); err != nil {
+			return nil, fmt.Errorf("agent: last-known-good policy: %w", err)
+		}
+		log.Info("last-known-good policy in force", zap.Uint64("version", rec.version))
+	}
+	if a.engine.Load() == nil {
+		doc, version := o.doc, o.version
+		if doc == nil && cfg.PolicyFile != "" {
+			b, err := os.ReadFile(cfg.PolicyFile)
+			if err != nil {
+				return nil, fmt.Errorf("agent: policy file: %w", err)
+			}
+			if doc, err = policy.Parse(b); err != nil {
+				return nil, fmt.Errorf("agent: policy file %s: %w", cfg.PolicyFile, err)
+			}
+		}
+		if doc != nil {
+			if err := a.install(doc, version, policy.Digest(doc)); err != nil {
+				return nil, fmt.Errorf("agent: policy: %w", err)
+			}
+		}
+	}
+	if a.engine.Load() == nil && client == nil {
+		return nil, fmt.Errorf("%w: no allocator endpoints and no policy (PolicyFile, WithPolicy or a last-known-good one)", ErrConfig)
+	}
+	return a, nil
+}
+
+// install puts doc in force as version: it creates the engine on the first
+// policy and swaps the policy atomically afterwards (Engine.Apply), then
+// tells the lease manager.
+func (a *Agent) install(doc *policy.Document, version uint64, digest string) error {
+	a.applyMu.Lock()
+	defer a.applyMu.Unlock()
+	// The lease manager learns the new quotas before any decision can
+	// name them, and forgets removed ones only after the swap.
+	a.leases.addQuotas(doc)
+	eng := a.engine.Load()
+	if eng == nil {
+		e, err := admission.New(a.cfg.Engine, a.store, doc, version, a.engOpts...)
+		if err != nil {
+			a.leases.setPolicy(nil, nil)
+			return err
+		}
+		a.leases.setPolicy(doc, e)
+		a.engine.Store(e)
+	} else {
+		if err := eng.Apply(doc, version); err != nil {
+			old, _ := eng.Policy()
+			a.leases.setPolicy(old, eng)
+			return err
+		}
+		a.leases.setPolicy(doc, eng)
+	}
+	a.current.Store(version)
+	a.digest = digest
+	a.m.policyVer.Set(float64(version))
+	return nil
+}
+
+// applyRecord applies a record received from the allocator: newer versions
+// only, digest and document checked, persisted as last-known-good once in
+// force. A rejected record leaves the version in force untouched.
+func (a *Agent) applyRecord(p *allotv1.PolicyRecord) {
+	if p == nil {
+		return
+	}
+	cur := a.current.Load()
+	if a.engine.Load() != nil && p.GetVersion() <= cur {
+		a.applyMu.Lock()
+		same := p.GetVersion() == cur && p.GetDigest() == a.digest
+		a.applyMu.Unlock()
+		if !same {
+			a.m.policyUpd.WithLabelValues("older").Inc()
+			a.log.Warn("older policy version rejected", zap.Uint64("version", p.GetVersion()), zap.Uint64("in_force", cur))
+		}
+		return
+	}
+	rec, err := checkRecord(p.GetVersion(), p.GetDigest(), p.GetDocument())
+	if err != nil {
+		a.m.policyUpd.WithLabelValues("malformed").Inc()
+		a.log.Error("malformed policy rejected; keeping the version in force",
+			zap.Uint64("version", p.GetVersion()), zap.Uint64("in_force", cur), zap.Error(err))
+		return
+	}
+	if err := a.install(rec.doc, rec.version, rec.digest); err != nil {
+		result := "invalid"
+		if errors.Is(err, admission.ErrStalePolicy) {
+			result = "older"
+		}
+		a.m.policyUpd.WithLabelValues(result).Inc()
+		a.log.Error("policy rejected; keeping the version in force", zap.Uint64("version", rec.version), zap.Error(err))
+		return
+	}
+	a.m.policyUpd.WithLabelValues("applied").Inc()
+	a.log.Info("policy applied", zap.Uint64("version", rec.version), zap.String("digest", rec.digest[:12]))
+	if err := saveLKG(a.cfg.DataDir, rec, a.clock.Now()); err != nil {
+		a.m.policyUpd.WithLabelValues("persist_error").Inc()
+		a.log.Error("last-known-good policy not saved", zap.Error(err))
+	}
+}
+
+// Run follows the policy and renews leases until ctx ends; then it hands
+// the unspent tokens it deposited back to the allocator (within
+// Config.ShutdownTimeout) and closes the engine and the store. Call it once.
+func (a *Agent) Run(ctx context.Context) error {
+	if err := a.store.Load(ctx); err != nil {
+		a.log.Warn("admission script not preloaded (it loads on first use)", zap.Error(err))
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	if a.client != nil {
+		w := &watcher{
+			client: a.client, log: a.log.Named("policy"), backoff: a.cfg.WatchBackoff, max: a.cfg.MaxWatchBackoff,
+			current: a.current.Load, apply: a.applyRecord,
+		}
+		g.Go(func() error { return w.Run(gctx) })
+	}
+	g.Go(func() error { return a.leases.Run(gctx) })
+	err := g.Wait()
+	if eng := a.engine.Load(); eng != nil {
+		_ = eng.Close()
+	}
+	return errors.Join(err, a.store.Close())
+}
+
+// Ready reports whether a policy is in force.
+func (a *Agent) Ready() bool { return a.engine.Load() != nil }
+
+// PolicyVersion returns the version in force (0 for a local policy or
+// none).
+func (a *Agent) PolicyVersion() uint64 { return a.current.Load() }
+
+// Engine returns the admission engine, nil before the first policy.
+func (a *Agent) Engine() *admission.Engine { return a.engine.Load() }
+
+// Leases returns the state of every leased quota of this region.
+func (a *Agent) Leases() []QuotaStatus { return a.leases.Status() }
+
+// CutOff reports whether the allocator is unreachable (the last Acquire
+// failed) or absent.
+func (a *Agent) CutOff() bool { return a.leases.CutOff() }
+
+// Renew runs one round of the lease manager now (Run does it every tick).
+// It is for tests and tools that drive the agent without Run.
+func (a *Agent) Renew(ctx context.Context) { a.leases.Tick(ctx) }
+
+// now is the agent's clock.
+func (a *Agent) now() time.Time { return a.clock.Now() }

@@ -1,0 +1,277 @@
+package agent_test
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	commonrl "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
+	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/allot-dev/allot/pkg/agent"
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+)
+
+// apiPolicy: a bucket that never refills (so remaining counts every debit
+// exactly), a daily window per route, two export slots, and a leased pool
+// that is closed and never leased in these tests.
+const apiPolicy = `
+name: api
+regions: [eu]
+rules:
+  - name: bucket
+    scope: user
+    match: [{key: tenant}, {key: user}]
+    kind: token_bucket
+    capacity: 100
+    refill_per_second: 0
+    zero_refill_reason: counts every debit exactly in tests
+  - name: daily
+    scope: route
+    match: [{key: tenant}, {key: route, value: GET /daily}]
+    kind: fixed_window
+    limit: 3
+    window: 24h
+  - name: exports
+    scope: route
+    match: [{key: tenant}, {key: route, value: POST /export}]
+    kind: concurrency
+    max_in_flight: 2
+    slot_ttl: 1h
+  - name: pool
+    scope: tenant
+    match: [{key: tenant, value: pooled}]
+    kind: global_quota
+    limit: 100
+    window: 1m
+    lease: {chunk: 10, ttl: 1m}
+  - name: anon
+    scope: ip
+    match: [{key: ip}]
+    kind: fixed_window
+    limit: 1000000
+    window: 24h
+`
+
+// standalone returns an agent on apiPolicy with no allocator: the pool
+// quota is always cut off.
+func standalone(t testing.TB, mut func(*agent.Config)) (*agent.Agent, *served) {
+	t.Helper()
+	cfg := testConfig("eu")
+	cfg.EnvoyDomain = "allot"
+	if mut != nil {
+		mut(&cfg)
+	}
+	a := newAgent(t, cfg, sharedRedis(t), agent.WithPolicy(mustParse(t, apiPolicy), 0))
+	return a, serve(t, a)
+}
+
+func TestConnectBadInputIsRefusedWithoutDebit(t *testing.T) {
+	_, s := standalone(t, nil)
+	good := &allotv1.CheckRequest{Entries: entries("tenant", "acme", "user", "u1")}
+	if r := check(t, s.connect, good); !r.Allowed || r.Remaining != 99 || r.Rule != "bucket" {
+		t.Fatalf("first check: %+v, want allowed by bucket with 99 left", r)
+	}
+	many := entries("tenant", "acme")
+	for i := 0; i < 40; i++ {
+		many = append(many, &allotv1.DescriptorEntry{Key: "k" + string(rune('a'+i%26)) + string(rune('a'+i/26)), Value: "v"})
+	}
+	tests := []struct {
+		name     string
+		give     *allotv1.CheckRequest
+		wantCode connect.Code
+		wantMsg  string
+	}{
+		{"unknown descriptor", &allotv1.CheckRequest{Entries: entries("tenant", "acme", "user", "u1", "colour", "red")}, connect.CodeInvalidArgument, "descriptors[2].key"},
+		{"negative cost", &allotv1.CheckRequest{Entries: good.Entries, Cost: -1}, connect.CodeInvalidArgument, "cost: must not be negative"},
+		{"huge cost", &allotv1.CheckRequest{Entries: good.Entries, Cost: 1 << 50}, connect.CodeInvalidArgument, "cost:"},
+		{"cost above capacity", &allotv1.CheckRequest{Entries: good.Entries, Cost: 101}, connect.CodeInvalidArgument, "can ever admit"},
+		{"user without tenant", &allotv1.CheckRequest{Entries: entries("user", "u1")}, connect.CodeInvalidArgument, "tenant"},
+		{"duplicate key", &allotv1.CheckRequest{Entries: entries("tenant", "acme", "tenant", "beta")}, connect.CodeInvalidArgument, "descriptors[1].key"},
+		{"unprintable value", &allotv1.CheckRequest{Entries: entries("tenant", "acme", "user", "u\x01")}, connect.CodeInvalidArgument, "descriptors[1].value"},
+		{"long request id", &allotv1.CheckRequest{Entries: good.Entries, RequestId: strings.Repeat("r", 200)}, connect.CodeInvalidArgument, "request_id"},
+		{"too many descriptors", &allotv1.CheckRequest{Entries: many}, connect.CodeInvalidArgument, "descriptors: 41 entries"},
+		{"oversized body", &allotv1.CheckRequest{Entries: entries("tenant", "acme", "user", strings.Repeat("x", 100<<10))}, connect.CodeResourceExhausted, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			_, err := s.connect.Check(ctx, connect.NewRequest(tt.give))
+			if connect.CodeOf(err) != tt.wantCode || !strings.Contains(err.Error(), tt.wantMsg) {
+				t.Fatalf("error %v, want %s containing %q", err, tt.wantCode, tt.wantMsg)
+			}
+		})
+	}
+	if r := check(t, s.connect, good); !r.Allowed || r.Remaining != 98 {
+		t.Fatalf("after the bad requests: %+v, want 98 left (nothing debited by them)", r)
+	}
+	ctx := context.Background()
+	if _, err := s.connect.ReleaseSlot(ctx, connect.NewRequest(&allotv1.ReleaseSlotRequest{Entries: good.Entries})); connect.CodeOf(err) != connect.CodeInvalidArgument ||
+		!strings.Contains(err.Error(), "request_id") {
+		t.Fatalf("ReleaseSlot without request_id: %v, want InvalidArgument naming request_id", err)
+	}
+}
+
+func TestNotReadyWithoutPolicy(t *testing.T) {
+	fa := startFakeAllocator(t) // nothing published
+	a := runAgent(t, newAgent(t, testConfig("eu", fa.addr), sharedRedis(t)))
+	s := serve(t, a.Agent)
+	_, err := s.connect.Check(context.Background(), connect.NewRequest(&allotv1.CheckRequest{Entries: entries("tenant", "acme")}))
+	if connect.CodeOf(err) != connect.CodeUnavailable {
+		t.Fatalf("Check without a policy: %v, want Unavailable", err)
+	}
+	resp, err := http.Get("http://" + s.addr + "/readyz")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusServiceUnavailable {
+		t.Fatalf("/readyz without a policy: %d %s, want 503", resp.StatusCode, body)
+	}
+}
+
+// TestReleaseSlotFromAnyAgent: slots are released by request id from the
+// store, so ReleaseSlot works on an agent that did not make the decision
+// (several agents behind one address, or a restarted one).
+func TestReleaseSlotFromAnyAgent(t *testing.T) {
+	cfg := testConfig("eu")
+	rdb := sharedRedis(t)
+	doc := mustParse(t, apiPolicy)
+	a := newAgent(t, cfg, rdb, agent.WithPolicy(doc, 0))
+	b := newAgent(t, cfg, rdb, agent.WithPolicy(doc, 0)) // same region, same store
+	sa, sb := serve(t, a), serve(t, b)
+	export := entries("tenant", "acme", "route", "POST /export")
+	for _, id := range []string{"r1", "r2"} {
+		if r := check(t, sa.connect, &allotv1.CheckRequest{Entries: export, RequestId: id}); !r.Allowed {
+			t.Fatalf("export %s: %+v, want allowed", id, r)
+		}
+	}
+	if r := check(t, sa.connect, &allotv1.CheckRequest{Entries: export, RequestId: "r3"}); r.Allowed || r.Rule != "exports" || r.Unavailable {
+		t.Fatalf("third export: %+v, want a 429 by exports (2 in flight)", r)
+	}
+	ctx := context.Background()
+	for i, want := range []int64{1, 0} { // idempotent
+		resp, err := sb.connect.ReleaseSlot(ctx, connect.NewRequest(&allotv1.ReleaseSlotRequest{Entries: export, RequestId: "r1"}))
+		if err != nil || resp.Msg.Released != want {
+			t.Fatalf("release %d on the other agent: %v %v, want %d released", i, resp, err, want)
+		}
+	}
+	if r := check(t, sa.connect, &allotv1.CheckRequest{Entries: export, RequestId: "r3"}); !r.Allowed {
+		t.Fatalf("export after the release: %+v, want allowed", r)
+	}
+}
+
+func rlsReq(hits uint32, descs ...[]string) *rlsv3.RateLimitRequest {
+	r := &rlsv3.RateLimitRequest{Domain: "allot", HitsAddend: hits}
+	for _, kv := range descs {
+		d := &commonrl.RateLimitDescriptor{}
+		for i := 0; i+1 < len(kv); i += 2 {
+			d.Entries = append(d.Entries, &commonrl.RateLimitDescriptor_Entry{Key: kv[i], Value: kv[i+1]})
+		}
+		r.Descriptors = append(r.Descriptors, d)
+	}
+	return r
+}
+
+func header(resp *rlsv3.RateLimitResponse, key string) string {
+	for _, h := range resp.GetResponseHeadersToAdd() {
+		if h.GetKey() == key {
+			return h.GetValue()
+		}
+	}
+	return ""
+}
+
+func TestEnvoyRateLimitService(t *testing.T) {
+	_, s := standalone(t, nil)
+	ctx := context.Background()
+	should := func(req *rlsv3.RateLimitRequest) (*rlsv3.RateLimitResponse, error) {
+		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		return s.rls.ShouldRateLimit(cctx, req)
+	}
+
+	// Descriptors are merged into one request and decided at once.
+	resp, err := should(rlsReq(0, []string{"tenant", "acme"}, []string{"tenant", "acme", "user", "u2"}, []string{"request_id", "x-1"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.GetOverallCode() != rlsv3.RateLimitResponse_OK || len(resp.GetStatuses()) != 3 || resp.GetStatuses()[1].GetLimitRemaining() != 99 {
+		t.Fatalf("allowed request: %v, want OK with 3 statuses and 99 remaining", resp)
+	}
+
+	// A denial is OVER_LIMIT with guidance headers.
+	daily := []string{"tenant", "acme", "route", "GET /daily"}
+	for i := 0; i < 3; i++ {
+		if resp, err := should(rlsReq(0, daily)); err != nil || resp.GetOverallCode() != rlsv3.RateLimitResponse_OK {
+			t.Fatalf("daily %d: %v %v", i, resp, err)
+		}
+	}
+	resp, err = should(rlsReq(0, daily))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.GetOverallCode() != rlsv3.RateLimitResponse_OVER_LIMIT || header(resp, "x-allot-rule") != "daily" ||
+		header(resp, "retry-after") == "" || header(resp, "x-allot-decision-id") == "" || resp.GetStatuses()[0].GetDurationUntilReset() == nil {
+		t.Fatalf("fourth daily request: %v, want OVER_LIMIT by daily with retry-after and a decision id", resp)
+	}
+
+	// A pool that cannot be refilled (no allocator): UNAVAILABLE, so Envoy
+	// with failure_mode_deny answers 503.
+	if _, err := should(rlsReq(0, []string{"tenant", "pooled"})); status.Code(err) != codes.Unavailable {
+		t.Fatalf("cut-off pool: %v, want UNAVAILABLE", err)
+	}
+
+	// Bad input: INVALID_ARGUMENT naming the field, nothing debited.
+	withLimit := rlsReq(0, []string{"tenant", "acme", "user", "u2"})
+	withLimit.Descriptors[0].Limit = &commonrl.RateLimitDescriptor_RateLimitOverride{RequestsPerUnit: 5}
+	negative := rlsReq(0, []string{"tenant", "acme", "user", "u2"})
+	negative.Descriptors[0].IsNegativeHits = true
+	mismatch := rlsReq(0, []string{"tenant", "acme"}, []string{"user", "u2"})
+	mismatch.Descriptors[0].HitsAddend = wrapperspb.UInt64(2)
+	mismatch.Descriptors[1].HitsAddend = wrapperspb.UInt64(3)
+	noDomain := rlsReq(0, []string{"tenant", "acme"})
+	noDomain.Domain = ""
+	otherDomain := rlsReq(0, []string{"tenant", "acme"})
+	otherDomain.Domain = "other"
+	tests := []struct {
+		name    string
+		give    *rlsv3.RateLimitRequest
+		code    codes.Code
+		wantMsg string
+	}{
+		{"no domain", noDomain, codes.InvalidArgument, "domain"},
+		{"other domain", otherDomain, codes.InvalidArgument, "domain"},
+		{"no descriptors", rlsReq(0), codes.InvalidArgument, "descriptors: must not be empty"},
+		{"empty descriptor", rlsReq(0, []string{}), codes.InvalidArgument, "descriptors[0].entries"},
+		{"empty key", rlsReq(0, []string{"", "x"}), codes.InvalidArgument, "descriptors[0].entries[0].key"},
+		{"conflicting values", rlsReq(0, []string{"tenant", "acme"}, []string{"tenant", "beta"}), codes.InvalidArgument, "conflicts"},
+		{"limit override", withLimit, codes.InvalidArgument, "descriptors[0].limit"},
+		{"negative hits", negative, codes.InvalidArgument, "is_negative_hits"},
+		{"hits mismatch", mismatch, codes.InvalidArgument, "hits_addend"},
+		{"unknown key", rlsReq(0, []string{"tenant", "acme", "colour", "red"}), codes.InvalidArgument, "colour"},
+		{"cost above capacity", rlsReq(500, []string{"tenant", "acme", "user", "u2"}), codes.InvalidArgument, "can ever admit"},
+		{"oversized", rlsReq(0, []string{"tenant", "acme", "user", strings.Repeat("x", 100<<10)}), codes.ResourceExhausted, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := should(tt.give)
+			if status.Code(err) != tt.code || !strings.Contains(err.Error(), tt.wantMsg) {
+				t.Fatalf("error %v, want %s containing %q", err, tt.code, tt.wantMsg)
+			}
+		})
+	}
+	resp, err = should(rlsReq(2, []string{"tenant", "acme", "user", "u2"}))
+	if err != nil || resp.GetStatuses()[0].GetLimitRemaining() != 97 {
+		t.Fatalf("after the bad requests: %v %v, want 97 left (99 - 2: nothing debited by them)", resp, err)
+	}
+}

@@ -1,0 +1,375 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+
+	"github.com/allot-dev/allot/pkg/admission"
+	"github.com/allot-dev/allot/pkg/policy"
+)
+
+// Input is one admission question, as Check and ShouldRateLimit deliver it.
+type Input struct {
+	// Descriptors describe the request, from verified claims only.
+	Descriptors []policy.Entry
+	// Cost multiplies every matched rule's cost (Envoy's hits_addend); 0
+	// means 1.
+	Cost int64
+	// RequestID makes the decision idempotent and names concurrency slots.
+	RequestID string
+}
+
+// Verdict is the agent's answer to one Input.
+type Verdict struct {
+	// Allowed is the verdict.
+	Allowed bool
+	// Unavailable is true when the limiter could not decide (503): a
+	// fail-closed rule whose store did not answer, or a leased pool that ran
+	// dry while the allocator was unreachable or too slow.
+	Unavailable bool
+	// Rule and Scope name the denying (or undecidable) rule; when allowed,
+	// the tightest live rule (the least remaining), if any reported one.
+	Rule  string
+	Scope policy.Scope
+	// RetryAfter is whole seconds to wait, rounded up (denials and
+	// unavailable answers); -1 when waiting will not help.
+	RetryAfter int64
+	// Remaining is what the reported rule has left; -1 when unknown.
+	Remaining int64
+	// DecisionID identifies the decision in logs.
+	DecisionID string
+	// PolicyVersion is the version the decision was made under.
+	PolicyVersion uint64
+	// WouldDeny lists the shadow rules that would have denied.
+	WouldDeny []string
+	// Source says what decided (see admission.Source).
+	Source admission.Source
+	// Waited is how long the request waited for a lease renewal.
+	Waited time.Duration
+}
+
+// verdictName is the metric label of v.
+func (v *Verdict) verdictName() string {
+	switch {
+	case v.Allowed:
+		return "allow"
+	case v.Unavailable:
+		return "unavailable"
+	}
+	return "deny"
+}
+
+// Check decides in. Bad input is an error wrapping ErrInvalidRequest or
+// admission.ErrInvalidRequest (nothing debited); before the first policy it
+// is ErrNotReady. Everything else is a Verdict: store trouble is decided by
+// each rule's fail mode, and a leased pool that is short waits up to
+// Config.StarveWait for a renewal this call asks for, then answers 429 when
+// the global pool is exhausted for the window (Retry-After to its end) or
+// 503 when the allocator cannot supply tokens.
+func (a *Agent) Check(ctx context.Context, in *Input) (*Verdict, error) {
+	eng := a.engine.Load()
+	if eng == nil {
+		return nil, ErrNotReady
+	}
+	switch {
+	case in.Cost < 0:
+		return nil, fmt.Errorf("cost: must not be negative, got %d: %w", in.Cost, ErrInvalidRequest)
+	case in.Cost > admission.MaxHits:
+		return nil, fmt.Errorf("cost: %d exceeds the maximum %d: %w", in.Cost, int64(admission.MaxHits), ErrInvalidRequest)
+	}
+	req := &admission.Request{Descriptors: in.Descriptors, Hits: in.Cost, RequestID: in.RequestID}
+	var start, deadline time.Time
+	for {
+		d, err := eng.Decide(ctx, req)
+		if err != nil {
+			return nil, err
+		}
+		pool := poolDenial(d)
+		if pool == "" {
+			v := a.verdict(d)
+			if !start.IsZero() {
+				v.Waited = a.now().Sub(start)
+				if v.Allowed {
+					a.m.starveWaits.WithLabelValues("served").Inc()
+				}
+			}
+			return a.finish(d, v, in), nil
+		}
+		state, wait, ch := a.leases.starved(pool)
+		if start.IsZero() {
+			var others []string
+			for i := range d.Rules {
+				if r := &d.Rules[i]; r.Kind == policy.KindGlobalQuota && r.Rule != pool && !r.Shadow {
+					others = append(others, r.Rule)
+				}
+			}
+			a.leases.touch(others)
+		}
+		switch state {
+		case poolExhausted:
+			v := a.verdict(d)
+			v.RetryAfter = max(v.RetryAfter, ceilSeconds(wait))
+			if !start.IsZero() {
+				a.m.starveWaits.WithLabelValues("exhausted").Inc()
+			}
+			return a.finish(d, v, in), nil
+		case poolCutOff:
+			a.m.failMode.WithLabelValues(pool, "cut_off").Inc()
+			if !start.IsZero() {
+				a.m.starveWaits.WithLabelValues("cut_off").Inc()
+			}
+			return a.finish(d, a.unavailable(d, ceilSeconds(wait)), in), nil
+		}
+		now := a.now()
+		if start.IsZero() {
+			start, deadline = now, now.Add(a.cfg.StarveWait)
+		}
+		left := deadline.Sub(now)
+		if left <= 0 {
+			a.m.starveWaits.WithLabelValues("timeout").Inc()
+			a.log.Debug("no renewal within the starve wait", zap.String("quota", pool), zap.Duration("waited", now.Sub(start)))
+			return a.finish(d, a.unavailable(d, 1), in), nil
+		}
+		t := time.NewTimer(left)
+		select {
+		case <-ch:
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil, ctx.Err()
+		}
+		t.Stop()
+	}
+}
+
+// poolDenial returns the leased pool that denied d, if a pool (and not a
+// live rule before it) is why d was denied.
+func poolDenial(d *admission.Decision) string {
+	if d.Outcome != admission.Deny || d.Source == admission.SourceFailMode {
+		return ""
+	}
+	for i := range d.Rules {
+		r := &d.Rules[i]
+		if r.Rule == d.Rule && !r.Shadow && !r.Allowed {
+			if r.Kind == policy.KindGlobalQuota {
+				return r.Rule
+			}
+			return ""
+		}
+	}
+	return ""
+}
+
+// verdict converts an engine decision.
+func (a *Agent) verdict(d *admission.Decision) *Verdict {
+	v := &Verdict{
+		Allowed: d.Allowed(), Unavailable: d.Outcome == admission.Unavailable, Rule: d.Rule, Scope: d.Scope,
+		RetryAfter: d.RetryAfter, Remaining: d.Remaining, DecisionID: d.ID, PolicyVersion: d.PolicyVersion, Source: d.Source,
+	}
+	if v.Allowed {
+		v.RetryAfter = 0
+		best := int64(-1)
+		for i := range d.Rules {
+			r := &d.Rules[i]
+			if !r.Shadow && r.Remaining >= 0 && (best < 0 || r.Remaining < best) {
+				best, v.Rule, v.Scope = r.Remaining, r.Rule, r.Scope
+			}
+		}
+	}
+	for i := range d.Rules {
+		if r := &d.Rules[i]; r.Shadow && !r.Allowed {
+			v.WouldDeny = append(v.WouldDeny, r.Rule)
+		}
+	}
+	return v
+}
+
+// unavailable is d's verdict turned into a 503: the pool that denied it
+// cannot be refilled (the limiter's problem, not the caller's).
+func (a *Agent) unavailable(d *admission.Decision, retry int64) *Verdict {
+	v := a.verdict(d)
+	v.Unavailable = true
+	v.RetryAfter = max(retry, 1)
+	return v
+}
+
+// finish records metrics, the sampled decision log and the slots a
+// decision holds in process.
+func (a *Agent) finish(d *admission.Decision, v *Verdict, in *Input) *Verdict {
+	rule := v.Rule
+	if rule == "" {
+		rule = "none"
+	}
+	a.m.decisions.WithLabelValues(rule, v.verdictName()).Inc()
+	for i := range d.Rules {
+		if r := &d.Rules[i]; r.FailMode != "" {
+			a.m.failMode.WithLabelValues(r.Rule, string(r.FailMode)).Inc()
+			if r.Kind == policy.KindConcurrency && r.Allowed && v.Allowed {
+				// A slot taken by the fail-mode fallback lives in this
+				// process: remember the decision so ReleaseSlot frees it.
+				id := in.RequestID
+				if id == "" {
+					id = d.ID
+				}
+				a.slots.put(id, d)
+			}
+		}
+	}
+	a.dlog.log(v, in)
+	return v
+}
+
+func ceilSeconds(d time.Duration) int64 {
+	if d <= 0 {
+		return 0
+	}
+	return int64(math.Ceil(d.Seconds()))
+}
+
+// ReleaseSlot frees the concurrency slots the request named requestID took
+// when it was checked with descriptors; it returns how many it freed (0 when
+// they had expired or were released already). It is idempotent and does not
+// depend on this process having made the decision: slots in the store are
+// found from the descriptors and removed by request id.
+func (a *Agent) ReleaseSlot(ctx context.Context, descriptors []policy.Entry, requestID string) (int64, error) {
+	eng := a.engine.Load()
+	if eng == nil {
+		return 0, ErrNotReady
+	}
+	if requestID == "" {
+		return 0, fmt.Errorf("request_id: required (the id given to Check, or its decision_id): %w", ErrInvalidRequest)
+	}
+	calls, err := eng.ScriptCalls(&admission.Request{Descriptors: descriptors, RequestID: requestID})
+	if err != nil {
+		return 0, err
+	}
+	keys, member, err := slotKeys(calls)
+	if err != nil {
+		return 0, err
+	}
+	var released int64
+	if len(keys) > 0 {
+		if member == "" {
+			member = requestID
+		}
+		pipe := a.rdb.Pipeline()
+		cmds := make([]*redis.IntCmd, len(keys))
+		for i, k := range keys {
+			cmds[i] = pipe.ZRem(ctx, k, member)
+		}
+		if _, err := pipe.Exec(ctx); err != nil {
+			return 0, fmt.Errorf("release slots: %w: %w", admission.ErrUnavailable, err)
+		}
+		for _, c := range cmds {
+			released += c.Val()
+		}
+	}
+	if d := a.slots.take(requestID); d != nil {
+		for i := range d.Rules {
+			if r := &d.Rules[i]; r.Kind == policy.KindConcurrency && r.Allowed && r.FailMode != "" {
+				released++
+			}
+		}
+		if err := eng.Release(ctx, d); err != nil {
+			return released, err
+		}
+	}
+	return released, nil
+}
+
+// slotKeys finds the concurrency rules' keys in the script calls Decide
+// would make, from the layout script.lua documents for a decide: ARGV is
+// op, now, id, member, idemTTL, n, ns, then 7 per rule: kind, keyIndex
+// (1-based, into KEYS), a, b, c, d, shadow. TestReleaseSlotFromAnyAgent
+// fails if the layout changes.
+func slotKeys(calls []admission.ScriptCall) ([]string, string, error) {
+	const head, per, kindSlots = 7, 7, 4
+	var keys []string
+	member := ""
+	for _, c := range calls {
+		if len(c.Args) < head {
+			return nil, "", fmt.Errorf("script call: %d args, want at least %d", len(c.Args), head)
+		}
+		if m, ok := c.Args[3].(string); ok {
+			member = m
+		}
+		n, ok := asInt(c.Args[5])
+		if !ok || len(c.Args) != head+per*n {
+			return nil, "", fmt.Errorf("script call: %d args for %d rules, want %d", len(c.Args), n, head+per*n)
+		}
+		for r := 0; r < n; r++ {
+			kind, ok1 := asInt(c.Args[head+per*r])
+			ki, ok2 := asInt(c.Args[head+per*r+1])
+			if !ok1 || !ok2 || ki < 1 || ki > len(c.Keys) {
+				return nil, "", fmt.Errorf("script call: rule %d: kind %v key index %v of %d keys", r, c.Args[head+per*r], c.Args[head+per*r+1], len(c.Keys))
+			}
+			if kind == kindSlots {
+				keys = append(keys, c.Keys[ki-1])
+			}
+		}
+	}
+	return keys, member, nil
+}
+
+func asInt(v any) (int, bool) {
+	switch x := v.(type) {
+	case int:
+		return x, true
+	case int64:
+		return int(x), true
+	}
+	return 0, false
+}
+
+// slotTable remembers, by request id, the decisions holding slots taken by
+// a fail-mode fallback in this process (the store knows nothing of them), so
+// that ReleaseSlot can free them. It is bounded: the oldest entries go first.
+type slotTable struct {
+	mu   sync.Mutex
+	max  int
+	m    map[string]*admission.Decision
+	fifo []string
+}
+
+func newSlotTable(max int) *slotTable {
+	return &slotTable{max: max, m: map[string]*admission.Decision{}}
+}
+
+func (s *slotTable) put(id string, d *admission.Decision) {
+	if s.max == 0 {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.m[id]; !ok {
+		for len(s.m) >= s.max && len(s.fifo) > 0 {
+			delete(s.m, s.fifo[0])
+			s.fifo = s.fifo[1:]
+		}
+		s.fifo = append(s.fifo, id)
+	}
+	s.m[id] = d
+}
+
+func (s *slotTable) take(id string) *admission.Decision {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	d := s.m[id]
+	delete(s.m, id)
+	if len(s.fifo) > 2*s.max+16 { // compact ids already taken
+		live := s.fifo[:0]
+		for _, k := range s.fifo {
+			if _, ok := s.m[k]; ok {
+				live = append(live, k)
+			}
+		}
+		s.fifo = live
+	}
+	return d
+}

@@ -1,0 +1,158 @@
+package agent_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/allot-dev/allot/internal/redistest"
+	"github.com/allot-dev/allot/pkg/agent"
+	"github.com/allot-dev/allot/pkg/policy"
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+)
+
+func TestConfigValidate(t *testing.T) {
+	valid := agent.DefaultConfig()
+	valid.Region = "eu"
+	valid.AllocatorEndpoints = []string{"127.0.0.1:8001"}
+	if err := valid.Validate(); err != nil {
+		t.Fatalf("DefaultConfig with a region: %v", err)
+	}
+	tests := []struct {
+		name string
+		give func(*agent.Config)
+		want string
+	}{
+		{"no region", func(c *agent.Config) { c.Region = "" }, "Region"},
+		{"empty endpoint", func(c *agent.Config) { c.AllocatorEndpoints = []string{""} }, "AllocatorEndpoints[0]"},
+		{"engine", func(c *agent.Config) { c.Engine.StoreTimeout = 0 }, "StoreTimeout"},
+		{"store", func(c *agent.Config) { c.Store.BatchSize = 0 }, "BatchSize"},
+		{"tick", func(c *agent.Config) { c.Lease.Tick = 0 }, "Tick"},
+		{"lead", func(c *agent.Config) { c.Lease.Lead = -time.Second }, "Lead"},
+		{"margin", func(c *agent.Config) { c.Lease.Margin = -time.Millisecond }, "Margin"},
+		{"idle poll", func(c *agent.Config) { c.Lease.IdlePoll = time.Millisecond }, "IdlePoll"},
+		{"wants per call", func(c *agent.Config) { c.Lease.MaxWantsPerCall = 0 }, "MaxWantsPerCall"},
+		{"request bytes", func(c *agent.Config) { c.MaxRequestBytes = 10 }, "MaxRequestBytes"},
+		{"starve wait", func(c *agent.Config) { c.StarveWait = time.Hour }, "StarveWait"},
+		{"sample", func(c *agent.Config) { c.DecisionLogSample = 2 }, "DecisionLogSample"},
+		{"watch backoff", func(c *agent.Config) { c.MaxWatchBackoff = time.Millisecond }, "WatchBackoff"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c := valid
+			tt.give(&c)
+			err := c.Validate()
+			if !errors.Is(err, agent.ErrConfig) || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("Validate: %v, want ErrConfig naming %s", err, tt.want)
+			}
+		})
+	}
+	// No allocator and no policy at all is refused by New.
+	c := valid
+	c.AllocatorEndpoints = nil
+	if _, err := agent.New(c, sharedRedis(t)); !errors.Is(err, agent.ErrConfig) {
+		t.Fatalf("New without allocator or policy: %v, want ErrConfig", err)
+	}
+}
+
+// TestMetricsAndDecisionLogs: the metrics are exported, a store
+// that stops answering shows up as store errors and fail-mode engagement,
+// and decision logs are sampled with principals hashed.
+func TestMetricsAndDecisionLogs(t *testing.T) {
+	srv, err := redistest.StartServer(context.Background())
+	redistest.Require(t, err)
+	t.Cleanup(srv.Close)
+	rdb := srv.Client()
+	t.Cleanup(func() { rdb.Close() })
+	cfg := testConfig("eu")
+	cfg.Engine.StoreTimeout = 100 * time.Millisecond
+	cfg.DecisionLogSample = 1
+	cfg.LogSalt = "pepper"
+	core, logs := observer.New(zap.InfoLevel)
+	reg := prometheus.NewRegistry()
+	a, err := agent.New(cfg, rdb, agent.WithPolicy(mustParse(t, apiPolicy), 0), agent.WithRegisterer(reg), agent.WithLogger(zap.New(core)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := serve(t, a)
+	ctx := context.Background()
+	user := &agent.Input{Descriptors: []policy.Entry{{Key: "tenant", Value: "acme"}, {Key: "user", Value: "alice@example.com"}}}
+	if v, err := a.Check(ctx, user); err != nil || !v.Allowed {
+		t.Fatalf("check: %+v %v", v, err)
+	}
+	a.Renew(ctx) // reads the leased pool's counters
+	if err := srv.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	v, err := a.Check(ctx, user)
+	if rerr := srv.Resume(); rerr != nil {
+		t.Fatal(rerr)
+	}
+	if err != nil || !v.Unavailable || v.Rule != "bucket" {
+		t.Fatalf("check with the store paused: %+v %v, want unavailable by bucket (fail closed)", v, err)
+	}
+	check(t, s.connect, &allotv1.CheckRequest{Entries: entries("tenant", "acme", "user", "bob")})
+
+	want := map[string]string{
+		"allot_agent_decisions_total":                "verdict=unavailable",
+		"allot_agent_fail_mode_total":                "mode=closed",
+		"allot_admission_store_calls_total":          "result=error",
+		"allot_agent_admission_duration_seconds":     "api=connect",
+		"allot_agent_policy_version":                 "",
+		"allot_agent_lease_tokens_held":              "quota=pool",
+		"allot_agent_lease_tokens_consumed_total":    "quota=pool",
+		"allot_agent_lease_tokens_expired_total":     "quota=pool",
+		"allot_agent_lease_demand_tokens_per_second": "quota=pool",
+		"allot_agent_pool_reads_total":               "",
+		"allot_agent_renewal_duration_seconds":       "",
+		"allot_agent_acquire_calls_total":            "",
+		"allot_agent_allocator_cut_off":              "",
+	}
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		label, ok := want[mf.GetName()]
+		if !ok {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			var ls []string
+			for _, lp := range m.GetLabel() {
+				ls = append(ls, lp.GetName()+"="+lp.GetValue())
+			}
+			if label == "" || strings.Contains(strings.Join(ls, ","), label) {
+				delete(want, mf.GetName())
+				break
+			}
+		}
+	}
+	if len(want) > 0 {
+		t.Fatalf("metrics missing: %v", want)
+	}
+
+	entries := logs.FilterMessage("decision").All()
+	if len(entries) < 3 {
+		t.Fatalf("%d decision log entries with sample 1, want one per decision (3)", len(entries))
+	}
+	for _, e := range entries {
+		ctx := e.ContextMap()
+		d, _ := ctx["descriptors"].(map[string]any)
+		if d == nil || d["tenant"] != "acme" {
+			t.Fatalf("decision log %v: want the tenant in clear", ctx)
+		}
+		if u, ok := d["user"].(string); ok && (!strings.HasPrefix(u, "#") || strings.Contains(u, "alice")) {
+			t.Fatalf("decision log user %q: want a salted hash, never the id", u)
+		}
+		if ctx["decision_id"] == "" || ctx["policy_version"] == nil {
+			t.Fatalf("decision log %v: want the decision id and policy version", ctx)
+		}
+	}
+}

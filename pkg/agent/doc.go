@@ -1,0 +1,75 @@
+// Package agent is allot's region agent: it serves admission decisions for a
+// region from the region's Redis, and keeps the region's share of every
+// global quota leased from the allocator, in proportion to demand.
+//
+// # What it does
+//
+//   - Policy. It follows the allocator's policy (GetPolicy, then a
+//     WatchPolicy stream, reconnecting with backoff through the failover
+//     client). A record is applied only if its version is newer than the one
+//     in force, its digest is the SHA-256 of its document and the document
+//     parses and validates; the engine swaps the compiled policy atomically,
+//     so every decision is made under one version, which it records. The
+//     accepted record is persisted (Config.DataDir/policy.json, written
+//     atomically) and put back in force at the next start, before the
+//     allocator is reached: last-known-good. Shadow rules are evaluated
+//     beside live ones under their own keys and only report would_deny.
+//   - Leases. For every global quota the region leases, the lease manager
+//     reads the regional pool (pkg/admission PoolStats: available, consumed,
+//     starved) and measures demand = consumption rate + requests starved for
+//     lack of leased tokens x their cost (an exponentially weighted average,
+//     Config.Lease.DemandHalfLife). A pool under its low watermark (demand x
+//     Lead) is renewed; all the pools due in one tick go in ONE batched
+//     Acquire (more only beyond the allocator's 1,000 quotas per call), each
+//     asking lease.Sizing.Chunk(demand) tokens, at most the policy's chunk.
+//     Grants are deposited with DepositChunk for a TTL computed by the
+//     send-time rule (lease.Deadline from the moment the Acquire was first
+//     sent, minus Config.Lease.Margin; lease.RedisTTL subtracts the measured
+//     store delay), so a chunk never outlives its lease. A call that gets no
+//     answer is retried with the SAME request id (the allocator replays it),
+//     and its deadlines still count from the first send; the client follows
+//     the allocator leader's hints. A grant that arrives too late to be worth
+//     depositing, or cannot be deposited, is released back. Rounds run once
+//     per Config.Lease.Tick and no more often, whatever the number of
+//     quotas; a request starved for lack of tokens marks its pool for the
+//     next round. Pools are not asked for in the last moments of a window,
+//     but at the first round after it turns.
+//   - Cut-off. When the allocator does not answer, the region spends only
+//     what it holds, plus the policy's fallback_per_region once per window
+//     for a fallback quota (the bound's fallback term). A request its pool
+//     cannot serve is then answered unavailable (503: the limiter's problem).
+//     A pool the allocator reports exhausted for the window is marked in the
+//     store (MarkExhausted), so requests get 429 with Retry-After to the
+//     window's end. A request short of tokens while a renewal is on its way
+//     waits for it, up to Config.StarveWait, then is answered unavailable.
+//   - Shutdown. When Run ends, the agent withdraws the unspent tokens of its
+//     live grants from the store, atomically so none can be spent after, and
+//     releases them to the allocator.
+//   - APIs. allot.v1.AdmissionService over Connect (and gRPC, gRPC-Web) on
+//     the HTTP mux (Mux), and Envoy's envoy.service.ratelimit.v3
+//     RateLimitService over gRPC on a listener of its own (NewGRPCServer).
+//     Bad input is InvalidArgument naming the field, with nothing debited;
+//     oversized messages are ResourceExhausted.
+//   - Telemetry. Prometheus metrics (allot_agent_* and the engine's
+//     allot_admission_*), and sampled decision logs whose principals are
+//     salted hashes.
+//
+// # Why the engine's negative cache is off by default
+//
+// The engine denies a recently denied key in process for up to
+// Config.Engine.NegativeCacheTTL without asking the store. A leased pool
+// that was short a moment ago may have been refilled since: the agent waits
+// for exactly that deposit, and a negative cache would keep denying for its
+// TTL. DefaultConfig therefore sets it to 0; exhausted pools are marked in
+// the store instead, and denial storms cost one script call each.
+//
+// # Usage
+//
+//  1. Create a go-redis client for the region's Redis and a Config with the
+//     region, the allocator endpoints and a data dir.
+//  2. New, then Run in its own goroutine (errgroup) until shutdown.
+//  3. Serve Mux(agent, registry) over HTTP/1.1 + h2c (allocator.HTTPServer)
+//     and NewGRPCServer(agent) on the Envoy port.
+//  4. Gateways call Check per request and ReleaseSlot when a request holding
+//     concurrency slots ends; Envoy calls ShouldRateLimit.
+package agent

@@ -1,0 +1,191 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"strconv"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	"github.com/allot-dev/allot/pkg/admission"
+	"github.com/allot-dev/allot/pkg/policy"
+)
+
+// RequestIDKey is the descriptor key whose value ShouldRateLimit takes as
+// the request id (Envoy's request_headers action on x-request-id, for
+// example) instead of a descriptor entry.
+const RequestIDKey = "request_id"
+
+// RateLimitService serves Envoy's envoy.service.ratelimit.v3 API on an
+// agent, so Envoy, Istio and other proxies use allot as their global rate
+// limiter.
+//
+// Envoy sends several descriptors per request; allot decides a request
+// against all of its rules at once, so the entries of every descriptor are
+// merged into one descriptor (a key given twice must carry the same value)
+// and decided atomically. hits_addend is the cost. Every status carries the
+// overall code.
+//
+// A denial is OVER_LIMIT with retry-after and x-allot-* response headers.
+// When the limiter cannot decide (a fail-closed rule whose store is down, or
+// a leased pool that ran dry while the allocator is unreachable), the call
+// fails with gRPC UNAVAILABLE: configure the filter with
+// failure_mode_deny: true and status_on_error: {code: ServiceUnavailable}
+// so Envoy answers 503, as allot's other APIs do. (With Envoy's default
+// failure_mode_deny: false it would admit: fail open.)
+type RateLimitService struct {
+	rlsv3.UnimplementedRateLimitServiceServer
+	a *Agent
+}
+
+var _ rlsv3.RateLimitServiceServer = (*RateLimitService)(nil)
+
+// NewRateLimitService returns the RLS handler of a.
+func NewRateLimitService(a *Agent) *RateLimitService { return &RateLimitService{a: a} }
+
+// grpcWorkers is the size of the gRPC server's handler pool; calls beyond
+// it get goroutines of their own.
+const grpcWorkers = 64
+
+// NewGRPCServer returns a gRPC server with the RLS service registered, and
+// messages over Config.MaxRequestBytes refused with RESOURCE_EXHAUSTED. It
+// is served on its own listener (Envoy's rate limit cluster points at it),
+// which keeps gRPC's native HTTP/2 transport on the hot path.
+func NewGRPCServer(a *Agent, opts ...grpc.ServerOption) *grpc.Server {
+	opts = append([]grpc.ServerOption{
+		grpc.MaxRecvMsgSize(a.cfg.MaxRequestBytes),
+		// Handlers run on a pool of goroutines whose stacks have grown
+		// already, instead of a fresh goroutine (and stack growth) per call.
+		grpc.NumStreamWorkers(grpcWorkers),
+	}, opts...)
+	s := grpc.NewServer(opts...)
+	rlsv3.RegisterRateLimitServiceServer(s, NewRateLimitService(a))
+	return s
+}
+
+// ShouldRateLimit implements RateLimitService.ShouldRateLimit.
+func (s *RateLimitService) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) (*rlsv3.RateLimitResponse, error) {
+	t0 := s.a.now()
+	defer func() { s.a.m.latency.WithLabelValues("envoy").Observe(s.a.now().Sub(t0).Seconds()) }()
+	in, err := s.input(req)
+	var v *Verdict
+	if err == nil {
+		v, err = s.a.Check(ctx, in)
+	}
+	if err != nil {
+		s.a.m.badRequests.WithLabelValues("envoy", codeOf(err).String()).Inc()
+		return nil, toGRPC(s.a.log, err)
+	}
+	if v.Unavailable {
+		return nil, toGRPC(s.a.log, fmt.Errorf("rule %s could not be decided (decision %s, retry after %ds): %w",
+			v.Rule, v.DecisionID, v.RetryAfter, ErrUnavailable))
+	}
+	code := rlsv3.RateLimitResponse_OK
+	if !v.Allowed {
+		code = rlsv3.RateLimitResponse_OVER_LIMIT
+	}
+	resp := &rlsv3.RateLimitResponse{OverallCode: code, Statuses: make([]*rlsv3.RateLimitResponse_DescriptorStatus, len(req.GetDescriptors()))}
+	st := &rlsv3.RateLimitResponse_DescriptorStatus{Code: code}
+	if v.Remaining >= 0 {
+		st.LimitRemaining = uint32(min(v.Remaining, math.MaxUint32))
+	}
+	if !v.Allowed && v.RetryAfter > 0 {
+		st.DurationUntilReset = durationpb.New(secondsDuration(v.RetryAfter))
+	}
+	for i := range resp.Statuses {
+		resp.Statuses[i] = st
+	}
+	if !v.Allowed {
+		h := func(k, val string) *corev3.HeaderValue { return &corev3.HeaderValue{Key: k, Value: val} }
+		resp.ResponseHeadersToAdd = []*corev3.HeaderValue{
+			h("x-allot-rule", v.Rule),
+			h("x-allot-scope", string(v.Scope)),
+			h("x-allot-decision-id", v.DecisionID),
+			h("x-allot-policy-version", strconv.FormatUint(v.PolicyVersion, 10)),
+		}
+		if v.RetryAfter > 0 {
+			resp.ResponseHeadersToAdd = append(resp.ResponseHeadersToAdd, h("retry-after", strconv.FormatInt(v.RetryAfter, 10)))
+		}
+	}
+	return resp, nil
+}
+
+// input validates an Envoy request and merges its descriptors.
+func (s *RateLimitService) input(req *rlsv3.RateLimitRequest) (*Input, error) {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf(format+": %w", append(args, ErrInvalidRequest)...)
+	}
+	switch {
+	case req.GetDomain() == "":
+		return nil, bad("domain: must not be empty")
+	case s.a.cfg.EnvoyDomain != "" && req.GetDomain() != s.a.cfg.EnvoyDomain:
+		return nil, bad("domain: %q is not served here (want %q)", truncate(req.GetDomain()), s.a.cfg.EnvoyDomain)
+	case len(req.GetDescriptors()) == 0:
+		return nil, bad("descriptors: must not be empty")
+	case len(req.GetDescriptors()) > admission.MaxDescriptors:
+		return nil, bad("descriptors: %d, the limit is %d", len(req.GetDescriptors()), admission.MaxDescriptors)
+	}
+	in := &Input{Cost: int64(req.GetHitsAddend())}
+	from := map[string]int{} // key -> index of the first descriptor giving it
+	var descHits int64 = -1
+	for i, d := range req.GetDescriptors() {
+		switch {
+		case d == nil || len(d.GetEntries()) == 0:
+			return nil, bad("descriptors[%d].entries: must not be empty", i)
+		case d.GetLimit() != nil:
+			return nil, bad("descriptors[%d].limit: overrides are not supported; limits come from the allot policy", i)
+		case d.GetIsNegativeHits():
+			return nil, bad("descriptors[%d].is_negative_hits: refunds are not supported", i)
+		}
+		if h := d.GetHitsAddend(); h != nil {
+			if h.GetValue() > uint64(admission.MaxHits) {
+				return nil, bad("descriptors[%d].hits_addend: %d exceeds the maximum %d", i, h.GetValue(), int64(admission.MaxHits))
+			}
+			if descHits >= 0 && int64(h.GetValue()) != descHits {
+				return nil, bad("descriptors[%d].hits_addend: %d differs from %d in an earlier descriptor; one request has one cost", i, h.GetValue(), descHits)
+			}
+			descHits = int64(h.GetValue())
+		}
+		for j, e := range d.GetEntries() {
+			if e.GetKey() == "" {
+				return nil, bad("descriptors[%d].entries[%d].key: must not be empty", i, j)
+			}
+			if e.GetKey() == RequestIDKey {
+				if in.RequestID != "" && in.RequestID != e.GetValue() {
+					return nil, bad("descriptors[%d].entries[%d]: a second, different request_id", i, j)
+				}
+				in.RequestID = e.GetValue()
+				continue
+			}
+			if k, seen := from[e.GetKey()]; seen {
+				if prev := in.Descriptors[k].Value; prev != e.GetValue() {
+					return nil, bad("descriptors[%d].entries[%d]: %s=%q conflicts with %q given earlier", i, j, truncate(e.GetKey()), truncate(e.GetValue()), truncate(prev))
+				}
+				continue
+			}
+			from[e.GetKey()] = len(in.Descriptors)
+			in.Descriptors = append(in.Descriptors, policy.Entry{Key: e.GetKey(), Value: e.GetValue()})
+		}
+	}
+	if descHits >= 0 {
+		if in.Cost != 0 && in.Cost != descHits {
+			return nil, bad("hits_addend: %d differs from the descriptors' %d", in.Cost, descHits)
+		}
+		in.Cost = descHits
+	}
+	return in, nil
+}
+
+func secondsDuration(n int64) time.Duration { return time.Duration(n) * time.Second }
+
+func truncate(s string) string {
+	if len(s) > 64 {
+		return s[:64] + "..."
+	}
+	return s
+}

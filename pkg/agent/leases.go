@@ -1,0 +1,996 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"regexp"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"connectrpc.com/connect"
+	"go.uber.org/zap"
+
+	"github.com/allot-dev/allot/pkg/admission"
+	"github.com/allot-dev/allot/pkg/allocator"
+	"github.com/allot-dev/allot/pkg/lease"
+	"github.com/allot-dev/allot/pkg/policy"
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+)
+
+// QuotaStatus is one leased quota as the lease manager last saw it.
+type QuotaStatus struct {
+	// Quota is the global quota's name.
+	Quota string
+	// Held is the unexpired, unspent tokens in the regional store at the
+	// last look.
+	Held int64
+	// Consumed, Expired and Starved are the regional pool's counters (every
+	// gateway of the region included).
+	Consumed, Expired, Starved int64
+	// Granted and Released count tokens this agent received from and handed
+	// back to the allocator.
+	Granted, Released int64
+	// Deposits counts grants deposited into the store.
+	Deposits int64
+	// Demand is the measured demand in tokens per second.
+	Demand float64
+	// Exhausted is true while the allocator says the global pool is
+	// exhausted for the current window.
+	Exhausted bool
+	// LiveGrants is the number of this agent's deposited grants whose lease
+	// has not ended.
+	LiveGrants int
+}
+
+// poolState is what a pool denied for lack of tokens is waiting for.
+type poolState uint8
+
+const (
+	// poolRenewing: a renewal was asked for; wait for it.
+	poolRenewing poolState = iota
+	// poolExhausted: the global pool is exhausted for this window: 429.
+	poolExhausted
+	// poolCutOff: the allocator is unreachable (or absent): 503.
+	poolCutOff
+)
+
+// held is one grant this agent deposited.
+type held struct {
+	tokens   int64
+	deadline time.Time
+}
+
+// quota is the lease manager's state of one global quota.
+type quota struct {
+	spec policy.GlobalQuota
+	rule *policy.Rule
+	cost int64
+
+	stats     admission.PoolStats
+	statsAt   time.Time
+	haveStats bool
+	demand    float64 // EWMA, tokens per second
+	backlog   int64   // tokens wanted by requests starved since the last reading
+
+	nextPoll   time.Time
+	boundaryAt time.Time // poll right after the current window's estimated end
+	kicked     bool      // look at the pool at the next tick
+	starving   bool      // a request found the pool short since the last plan
+
+	windowEnd      time.Time // monotonic estimate, from the latest grant
+	exhaustedUntil time.Time
+	recheckAt      time.Time // an exhausted pool is asked again from then
+	quarantine     time.Time // the allocator refused the quota: not before
+	inflight       bool      // an Acquire for it is out (or pending a retry)
+
+	grants      map[string]held
+	hasFallback bool
+	fallbackIdx int64
+
+	granted, released, deposits int64
+	notify                      chan struct{}
+}
+
+// changed wakes the requests waiting on q. The caller holds l.mu.
+func (q *quota) changed() {
+	close(q.notify)
+	q.notify = make(chan struct{})
+}
+
+// acquireCall is one Acquire request, kept with its first send time so that
+// a retry (same request id) measures deadlines from the first send.
+type acquireCall struct {
+	req    *allotv1.AcquireRequest
+	sentAt time.Time // monotonic, before the first send
+	maxTTL time.Duration
+}
+
+// leases keeps the region's leased pools filled in proportion to demand: it
+// reads each pool's counters from the store, renews the pools under their low
+// watermark in one batched Acquire per tick, deposits the grants with
+// deadlines that never outlive the lease, and hands unspent tokens back when
+// it stops. See doc.go.
+type leases struct {
+	cfg    LeaseConfig
+	region string
+	client *allocator.Client // nil: standalone, always cut off
+	clock  admission.Clock
+	log    *zap.Logger
+	m      *metrics
+	id     string
+	wd     *withdrawer
+
+	eng atomic.Pointer[admission.Engine]
+
+	mu         sync.Mutex
+	quotas     map[string]*quota
+	seq        uint64
+	cutOff     bool
+	pending    []*acquireCall
+	storeDelay time.Duration
+	acquireRTT time.Duration
+	offsetMs   int64 // leader wall clock minus ours (scheduling only)
+	shutdownIn time.Duration
+}
+
+func newLeases(cfg LeaseConfig, region string, client *allocator.Client, clock admission.Clock, log *zap.Logger,
+	m *metrics, id string, wd *withdrawer, shutdownIn time.Duration) *leases {
+	return &leases{
+		cfg: cfg, region: region, client: client, clock: clock, log: log.Named("leases"), m: m, id: id, wd: wd,
+		shutdownIn: shutdownIn,
+		quotas:     map[string]*quota{}, cutOff: client == nil,
+		storeDelay: cfg.MinStoreDelay, acquireRTT: 10 * time.Millisecond,
+	}
+}
+
+// addQuotas starts managing the quotas of doc that this region leases,
+// keeping the ones it manages already.
+func (l *leases) addQuotas(doc *policy.Document) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.sync(doc, false)
+}
+
+// setPolicy makes the quotas of doc that this region leases the managed
+// ones, with eng deciding (nil doc: none). Quotas no longer in the policy
+// are forgotten: their tokens in the store are unreachable by any rule and
+// expire with their lease.
+func (l *leases) setPolicy(doc *policy.Document, eng *admission.Engine) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if eng != nil {
+		l.eng.Store(eng)
+	}
+	l.sync(doc, true)
+}
+
+// sync adds (and with prune, removes) quotas. The caller holds l.mu.
+func (l *leases) sync(doc *policy.Document, prune bool) {
+	now := l.clock.Now()
+	keep := map[string]bool{}
+	if doc != nil {
+		for _, gq := range doc.GlobalQuotas() {
+			if len(gq.Regions) > 0 && !slices.Contains(gq.Regions, l.region) {
+				continue
+			}
+			keep[gq.Name] = true
+			r := doc.Rule(gq.Name)
+			q := l.quotas[gq.Name]
+			if q == nil {
+				q = &quota{grants: map[string]held{}, notify: make(chan struct{}), nextPoll: now}
+				l.quotas[gq.Name] = q
+			}
+			q.spec, q.rule, q.cost = gq, r, max(r.Cost, 1)
+		}
+	}
+	if !prune {
+		return
+	}
+	for name, q := range l.quotas {
+		if !keep[name] {
+			q.changed()
+			delete(l.quotas, name)
+		}
+	}
+}
+
+// Status returns every managed quota's state, sorted by name.
+func (l *leases) Status() []QuotaStatus {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	now := l.clock.Now()
+	out := make([]QuotaStatus, 0, len(l.quotas))
+	for name, q := range l.quotas {
+		live := 0
+		for _, g := range q.grants {
+			if now.Before(g.deadline) {
+				live++
+			}
+		}
+		out = append(out, QuotaStatus{
+			Quota: name, Held: q.stats.Available, Consumed: q.stats.Consumed, Expired: q.stats.Expired,
+			Starved: q.stats.Starved, Granted: q.granted, Released: q.released, Deposits: q.deposits,
+			Demand: q.demand, Exhausted: now.Before(q.exhaustedUntil), LiveGrants: live,
+		})
+	}
+	slices.SortFunc(out, func(a, b QuotaStatus) int {
+		switch {
+		case a.Quota < b.Quota:
+			return -1
+		case a.Quota > b.Quota:
+			return 1
+		}
+		return 0
+	})
+	return out
+}
+
+// CutOff reports whether the last Acquire failed (or there is no allocator).
+func (l *leases) CutOff() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.cutOff
+}
+
+// starved is called for a request that only quota name's pool denied. It
+// returns what the pool is waiting for, how long an answer should tell the
+// caller to wait, and a channel closed at the pool's next change. When a
+// renewal is possible it marks the pool for the next round.
+func (l *leases) starved(name string) (poolState, time.Duration, <-chan struct{}) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	now := l.clock.Now()
+	q := l.quotas[name]
+	if q == nil {
+		return poolCutOff, time.Second, nil // not leased to this region
+	}
+	if now.Before(q.exhaustedUntil) {
+		return poolExhausted, q.exhaustedUntil.Sub(now), nil
+	}
+	if l.cutOff && !l.fallbackDue(q, now) {
+		return poolCutOff, l.cfg.Tick, nil
+	}
+	q.kicked, q.starving = true, true
+	return poolRenewing, 0, q.notify
+}
+
+// touch marks quotas name for the next round as if starved: a pool that
+// holds less than one request's cost is then asked for at once. Check calls
+// it for the other leased pools of a request a pool denied, so a request
+// that needs several empty pools waits one round, not one per pool.
+func (l *leases) touch(names []string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, n := range names {
+		if q := l.quotas[n]; q != nil {
+			q.kicked, q.starving = true, true
+		}
+	}
+}
+
+// Run renews until ctx ends, then hands unspent tokens back within the
+// shutdown timeout. Rounds run once per Tick, no more often, so the
+// allocator sees at most one batched Acquire per Tick from this agent (plus
+// one per 1,000 quotas beyond the first 1,000 due, and the retry of an
+// unanswered call): a starved request marks its pool for the next round
+// rather than starting one.
+func (l *leases) Run(ctx context.Context) error {
+	t := time.NewTicker(l.cfg.Tick)
+	defer t.Stop()
+	for {
+		l.Tick(ctx)
+		select {
+		case <-ctx.Done():
+			sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.shutdownIn)
+			defer cancel()
+			return l.shutdown(sctx)
+		case <-t.C:
+		}
+	}
+}
+
+// Tick does one round: retry a pending Acquire with its request id, read the
+// pools that are due, and ask for every pool under its low watermark in one
+// Acquire (more only when more than MaxWantsPerCall are due).
+func (l *leases) Tick(ctx context.Context) {
+	eng := l.eng.Load()
+	if eng == nil {
+		return
+	}
+	l.mu.Lock()
+	pend := l.pending
+	l.pending = nil
+	l.mu.Unlock()
+	retried := false
+	if len(pend) > 0 && l.client != nil {
+		l.send(ctx, eng, pend)
+		retried = true
+	}
+
+	stats := l.poll(ctx, eng)
+
+	l.mu.Lock()
+	now := l.clock.Now()
+	var wants []*allotv1.Want
+	var fallbacks []*quota
+	for _, s := range stats {
+		l.observe(s.q, s.ps, s.at)
+		w, fb := l.plan(s.q, now)
+		if w != nil {
+			wants = append(wants, w)
+		}
+		if fb {
+			fallbacks = append(fallbacks, s.q)
+		}
+	}
+	skipSend := l.client == nil || (retried && l.cutOff)
+	var calls []*acquireCall
+	if !skipSend && len(wants) > 0 {
+		slices.SortFunc(wants, func(a, b *allotv1.Want) int { return compareStrings(a.Quota, b.Quota) })
+		for i := 0; i < len(wants); i += l.cfg.MaxWantsPerCall {
+			batch := wants[i:min(i+l.cfg.MaxWantsPerCall, len(wants))]
+			c := &acquireCall{req: &allotv1.AcquireRequest{Region: l.region, RequestId: l.nextID(), Wants: batch}}
+			for _, w := range batch {
+				q := l.quotas[w.Quota]
+				q.inflight = true
+				c.maxTTL = max(c.maxTTL, q.spec.TTL)
+			}
+			calls = append(calls, c)
+		}
+	}
+	l.mu.Unlock()
+
+	for _, q := range fallbacks {
+		l.depositFallback(ctx, eng, q)
+	}
+	if len(calls) > 0 {
+		l.send(ctx, eng, calls)
+	}
+}
+
+func compareStrings(a, b string) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+func (l *leases) nextID() string {
+	l.seq++
+	return l.region + "-" + l.id + "-" + strconv.FormatUint(l.seq, 36)
+}
+
+type polled struct {
+	q  *quota
+	ps admission.PoolStats
+	at time.Time
+}
+
+// poll reads the pools that are due, StoreParallelism at a time.
+func (l *leases) poll(ctx context.Context, eng *admission.Engine) []polled {
+	l.mu.Lock()
+	now := l.clock.Now()
+	type job struct {
+		name string
+		q    *quota
+	}
+	var jobs []job
+	for name, q := range l.quotas {
+		due := q.kicked || !now.Before(q.nextPoll) || (!q.boundaryAt.IsZero() && !now.Before(q.boundaryAt))
+		if due {
+			q.kicked = false
+			q.boundaryAt = time.Time{}
+			jobs = append(jobs, job{name, q})
+		}
+	}
+	l.mu.Unlock()
+	if len(jobs) == 0 {
+		return nil
+	}
+	out := make([]polled, len(jobs))
+	ok := make([]bool, len(jobs))
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for w := 0; w < min(l.cfg.StoreParallelism, len(jobs)); w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				i := int(next.Add(1)) - 1
+				if i >= len(jobs) {
+					return
+				}
+				t0 := l.clock.Now()
+				ps, err := eng.PoolStats(ctx, jobs[i].name)
+				t1 := l.clock.Now()
+				l.m.poolReads.Inc()
+				if err != nil {
+					l.storeError("stats", err)
+					continue
+				}
+				l.observeStoreDelay(t1.Sub(t0))
+				out[i], ok[i] = polled{q: jobs[i].q, ps: ps, at: t1}, true
+			}
+		}()
+	}
+	wg.Wait()
+	res := out[:0]
+	for i := range out {
+		if ok[i] {
+			res = append(res, out[i])
+		} else {
+			// Look again next tick.
+			l.mu.Lock()
+			jobs[i].q.nextPoll = l.clock.Now()
+			l.mu.Unlock()
+		}
+	}
+	return res
+}
+
+func (l *leases) storeError(op string, err error) {
+	kind := "error"
+	if errors.Is(err, context.DeadlineExceeded) {
+		kind = "timeout"
+	}
+	l.m.storeErrors.WithLabelValues(op, kind).Inc()
+	l.log.Debug("store call failed", zap.String("op", op), zap.Error(err))
+}
+
+// observeStoreDelay keeps a slowly decaying peak of the store round trip,
+// the delay subtracted from deposit TTLs (a round trip bounds the one-way
+// delay from above).
+func (l *leases) observeStoreDelay(rtt time.Duration) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	decayed := time.Duration(float64(l.storeDelay) * 0.95)
+	l.storeDelay = max(rtt, decayed, l.cfg.MinStoreDelay)
+}
+
+// minRateWindow is the shortest interval a demand rate is measured over.
+const minRateWindow = 100 * time.Millisecond
+
+// observe folds a pool reading into q's demand estimate. The caller holds
+// l.mu.
+func (l *leases) observe(q *quota, ps admission.PoolStats, at time.Time) {
+	if q.haveStats {
+		if dt := at.Sub(q.statsAt); dt > 0 {
+			dc := max(0, ps.Consumed-q.stats.Consumed)
+			ds := max(0, ps.Starved-q.stats.Starved)
+			// A reading a moment after the previous one would turn one
+			// starved request into a huge rate: measure over at least
+			// minRateWindow.
+			inst := (float64(dc) + float64(ds)*float64(q.cost)) / max(dt, l.cfg.Tick, minRateWindow).Seconds()
+			q.demand += halfLifeAlpha(dt, l.cfg.DemandHalfLife) * (inst - q.demand)
+			q.backlog = ds * q.cost
+			if ds > 0 {
+				q.starving = true // plan asks even above the watermark
+			}
+		}
+	}
+	// A first reading says nothing about starvation: the counters are the
+	// store's since the pool's creation (a restarted agent would otherwise
+	// take every pool that ever starved for starving). Starvation shows in
+	// the next reading's delta, or sooner through Check (starved).
+	q.stats, q.statsAt, q.haveStats = ps, at, true
+}
+
+// plan decides, from a fresh reading, whether q needs tokens now and returns
+// the want, and whether a fallback allowance must be deposited. It schedules
+// q's next look. The caller holds l.mu.
+func (l *leases) plan(q *quota, now time.Time) (*allotv1.Want, bool) {
+	q.nextPoll = now.Add(l.pollInterval(q))
+	starving := q.starving
+	q.starving = false
+	held := q.stats.Available
+	sz := l.sizing(q)
+	// Renew at the watermark, not below it: at 1 token/s and a 1 s lead
+	// the watermark is 1, and waiting for 0 means a request starves first.
+	low := q.demand > 0 && held <= sz.LowWatermark(q.demand)
+	if !low && (!starving || held >= q.cost) {
+		return nil, false
+	}
+	fallback := l.cutOff && l.fallbackDue(q, now)
+	if q.inflight {
+		return nil, fallback
+	}
+	if now.Before(q.quarantine) {
+		return nil, fallback
+	}
+	if now.Before(q.exhaustedUntil) && (!starving || now.Before(q.recheckAt)) {
+		return nil, false
+	}
+	// Too close to the window's end for a grant to be worth depositing:
+	// ask right after the window turns.
+	end := l.windowEndEstimate(q, now)
+	if end.Sub(now) < l.cfg.Margin+l.acquireRTT+l.storeDelay+l.cfg.MinUsefulTTL {
+		q.boundaryAt = end.Add(l.cfg.BoundaryDelay)
+		return nil, false
+	}
+	// Enough for the demand until the next renewal lands, plus what the
+	// requests starved since the last reading need now. (Sizing a starving
+	// pool from its momentary rate instead turns a backlog piled up behind
+	// a late round into a chunk the region cannot spend.)
+	tokens := sz.Chunk(q.demand)
+	if starving {
+		tokens = min(tokens+q.backlog, q.spec.Chunk)
+	}
+	if q.demand <= 0 && q.backlog == 0 {
+		tokens = q.spec.Chunk // first ask without any measurement: the policy's normal chunk
+	}
+	tokens = min(tokens, q.spec.Limit)
+	q.backlog = 0
+	q.nextPoll = now.Add(l.cfg.Tick)
+	return &allotv1.Want{Quota: q.spec.Name, Tokens: tokens, DemandPerSecond: sanitizeRate(q.demand)}, fallback
+}
+
+func sanitizeRate(r float64) float64 {
+	if math.IsNaN(r) || math.IsInf(r, 0) || r < 0 {
+		return 0
+	}
+	return r
+}
+
+func (l *leases) sizing(q *quota) lease.Sizing {
+	return lease.Sizing{MinChunk: min(l.cfg.MinChunk, q.spec.Chunk), MaxChunk: q.spec.Chunk, Lead: l.cfg.Lead, RTT: l.acquireRTT}
+}
+
+// pollInterval is how long q can go unobserved: half the time its held
+// tokens last above the watermark at the measured demand, within [Tick,
+// IdlePoll].
+func (l *leases) pollInterval(q *quota) time.Duration {
+	if q.demand <= 0 {
+		return l.cfg.IdlePoll
+	}
+	spare := float64(q.stats.Available - l.sizing(q).LowWatermark(q.demand))
+	d := time.Duration(spare / q.demand / 2 * float64(time.Second))
+	return min(max(d, l.cfg.Tick), l.cfg.IdlePoll)
+}
+
+// windowEndEstimate is when (on the monotonic clock) q's current window
+// ends, from the wall clock and the measured offset of the leader's clock.
+// It schedules renewals only; deadlines never use it.
+func (l *leases) windowEndEstimate(q *quota, now time.Time) time.Time {
+	w := q.spec.Window.Milliseconds()
+	wall := now.UnixMilli() + l.offsetMs
+	end := lease.WindowEnd(lease.WindowIndex(wall, w), w)
+	return now.Add(time.Duration(end-wall) * time.Millisecond)
+}
+
+// fallbackDue reports whether q may get its fallback allowance for the
+// current window. The caller holds l.mu.
+func (l *leases) fallbackDue(q *quota, now time.Time) bool {
+	if q.spec.FailMode != policy.FailFallback || q.spec.FallbackPerRegion <= 0 {
+		return false
+	}
+	w := q.spec.Window.Milliseconds()
+	idx := lease.WindowIndex(now.UnixMilli()+l.offsetMs, w)
+	return !q.hasFallback || q.fallbackIdx != idx
+}
+
+// depositFallback deposits q's fallback allowance for the current window,
+// once, while the allocator is unreachable. It is the bound's fallback term.
+func (l *leases) depositFallback(ctx context.Context, eng *admission.Engine, q *quota) {
+	l.mu.Lock()
+	now := l.clock.Now()
+	if !l.fallbackDue(q, now) {
+		l.mu.Unlock()
+		return
+	}
+	w := q.spec.Window.Milliseconds()
+	idx := lease.WindowIndex(now.UnixMilli()+l.offsetMs, w)
+	end := l.windowEndEstimate(q, now)
+	ttl := lease.RedisTTL(end.Add(-l.cfg.Margin), now, l.storeDelay)
+	name, tokens := q.spec.Name, q.spec.FallbackPerRegion
+	l.mu.Unlock()
+	if ttl < l.cfg.MinUsefulTTL {
+		return
+	}
+	id := "fb-" + l.region + "-" + strconv.FormatInt(idx, 10)
+	if _, err := eng.DepositChunk(ctx, name, id, tokens, ttl); err != nil {
+		l.storeError("deposit", err)
+		return
+	}
+	l.m.fallbackDep.WithLabelValues(name).Inc()
+	l.log.Warn("allocator unreachable: fallback allowance deposited", zap.String("quota", name), zap.Int64("tokens", tokens),
+		zap.Duration("ttl", ttl))
+	l.mu.Lock()
+	q.hasFallback, q.fallbackIdx = true, idx
+	q.changed()
+	l.mu.Unlock()
+}
+
+// send runs the calls concurrently (one per MaxWantsPerCall quotas).
+func (l *leases) send(ctx context.Context, eng *admission.Engine, calls []*acquireCall) {
+	if len(calls) == 1 {
+		l.do(ctx, eng, calls[0])
+		return
+	}
+	var wg sync.WaitGroup
+	for _, c := range calls {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			l.do(ctx, eng, c)
+		}()
+	}
+	wg.Wait()
+}
+
+var wantIndex = regexp.MustCompile(`wants\[(\d+)\]`)
+
+// do sends one Acquire (or its retry) and deposits what it grants.
+func (l *leases) do(ctx context.Context, eng *admission.Engine, c *acquireCall) {
+	cctx, cancel := context.WithTimeout(ctx, l.cfg.AcquireTimeout)
+	t0 := l.clock.Now()
+	if c.sentAt.IsZero() {
+		c.sentAt = t0 // read BEFORE the first send: deadlines count from it
+	}
+	if ce := l.log.Check(zap.DebugLevel, "acquire"); ce != nil {
+		ws := make([]string, 0, min(len(c.req.Wants), 8))
+		for _, w := range c.req.Wants[:min(len(c.req.Wants), 8)] {
+			ws = append(ws, fmt.Sprintf("%s:%d@%.1f/s", w.Quota, w.Tokens, w.DemandPerSecond))
+		}
+		ce.Write(zap.String("request_id", c.req.RequestId), zap.Int("wants", len(c.req.Wants)), zap.Strings("first", ws))
+	}
+	resp, err := l.client.Acquire(cctx, c.req)
+	cancel()
+	t1 := l.clock.Now()
+	rtt := t1.Sub(t0)
+	l.m.acquireCalls.Inc()
+	l.m.acquireWants.Add(float64(len(c.req.Wants)))
+	l.m.renewal.Observe(rtt.Seconds())
+	if err != nil {
+		l.failed(ctx, c, err, t1)
+		return
+	}
+	if err := validateAcquire(c.req, resp); err != nil {
+		l.m.renewFail.WithLabelValues("malformed").Inc()
+		l.log.Warn("allocator answer refused", zap.String("request_id", c.req.RequestId), zap.Error(err))
+		l.settle(c, true)
+		return
+	}
+	l.mu.Lock()
+	l.cutOff = false
+	l.m.cutOff.Set(0)
+	l.acquireRTT = time.Duration(0.8*float64(l.acquireRTT) + 0.2*float64(rtt))
+	mid := t0.UnixMilli() + rtt.Milliseconds()/2
+	l.offsetMs = resp.LeaderNowUnixMs - mid
+	l.mu.Unlock()
+	// Deposit concurrently: the store's auto-batcher pipelines them.
+	if len(resp.Grants) == 1 {
+		l.grant(ctx, eng, c, resp.Grants[0], resp.LeaderNowUnixMs)
+		return
+	}
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for w := 0; w < min(l.cfg.StoreParallelism, len(resp.Grants)); w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := int(next.Add(1)) - 1; i < len(resp.Grants); i = int(next.Add(1)) - 1 {
+				l.grant(ctx, eng, c, resp.Grants[i], resp.LeaderNowUnixMs)
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+// failed handles an Acquire that got no answer or was refused.
+func (l *leases) failed(ctx context.Context, c *acquireCall, err error, now time.Time) {
+	code := connect.CodeOf(err)
+	switch code {
+	case connect.CodeNotFound, connect.CodeInvalidArgument, connect.CodeFailedPrecondition, connect.CodePermissionDenied:
+		// Refused: nothing was granted. Leave the named quota (or all of
+		// them) out for a while, and ask for the rest afresh.
+		l.m.renewFail.WithLabelValues("refused").Inc()
+		l.log.Warn("allocator refused Acquire", zap.String("request_id", c.req.RequestId), zap.Error(err))
+		l.mu.Lock()
+		quarantine := now.Add(l.cfg.QuarantineTime)
+		if m := wantIndex.FindStringSubmatch(err.Error()); m != nil {
+			if i, perr := strconv.Atoi(m[1]); perr == nil && i < len(c.req.Wants) {
+				if q := l.quotas[c.req.Wants[i].Quota]; q != nil {
+					q.quarantine = quarantine
+				}
+				quarantine = time.Time{}
+			}
+		}
+		for _, w := range c.req.Wants {
+			if q := l.quotas[w.Quota]; q != nil {
+				q.inflight = false
+				if !quarantine.IsZero() {
+					q.quarantine = quarantine
+				}
+			}
+		}
+		l.mu.Unlock()
+		return
+	}
+	// No answer: the allocator may have committed the grants. Keep the call
+	// to retry it with the same request id, as long as anything it could
+	// return might still be spendable.
+	if ctx.Err() != nil { // shutting down: shutdown resolves nothing of it
+		l.settle(c, false)
+		return
+	}
+	l.m.renewFail.WithLabelValues("unreachable").Inc()
+	l.log.Warn("allocator unreachable; spending held tokens only", zap.String("request_id", c.req.RequestId), zap.Error(err))
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	keep := now.Before(c.sentAt.Add(c.maxTTL))
+	if keep {
+		l.pending = append(l.pending, c)
+	}
+	if !l.cutOff {
+		l.cutOff = true
+		l.m.cutOff.Set(1)
+		for _, q := range l.quotas {
+			q.changed()
+		}
+	}
+	if !keep {
+		for _, w := range c.req.Wants {
+			if q := l.quotas[w.Quota]; q != nil {
+				q.inflight = false
+			}
+		}
+	}
+}
+
+// settle clears the in-flight marks of c's quotas; unusable marks the
+// allocator as unable to supply tokens (answered, but nothing usable).
+func (l *leases) settle(c *acquireCall, unusable bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if unusable && !l.cutOff {
+		l.cutOff = true
+		l.m.cutOff.Set(1)
+	}
+	for _, w := range c.req.Wants {
+		if q := l.quotas[w.Quota]; q != nil {
+			q.inflight = false
+			q.changed()
+		}
+	}
+}
+
+// validateAcquire refuses an answer that does not fit the request.
+func validateAcquire(req *allotv1.AcquireRequest, resp *allotv1.AcquireResponse) error {
+	if resp == nil {
+		return fmt.Errorf("empty answer: %w", ErrMalformedGrant)
+	}
+	if len(resp.Grants) != len(req.Wants) {
+		return fmt.Errorf("%d grants for %d wants: %w", len(resp.Grants), len(req.Wants), ErrMalformedGrant)
+	}
+	if resp.LeaderNowUnixMs <= 0 {
+		return fmt.Errorf("leader_now_unix_ms %d: %w", resp.LeaderNowUnixMs, ErrMalformedGrant)
+	}
+	for i, g := range resp.Grants {
+		w := req.Wants[i]
+		switch {
+		case g == nil:
+			return fmt.Errorf("grants[%d]: missing: %w", i, ErrMalformedGrant)
+		case g.Quota != w.Quota:
+			return fmt.Errorf("grants[%d].quota %q: asked for %q: %w", i, g.Quota, w.Quota, ErrMalformedGrant)
+		case g.Tokens < 0 || (w.Tokens > 0 && g.Tokens > w.Tokens):
+			return fmt.Errorf("grants[%d].tokens %d: asked for %d: %w", i, g.Tokens, w.Tokens, ErrMalformedGrant)
+		case g.Tokens > 0 && (g.GrantId == "" || len(g.GrantId) > admission.MaxRequestIDLen):
+			return fmt.Errorf("grants[%d].grant_id %q: %w", i, g.GrantId, ErrMalformedGrant)
+		case g.Tokens > 0 && g.ExpiresUnixMs-resp.LeaderNowUnixMs != g.TtlMs:
+			return fmt.Errorf("grants[%d]: ttl_ms %d is not expires %d - leader now %d: %w", i, g.TtlMs, g.ExpiresUnixMs, resp.LeaderNowUnixMs, ErrMalformedGrant)
+		case g.WindowEndUnixMs < resp.LeaderNowUnixMs && g.Tokens > 0:
+			return fmt.Errorf("grants[%d]: window ended at %d before leader now %d: %w", i, g.WindowEndUnixMs, resp.LeaderNowUnixMs, ErrMalformedGrant)
+		}
+	}
+	return nil
+}
+
+// grant deposits one grant, or hands it back when it cannot be used.
+func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCall, g *allotv1.Grant, leaderNow int64) {
+	l.mu.Lock()
+	q := l.quotas[g.Quota]
+	if q == nil { // the policy changed meanwhile
+		l.mu.Unlock()
+		if g.Tokens > 0 {
+			l.handBack(ctx, g.Quota, g.GrantId, g.Tokens, nil)
+		}
+		return
+	}
+	q.inflight = false
+	q.windowEnd = c.sentAt.Add(time.Duration(g.WindowEndUnixMs-leaderNow) * time.Millisecond)
+	if g.Tokens > 0 {
+		// The clamped expiry must fit the policy (garbage guard): never
+		// trust a lease longer than the quota's TTL.
+		if g.TtlMs > q.spec.TTL.Milliseconds() {
+			l.mu.Unlock()
+			l.m.renewFail.WithLabelValues("malformed").Inc()
+			l.log.Warn("grant longer than the policy's TTL refused", zap.String("quota", g.Quota), zap.Int64("ttl_ms", g.TtlMs))
+			l.handBack(ctx, g.Quota, g.GrantId, g.Tokens, q)
+			return
+		}
+		q.granted += g.Tokens
+	}
+	l.m.acquireToks.Add(float64(g.Tokens))
+	deadline := lease.Deadline(c.sentAt, g.ExpiresUnixMs, leaderNow, l.cfg.Margin)
+	now := l.clock.Now()
+	storeDelay := l.storeDelay
+	ttl := lease.RedisTTL(deadline, now, storeDelay)
+	exhausted := g.PoolExhausted
+	if exhausted {
+		q.exhaustedUntil = q.windowEnd
+		q.recheckAt = now.Add(l.cfg.ExhaustedRecheck)
+	}
+	if g.Tokens == 0 {
+		q.changed()
+		l.mu.Unlock()
+		if exhausted {
+			l.markExhausted(ctx, eng, q)
+		}
+		return
+	}
+	l.mu.Unlock()
+
+	if ttl < l.cfg.MinUsefulTTL {
+		l.m.renewFail.WithLabelValues("too_late").Inc()
+		l.handBack(ctx, g.Quota, g.GrantId, g.Tokens, q)
+	} else {
+		var err error
+		for attempt := 0; attempt < 2; attempt++ {
+			dctx, cancel := context.WithTimeout(ctx, min(time.Second, ttl))
+			_, err = eng.DepositChunk(dctx, g.Quota, g.GrantId, g.Tokens, ttl)
+			cancel()
+			if err == nil || ctx.Err() != nil {
+				break
+			}
+			now = l.clock.Now()
+			if ttl = lease.RedisTTL(deadline, now, storeDelay); ttl < l.cfg.MinUsefulTTL {
+				break
+			}
+		}
+		if err != nil {
+			l.storeError("deposit", err)
+			l.m.renewFail.WithLabelValues("deposit").Inc()
+			l.handBack(ctx, g.Quota, g.GrantId, g.Tokens, q)
+		} else {
+			l.mu.Lock()
+			q.grants[g.GrantId] = held{tokens: g.Tokens, deadline: deadline}
+			q.deposits++
+			for id, h := range q.grants { // forget grants whose lease is over
+				if !now.Before(h.deadline) {
+					delete(q.grants, id)
+				}
+			}
+			if !exhausted {
+				q.exhaustedUntil = time.Time{}
+			}
+			// Held tokens changed: look at the pool again soon.
+			q.nextPoll = now.Add(l.cfg.Tick)
+			q.changed()
+			l.mu.Unlock()
+		}
+	}
+	if exhausted {
+		l.markExhausted(ctx, eng, q)
+	}
+}
+
+// markExhausted tells the store the pool is exhausted until the window's
+// end, so requests it cannot serve get Retry-After to the window's end.
+func (l *leases) markExhausted(ctx context.Context, eng *admission.Engine, q *quota) {
+	l.mu.Lock()
+	d := q.exhaustedUntil.Sub(l.clock.Now()).Truncate(time.Millisecond)
+	name := q.spec.Name
+	q.changed()
+	l.mu.Unlock()
+	if d < time.Millisecond {
+		return
+	}
+	if err := eng.MarkExhausted(ctx, name, d); err != nil {
+		l.storeError("exhaust", err)
+	}
+}
+
+// handBack returns a grant's tokens to the allocator (best effort: tokens
+// not handed back stay granted and unspent, stranded, never overspent).
+func (l *leases) handBack(ctx context.Context, quotaName, grantID string, tokens int64, q *quota) {
+	if l.client == nil || tokens <= 0 {
+		return
+	}
+	cctx, cancel := context.WithTimeout(ctx, l.cfg.AcquireTimeout)
+	defer cancel()
+	resp, err := l.client.Release(cctx, &allotv1.ReleaseRequest{Region: l.region, GrantId: grantID, Tokens: tokens})
+	if err != nil {
+		l.log.Debug("release failed", zap.String("quota", quotaName), zap.String("grant", grantID), zap.Error(err))
+		return
+	}
+	if q != nil {
+		l.mu.Lock()
+		q.released += resp.GetReturned()
+		l.mu.Unlock()
+	}
+}
+
+// shutdown hands back what this agent holds: it withdraws its live grants
+// from the store (atomically, so nothing withdrawn can be spent) and
+// releases their tokens to the allocator; it also resolves calls whose
+// answer never arrived and releases what they granted.
+func (l *leases) shutdown(ctx context.Context) error {
+	if l.client == nil {
+		return nil
+	}
+	l.mu.Lock()
+	pend := l.pending
+	l.pending = nil
+	type job struct {
+		q      *quota
+		rule   *policy.Rule
+		name   string
+		grants []string
+	}
+	var jobs []job
+	now := l.clock.Now()
+	for name, q := range l.quotas {
+		var ids []string
+		for id, h := range q.grants {
+			if now.Before(h.deadline) {
+				ids = append(ids, id)
+			}
+		}
+		if len(ids) > 0 {
+			slices.Sort(ids)
+			jobs = append(jobs, job{q: q, rule: q.rule, name: name, grants: ids})
+		}
+	}
+	l.mu.Unlock()
+	var errs []error
+	for _, c := range pend {
+		cctx, cancel := context.WithTimeout(ctx, l.cfg.AcquireTimeout)
+		resp, err := l.client.Acquire(cctx, c.req)
+		cancel()
+		if err != nil || validateAcquire(c.req, resp) != nil {
+			continue
+		}
+		for _, g := range resp.Grants {
+			if g.Tokens > 0 {
+				l.mu.Lock()
+				q := l.quotas[g.Quota]
+				l.mu.Unlock()
+				l.handBack(ctx, g.Quota, g.GrantId, g.Tokens, q)
+			}
+		}
+	}
+	var released int64
+	for _, j := range jobs {
+		toks, err := l.wd.withdraw(ctx, j.rule, j.grants)
+		if err != nil {
+			l.storeError("withdraw", err)
+			errs = append(errs, err)
+			continue
+		}
+		for i, n := range toks {
+			if n > 0 {
+				l.handBack(ctx, j.name, j.grants[i], n, j.q)
+				released += n
+			}
+		}
+		l.mu.Lock()
+		for _, id := range j.grants {
+			delete(j.q.grants, id)
+		}
+		j.q.changed()
+		l.mu.Unlock()
+	}
+	l.log.Info("unspent tokens handed back", zap.Int64("tokens", released), zap.Int("quotas", len(jobs)))
+	if len(errs) > 0 {
+		return fmt.Errorf("shutdown: %w", errors.Join(errs...))
+	}
+	return nil
+}

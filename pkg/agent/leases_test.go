@@ -1,0 +1,406 @@
+package agent_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"github.com/allot-dev/allot/pkg/agent"
+	"github.com/allot-dev/allot/pkg/policy"
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+)
+
+// threeQuotas has three leased tenant quotas; CHUNK, TTL, WINDOW and MODE
+// are placeholders.
+const threeQuotas = `
+name: three
+regions: [eu, us]
+rules:
+  - name: q-a
+    scope: tenant
+    match: [{key: tenant, value: a}]
+    kind: global_quota
+    limit: 1000
+    window: WINDOW
+    lease: {chunk: CHUNK, ttl: TTL, fallback_per_region: FALLBACK}
+    fail_mode: MODE
+  - name: q-b
+    scope: tenant
+    match: [{key: tenant, value: b}]
+    kind: global_quota
+    limit: 1000
+    window: WINDOW
+    lease: {chunk: CHUNK, ttl: TTL}
+  - name: q-c
+    scope: tenant
+    match: [{key: tenant, value: c}]
+    kind: global_quota
+    limit: 1000
+    window: WINDOW
+    lease: {chunk: CHUNK, ttl: TTL}
+`
+
+func quotasPolicy(t testing.TB, chunk, ttl, window string, fallback int, mode string) *policy.Document {
+	r := strings.NewReplacer("CHUNK", chunk, "TTL", ttl, "WINDOW", window, "FALLBACK", fmt.Sprint(fallback), "MODE", mode)
+	return mustParse(t, r.Replace(threeQuotas))
+}
+
+func tenant(name string) *agent.Input {
+	return &agent.Input{Descriptors: []policy.Entry{{Key: "tenant", Value: name}}}
+}
+
+func mustCheck(t testing.TB, a *agent.Agent, in *agent.Input) *agent.Verdict {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	v, err := a.Check(ctx, in)
+	if err != nil {
+		t.Fatalf("Check: %v", err)
+	}
+	return v
+}
+
+// TestOneBatchedAcquireForEveryStarvedQuota: three pools starve; one tick
+// asks for all three in ONE Acquire, and the grants are spendable.
+func TestOneBatchedAcquireForEveryStarvedQuota(t *testing.T) {
+	rdb := sharedRedis(t)
+	fa := startFakeAllocator(t)
+	doc := quotasPolicy(t, "10", "30s", "1h", 0, "closed")
+	fa.publish(doc)
+	cfg := testConfig("eu", fa.addr)
+	cfg.StarveWait = 0 // nobody renews in this test but the test itself
+	a := newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1))
+	for _, ten := range []string{"a", "b", "c"} {
+		if v := mustCheck(t, a, tenant(ten)); v.Allowed || !v.Unavailable {
+			t.Fatalf("tenant %s before any lease: %+v, want unavailable (no tokens held, renewal pending)", ten, v)
+		}
+	}
+	a.Renew(context.Background())
+	acq := fa.acquireLog()
+	if len(acq) != 1 {
+		t.Fatalf("Acquire calls = %d, want exactly 1 for all starved quotas", len(acq))
+	}
+	var names []string
+	for _, w := range acq[0].GetWants() {
+		names = append(names, w.GetQuota())
+		if w.GetTokens() != 10 {
+			t.Errorf("want %s: %d tokens, want the policy chunk 10 (no demand measured yet)", w.GetQuota(), w.GetTokens())
+		}
+	}
+	if strings.Join(names, ",") != "q-a,q-b,q-c" || acq[0].GetRegion() != "eu" {
+		t.Fatalf("Acquire = region %s wants %v, want eu and q-a,q-b,q-c", acq[0].GetRegion(), names)
+	}
+	for _, ten := range []string{"a", "b", "c"} {
+		if v := mustCheck(t, a, tenant(ten)); !v.Allowed || v.Remaining != 9 {
+			t.Fatalf("tenant %s after the renewal: %+v, want allowed with 9 left", ten, v)
+		}
+	}
+	// Nothing more is due: another tick sends nothing.
+	a.Renew(context.Background())
+	if n := len(fa.acquireLog()); n != 1 {
+		t.Fatalf("Acquire calls after an idle tick = %d, want still 1", n)
+	}
+}
+
+// TestDepositNeverOutlivesTheLease: the store's expiry of every deposited
+// grant is at or before the allocator's expiry minus the margin (same
+// machine, so the clocks agree), whatever the delays on the way.
+func TestDepositNeverOutlivesTheLease(t *testing.T) {
+	rdb := sharedRedis(t)
+	fa := startFakeAllocator(t)
+	doc := quotasPolicy(t, "10", "2s", "1h", 0, "closed")
+	fa.publish(doc)
+	cfg := testConfig("eu", fa.addr)
+	cfg.Lease.Margin = 300 * time.Millisecond
+	cfg.StarveWait = 0
+	// Delay every answer: the deadline must count from the send, not the reply.
+	fa.setHook(func(ctx context.Context, _ *allotv1.AcquireRequest, commit func() (*allotv1.AcquireResponse, error)) (*allotv1.AcquireResponse, error) {
+		resp, err := commit()
+		time.Sleep(150 * time.Millisecond)
+		return resp, err
+	})
+	a := newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1))
+	for _, ten := range []string{"a", "b", "c"} {
+		mustCheck(t, a, tenant(ten))
+	}
+	a.Renew(context.Background())
+	checked := 0
+	for _, q := range []string{"q-a", "q-b", "q-c"} {
+		r := doc.Rule(q)
+		z := cfg.Engine.Namespace + ":{t:" + r.Match[0].Value + "}:pool:" + q + ":z"
+		zs, err := rdb.ZRangeWithScores(context.Background(), z, 0, -1).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(zs) != 1 {
+			t.Fatalf("%s: %d grants in the store, want 1", q, len(zs))
+		}
+		g, ok := fa.grant(zs[0].Member.(string))
+		if !ok {
+			t.Fatalf("%s: grant %v unknown to the allocator", q, zs[0].Member)
+		}
+		storeExpiry := int64(zs[0].Score)
+		limit := g.ExpiresUnixMs - cfg.Lease.Margin.Milliseconds()
+		if storeExpiry > limit {
+			t.Errorf("%s: the store expires the grant at %d, after the lease's expiry %d minus the margin (%d)", q, storeExpiry, g.ExpiresUnixMs, limit)
+		}
+		checked++
+	}
+	if checked != 3 {
+		t.Fatalf("checked %d grants, want 3", checked)
+	}
+}
+
+// TestLostAnswerIsRetriedWithTheSameRequestID: the allocator commits the
+// first Acquire but its answer is lost (first Unavailable, then a stall past
+// the agent's timeout); every retry carries the same request id, the
+// allocator replays, and the tokens are granted and deposited once.
+func TestLostAnswerIsRetriedWithTheSameRequestID(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		lose func(ctx context.Context) error
+	}{
+		{"unavailable", func(context.Context) error {
+			return connect.NewError(connect.CodeUnavailable, errors.New("connection reset"))
+		}},
+		{"timeout", func(ctx context.Context) error {
+			<-ctx.Done() // past the agent's AcquireTimeout
+			return ctx.Err()
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			rdb := sharedRedis(t)
+			fa := startFakeAllocator(t)
+			doc := quotasPolicy(t, "10", "30s", "1h", 0, "closed")
+			fa.publish(doc)
+			cfg := testConfig("eu", fa.addr)
+			cfg.StarveWait = 0
+			cfg.Lease.AcquireTimeout = 300 * time.Millisecond
+			var lost atomic.Int32
+			fa.setHook(func(ctx context.Context, _ *allotv1.AcquireRequest, commit func() (*allotv1.AcquireResponse, error)) (*allotv1.AcquireResponse, error) {
+				resp, err := commit()
+				if lost.Add(1) <= 2 {
+					return nil, tt.lose(ctx)
+				}
+				return resp, err
+			})
+			a := newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1))
+			mustCheck(t, a, tenant("a"))
+			for i := 0; i < 5 && a.Leases()[0].Deposits == 0; i++ {
+				a.Renew(context.Background())
+			}
+			acq := fa.acquireLog()
+			if len(acq) < 3 {
+				t.Fatalf("Acquire calls = %d, want the call and two retries", len(acq))
+			}
+			for _, r := range acq {
+				if r.GetRequestId() != acq[0].GetRequestId() {
+					t.Fatalf("retry carried request id %q, the first call %q", r.GetRequestId(), acq[0].GetRequestId())
+				}
+			}
+			if w := fa.window("q-a"); w.Granted != 10 {
+				t.Fatalf("allocator granted %d tokens, want 10 (one grant, replayed on retry)", w.Granted)
+			}
+			ps := poolStats(t, rdb, cfg.Engine.Namespace, doc, "q-a")
+			if ps.Deposited != 10 || ps.Available != 10 {
+				t.Fatalf("pool: deposited %d available %d, want 10 and 10", ps.Deposited, ps.Available)
+			}
+		})
+	}
+}
+
+// TestCutOffSpendsHeldTokensThenAnswersUnavailable: with the allocator
+// gone, the region admits exactly what it holds, then 503 (unavailable),
+// not 429: the pool is not exhausted, the limiter is cut off.
+func TestCutOffSpendsHeldTokensThenAnswersUnavailable(t *testing.T) {
+	rdb := sharedRedis(t)
+	fa := startFakeAllocator(t)
+	doc := quotasPolicy(t, "5", "30s", "1h", 0, "closed")
+	fa.publish(doc)
+	cfg := testConfig("eu", fa.addr)
+	// The first Acquire is answered; then the allocator is partitioned away.
+	var calls atomic.Int32
+	fa.setHook(func(_ context.Context, _ *allotv1.AcquireRequest, commit func() (*allotv1.AcquireResponse, error)) (*allotv1.AcquireResponse, error) {
+		if calls.Add(1) == 1 {
+			return commit()
+		}
+		return nil, connect.NewError(connect.CodeUnavailable, errors.New("partitioned"))
+	})
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
+	if v := mustCheck(t, a.Agent, tenant("a")); !v.Allowed {
+		t.Fatalf("first check: %+v, want allowed after a renewal", v)
+	}
+	allowed := 1
+	var last *agent.Verdict
+	for i := 0; i < 20; i++ {
+		last = mustCheck(t, a.Agent, tenant("a"))
+		if !last.Allowed {
+			break
+		}
+		allowed++
+	}
+	if allowed != 5 {
+		t.Fatalf("admitted %d while cut off, want exactly the 5 held", allowed)
+	}
+	if !last.Unavailable || last.RetryAfter < 1 || last.Rule != "q-a" {
+		t.Fatalf("after the held tokens: %+v, want unavailable (503) by q-a with a retry hint", last)
+	}
+	if !a.CutOff() {
+		t.Fatal("agent does not report being cut off")
+	}
+	// The allocator comes back: renewals resume.
+	fa.setHook(nil)
+	waitFor(t, 10*time.Second, "a renewal after the allocator returns", func() bool {
+		return mustCheck(t, a.Agent, tenant("a")).Allowed
+	})
+}
+
+// TestCutOffFallbackAllowance: a fallback quota admits its
+// fallback_per_region once per window while cut off, then answers 503.
+func TestCutOffFallbackAllowance(t *testing.T) {
+	rdb := sharedRedis(t)
+	doc := quotasPolicy(t, "5", "30s", "1h", 3, "fallback")
+	cfg := testConfig("eu", "127.0.0.1:1") // no allocator listens there
+	cfg.Lease.AcquireTimeout = 100 * time.Millisecond
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 0)))
+	allowed := 0
+	var last *agent.Verdict
+	for i := 0; i < 10; i++ {
+		last = mustCheck(t, a.Agent, tenant("a"))
+		if !last.Allowed {
+			break
+		}
+		allowed++
+	}
+	if allowed != 3 || !last.Unavailable {
+		t.Fatalf("cut off from the start: admitted %d then %+v; want the fallback allowance 3, then unavailable", allowed, last)
+	}
+	// A closed quota gets nothing while cut off.
+	if v := mustCheck(t, a.Agent, tenant("b")); v.Allowed || !v.Unavailable {
+		t.Fatalf("closed quota while cut off: %+v, want unavailable", v)
+	}
+}
+
+// TestExhaustedPoolAnswers429UntilTheWindowEnds: when the global pool is
+// used up the answer is 429 with Retry-After to the window's end.
+func TestExhaustedPoolAnswers429UntilTheWindowEnds(t *testing.T) {
+	rdb := sharedRedis(t)
+	fa := startFakeAllocator(t)
+	doc := mustParse(t, `
+name: small
+regions: [eu, us]
+rules:
+  - name: tiny
+    scope: tenant
+    match: [{key: tenant, value: a}]
+    kind: global_quota
+    limit: 6
+    window: 1h
+    lease: {chunk: 4, ttl: 1h}
+`)
+	fa.publish(doc)
+	cfg := testConfig("eu", fa.addr)
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
+	admitted := 0
+	var last *agent.Verdict
+	var before, after time.Time
+	for i := 0; i < 20; i++ {
+		before = time.Now()
+		last = mustCheck(t, a.Agent, tenant("a"))
+		after = time.Now()
+		if !last.Allowed {
+			break
+		}
+		admitted++
+	}
+	if admitted != 6 {
+		t.Fatalf("admitted %d, want the whole pool of 6 (chunks of 4 then 2)", admitted)
+	}
+	if last.Unavailable || last.Rule != "tiny" {
+		t.Fatalf("after the pool: %+v, want a 429 by tiny", last)
+	}
+	end := (before.UnixMilli()/3_600_000 + 1) * 3_600_000
+	hi := int64(math.Ceil(float64(end-before.UnixMilli()) / 1000))
+	lo := int64(math.Ceil(float64(end-after.UnixMilli())/1000)) - 1
+	if end-before.UnixMilli() < 2000 {
+		t.Skip("the window ended during the test; the hint is checked in the next one")
+	}
+	if last.RetryAfter < lo || last.RetryAfter > hi {
+		t.Fatalf("retry_after = %d, want the seconds to the window's end, in [%d, %d]", last.RetryAfter, lo, hi)
+	}
+	if st := a.Leases(); len(st) != 1 || !st[0].Exhausted {
+		t.Fatalf("lease status %+v, want exhausted", st)
+	}
+}
+
+// TestShutdownHandsUnspentTokensBack: on shutdown the agent withdraws its
+// unspent tokens from the store (nothing left to spend) and releases them
+// to the allocator's pool.
+func TestShutdownHandsUnspentTokensBack(t *testing.T) {
+	rdb := sharedRedis(t)
+	fa := startFakeAllocator(t)
+	doc := quotasPolicy(t, "10", "30s", "1h", 0, "closed")
+	fa.publish(doc)
+	cfg := testConfig("eu", fa.addr)
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
+	for i := 0; i < 3; i++ {
+		if v := mustCheck(t, a.Agent, tenant("a")); !v.Allowed {
+			t.Fatalf("check %d: %+v", i, v)
+		}
+	}
+	if v := mustCheck(t, a.Agent, tenant("b")); !v.Allowed {
+		t.Fatalf("tenant b: %+v", v)
+	}
+	if err := a.stop(); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	for _, tt := range []struct {
+		quota string
+		spent int64
+	}{{"q-a", 3}, {"q-b", 1}} {
+		w := fa.window(tt.quota)
+		ps := poolStats(t, rdb, cfg.Engine.Namespace, doc, tt.quota)
+		if ps.Available != 0 {
+			t.Errorf("%s: %d tokens left in the store after shutdown, want 0", tt.quota, ps.Available)
+		}
+		if w.Granted-w.Released != ps.Consumed || ps.Consumed != tt.spent {
+			t.Errorf("%s: granted %d released %d, spent %d; want exactly the spent tokens kept (%d)", tt.quota, w.Granted, w.Released, ps.Consumed, tt.spent)
+		}
+	}
+	for _, r := range fa.releaseLog() {
+		if r.GetRegion() != "eu" || r.GetTokens() <= 0 {
+			t.Errorf("release %v: want region eu and a positive amount", r)
+		}
+	}
+}
+
+// TestFollowsTheAllocatorLeader: on a real 3-node cluster, renewals
+// continue through the new leader when the leader stops.
+func TestFollowsTheAllocatorLeader(t *testing.T) {
+	rdb := sharedRedis(t)
+	c := startCluster(t, 3)
+	doc := quotasPolicy(t, "5", "30s", "1h", 0, "closed")
+	c.publish(doc, 1)
+	cfg := testConfig("eu", c.endpoints()...)
+	a := runAgent(t, newAgent(t, cfg, rdb))
+	waitFor(t, 10*time.Second, "policy v1", func() bool { return a.PolicyVersion() == 1 })
+	if v := mustCheck(t, a.Agent, tenant("a")); !v.Allowed {
+		t.Fatalf("before the failover: %+v", v)
+	}
+	old := c.leader()
+	c.stop(old)
+	waitFor(t, 30*time.Second, "a new leader", func() bool { l := c.leader(); return l >= 0 && l != old })
+	before := a.Leases()[0].Deposits
+	// Spend the held tokens; the next renewal must come from the new leader.
+	waitFor(t, 30*time.Second, "a renewal after the failover", func() bool {
+		mustCheck(t, a.Agent, tenant("a"))
+		return a.Leases()[0].Deposits > before
+	})
+}

@@ -1,0 +1,163 @@
+package agent
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// metrics are the agent's Prometheus metrics. Per-quota lease figures are
+// read from the lease manager at scrape time (leaseCollector), so the
+// renewal path pays nothing for them.
+type metrics struct {
+	decisions    *prometheus.CounterVec   // rule, verdict
+	latency      *prometheus.HistogramVec // api
+	badRequests  *prometheus.CounterVec   // api, code
+	failMode     *prometheus.CounterVec   // rule, mode
+	starveWaits  *prometheus.CounterVec   // result
+	storeErrors  *prometheus.CounterVec   // op, kind
+	policyVer    prometheus.Gauge
+	policyUpd    *prometheus.CounterVec // result
+	renewal      prometheus.Histogram
+	renewFail    *prometheus.CounterVec // reason
+	acquireCalls prometheus.Counter
+	acquireWants prometheus.Counter
+	acquireToks  prometheus.Counter
+	poolReads    prometheus.Counter
+	cutOff       prometheus.Gauge
+	fallbackDep  *prometheus.CounterVec // quota
+}
+
+func newMetrics() *metrics {
+	return &metrics{
+		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "allot_agent_decisions_total",
+			Help: "Decisions by rule (the denying rule, or the tightest when allowed; none when no rule matched) and verdict (allow, deny, unavailable).",
+		}, []string{"rule", "verdict"}),
+		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "allot_agent_admission_duration_seconds",
+			Help:    "Time to answer one Check (connect) or ShouldRateLimit (envoy), starve waits included.",
+			Buckets: []float64{.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1},
+		}, []string{"api"}),
+		badRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "allot_agent_bad_requests_total",
+			Help: "Requests refused before a decision, by API and code.",
+		}, []string{"api", "code"}),
+		failMode: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "allot_agent_fail_mode_total",
+			Help: "Rules decided by their fail mode (the store could not answer), by rule and mode; cut_off counts leased pools answered unavailable because the allocator was unreachable.",
+		}, []string{"rule", "mode"}),
+		starveWaits: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "allot_agent_starve_waits_total",
+			Help: "Requests denied only for lack of leased tokens that waited for a renewal, by result (served, timeout, exhausted, cut_off).",
+		}, []string{"result"}),
+		storeErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "allot_agent_store_errors_total",
+			Help: "Failed store calls of the lease manager, by operation (stats, deposit, exhaust, withdraw) and kind (timeout, error).",
+		}, []string{"op", "kind"}),
+		policyVer: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "allot_agent_policy_version",
+			Help: "Version of the policy in force (0: a local bootstrap policy).",
+		}),
+		policyUpd: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "allot_agent_policy_updates_total",
+			Help: "Policy records received, by result (applied, older, malformed, invalid, persist_error).",
+		}, []string{"result"}),
+		renewal: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "allot_agent_renewal_duration_seconds",
+			Help:    "Latency of one Acquire call to the allocator (failover and retries included).",
+			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5},
+		}),
+		renewFail: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "allot_agent_renewal_failures_total",
+			Help: "Failed renewals, by reason (unreachable, refused, malformed, deposit, too_late).",
+		}, []string{"reason"}),
+		acquireCalls: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "allot_agent_acquire_calls_total",
+			Help: "Acquire calls sent to the allocator (a retry with the same request id counts again).",
+		}),
+		acquireWants: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "allot_agent_acquire_wants_total",
+			Help: "Quotas asked for in Acquire calls.",
+		}),
+		acquireToks: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "allot_agent_acquire_tokens_total",
+			Help: "Tokens granted by Acquire calls.",
+		}),
+		poolReads: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "allot_agent_pool_reads_total",
+			Help: "Reads of leased pools in the regional store (demand measurement).",
+		}),
+		cutOff: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "allot_agent_allocator_cut_off",
+			Help: "1 while the last Acquire failed: held tokens (and fallback allowances) only.",
+		}),
+		fallbackDep: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "allot_agent_fallback_deposits_total",
+			Help: "Fallback allowances deposited while cut off from the allocator, by quota.",
+		}, []string{"quota"}),
+	}
+}
+
+func (m *metrics) register(r prometheus.Registerer, l *leases) error {
+	for _, c := range []prometheus.Collector{
+		m.decisions, m.latency, m.badRequests, m.failMode, m.starveWaits, m.storeErrors, m.policyVer, m.policyUpd,
+		m.renewal, m.renewFail, m.acquireCalls, m.acquireWants, m.acquireToks, m.poolReads, m.cutOff, m.fallbackDep,
+		&leaseCollector{l: l},
+	} {
+		if err := r.Register(c); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+var (
+	descHeld = prometheus.NewDesc("allot_agent_lease_tokens_held",
+		"Unexpired, unspent leased tokens in the regional store at the last look.", []string{"quota"}, nil)
+	descConsumed = prometheus.NewDesc("allot_agent_lease_tokens_consumed_total",
+		"Leased tokens spent from the regional pool (by every gateway of the region).", []string{"quota"}, nil)
+	descExpired = prometheus.NewDesc("allot_agent_lease_tokens_expired_total",
+		"Leased tokens that expired unspent in the regional store: stranded capacity.", []string{"quota"}, nil)
+	descStarved = prometheus.NewDesc("allot_agent_lease_starved_total",
+		"Requests the regional pool could not serve for lack of leased tokens.", []string{"quota"}, nil)
+	descGranted = prometheus.NewDesc("allot_agent_lease_tokens_granted_total",
+		"Tokens granted to this agent by the allocator.", []string{"quota"}, nil)
+	descReleased = prometheus.NewDesc("allot_agent_lease_tokens_released_total",
+		"Tokens handed back to the allocator (unusable grants, shutdown).", []string{"quota"}, nil)
+	descDemand = prometheus.NewDesc("allot_agent_lease_demand_tokens_per_second",
+		"Measured demand: consumption plus requests starved for lack of tokens, by cost.", []string{"quota"}, nil)
+	descExhausted = prometheus.NewDesc("allot_agent_lease_exhausted",
+		"1 while the allocator says the quota's global pool is exhausted for the window.", []string{"quota"}, nil)
+)
+
+// leaseCollector exports the lease manager's per-quota state at scrape time.
+type leaseCollector struct{ l *leases }
+
+// Describe implements prometheus.Collector.
+func (c *leaseCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descHeld, descConsumed, descExpired, descStarved, descGranted, descReleased, descDemand, descExhausted} {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (c *leaseCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, s := range c.l.Status() {
+		g := func(d *prometheus.Desc, t prometheus.ValueType, v float64) {
+			ch <- prometheus.MustNewConstMetric(d, t, v, s.Quota)
+		}
+		g(descHeld, prometheus.GaugeValue, float64(s.Held))
+		g(descConsumed, prometheus.CounterValue, float64(s.Consumed))
+		g(descExpired, prometheus.CounterValue, float64(s.Expired))
+		g(descStarved, prometheus.CounterValue, float64(s.Starved))
+		g(descGranted, prometheus.CounterValue, float64(s.Granted))
+		g(descReleased, prometheus.CounterValue, float64(s.Released))
+		g(descDemand, prometheus.GaugeValue, s.Demand)
+		ex := 0.0
+		if s.Exhausted {
+			ex = 1
+		}
+		g(descExhausted, prometheus.GaugeValue, ex)
+	}
+}
+
+var _ prometheus.Collector = (*leaseCollector)(nil)

@@ -1,0 +1,184 @@
+package agent
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"connectrpc.com/connect"
+	"go.uber.org/zap"
+
+	"github.com/allot-dev/allot/pkg/allocator"
+	"github.com/allot-dev/allot/pkg/policy"
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+)
+
+// lkgFile is the name of the last-known-good policy in Config.DataDir.
+const lkgFile = "policy.json"
+
+// lkg is the persisted last-known-good policy: the allocator's record as
+// received, so that it is checked again (digest, parse) when loaded.
+type lkg struct {
+	Version  uint64          `json:"version"`
+	Digest   string          `json:"digest"`
+	Document json.RawMessage `json:"document"`
+	SavedMs  int64           `json:"saved_unix_ms"`
+}
+
+// record is a policy version checked and parsed.
+type record struct {
+	version uint64
+	digest  string
+	raw     []byte
+	doc     *policy.Document
+}
+
+// checkRecord verifies a published policy record: its digest is the
+// SHA-256 of the document, and the document parses and validates.
+func checkRecord(version uint64, digest string, document []byte) (*record, error) {
+	if version == 0 {
+		return nil, fmt.Errorf("version: 0 is not a published version: %w", ErrPolicyRejected)
+	}
+	sum := sha256.Sum256(document)
+	if got := hex.EncodeToString(sum[:]); digest == "" || got != digest {
+		return nil, fmt.Errorf("digest: document hashes to %.12s, record says %.12q: %w", got, digest, ErrPolicyRejected)
+	}
+	doc, err := policy.Parse(document)
+	if err != nil {
+		return nil, fmt.Errorf("document: %w: %w", ErrPolicyRejected, err)
+	}
+	return &record{version: version, digest: digest, raw: document, doc: doc}, nil
+}
+
+// loadLKG reads the last-known-good policy from dir; it returns nil, nil
+// when there is none.
+func loadLKG(dir string) (*record, error) {
+	if dir == "" {
+		return nil, nil
+	}
+	b, err := os.ReadFile(filepath.Join(dir, lkgFile))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("last-known-good policy: %w", err)
+	}
+	var f lkg
+	if err := json.Unmarshal(b, &f); err != nil {
+		return nil, fmt.Errorf("last-known-good policy %s: %w", filepath.Join(dir, lkgFile), err)
+	}
+	rec, err := checkRecord(f.Version, f.Digest, f.Document)
+	if err != nil {
+		return nil, fmt.Errorf("last-known-good policy %s: %w", filepath.Join(dir, lkgFile), err)
+	}
+	return rec, nil
+}
+
+// saveLKG writes rec to dir atomically: a temporary file, fsync, rename,
+// fsync of the directory. A crash leaves the old file or the new one.
+func saveLKG(dir string, rec *record, now time.Time) error {
+	if dir == "" {
+		return nil
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	b, err := json.Marshal(lkg{Version: rec.version, Digest: rec.digest, Document: rec.raw, SavedMs: now.UnixMilli()})
+	if err != nil {
+		return err
+	}
+	tmp, err := os.CreateTemp(dir, lkgFile+".*")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(tmp.Name())
+	if _, err := tmp.Write(b); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Sync(); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Close(); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp.Name(), filepath.Join(dir, lkgFile)); err != nil {
+		return err
+	}
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
+}
+
+// watcher follows the allocator's policy: it reads the current version,
+// then streams newer ones, and hands each to apply. It reconnects with
+// backoff (through another endpoint when the client's failover picks one).
+type watcher struct {
+	client  *allocator.Client
+	log     *zap.Logger
+	backoff time.Duration
+	max     time.Duration
+	current func() uint64
+	apply   func(*allotv1.PolicyRecord)
+}
+
+// Run follows the policy until ctx ends.
+func (w *watcher) Run(ctx context.Context) error {
+	pause := w.backoff
+	for {
+		err := w.once(ctx)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if err != nil {
+			w.log.Warn("policy watch interrupted; retrying", zap.Error(err), zap.Duration("in", pause))
+		} else {
+			pause = w.backoff
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(pause):
+		}
+		pause = min(2*pause, w.max)
+	}
+}
+
+// once reads the current policy (unary, with failover, which also moves
+// the client to a live endpoint) and then streams newer versions until the
+// stream ends.
+func (w *watcher) once(ctx context.Context) error {
+	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	cur, err := w.client.Operator().GetPolicy(cctx, &allotv1.GetPolicyRequest{})
+	cancel()
+	switch {
+	case err == nil:
+		w.apply(cur.GetPolicy())
+	case connect.CodeOf(err) == connect.CodeNotFound:
+		// nothing published yet: the watch will bring the first version
+	default:
+		return fmt.Errorf("get policy: %w", err)
+	}
+	stream, err := w.client.Operator().WatchPolicy(ctx, w.current())
+	if err != nil {
+		return fmt.Errorf("watch policy: %w", err)
+	}
+	defer stream.Close()
+	for stream.Receive() {
+		w.apply(stream.Msg().GetPolicy())
+	}
+	if err := stream.Err(); err != nil {
+		return fmt.Errorf("watch policy: %w", err)
+	}
+	return errors.New("watch policy: stream ended")
+}

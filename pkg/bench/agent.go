@@ -1,0 +1,258 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"slices"
+	"strings"
+	"time"
+
+	"connectrpc.com/connect"
+	commonrl "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
+	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"github.com/redis/go-redis/v9"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/allot-dev/allot/pkg/admission"
+	"github.com/allot-dev/allot/pkg/agent"
+	"github.com/allot-dev/allot/pkg/allocator"
+	"github.com/allot-dev/allot/pkg/policy"
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+	"github.com/allot-dev/allot/proto/allot/v1/allotv1connect"
+)
+
+// The agent suite: the region agent's two APIs beside the engine's raw
+// script ceiling, in one run on one Redis (issue 4).
+//
+//	raw      (a)  the admission script through go-redis, one EVALSHA per decision
+//	connect  (c)  the agent's Check over Connect (HTTP/2 cleartext, binary protobuf)
+//	envoy    (d)  the agent's Envoy RLS endpoint (gRPC ShouldRateLimit)
+//
+// The agent runs in this process on its own listeners, deciding the same
+// requests (one token bucket per user, 100 tenants) as the raw mode, so (c)
+// and (d) pay for the wire, the handler and the engine on top of the script.
+// The load generator, the agent and Redis share the machine.
+
+// AgentModes lists the agent suite's modes in the order it runs them.
+func AgentModes() []string { return []string{"raw", "connect", "envoy"} }
+
+// AgentSuiteConfig configures the agent suite.
+type AgentSuiteConfig struct {
+	// Modes to run, from AgentModes().
+	Modes []string
+	// Workers is the number of concurrent callers.
+	Workers int
+	// Keys is the number of distinct counters (users) requests spread over.
+	Keys int
+	// Requests and Duration bound each mode.
+	Requests int64
+	Duration time.Duration
+	// Warmup runs before each measurement.
+	Warmup time.Duration
+	// Connections is how many HTTP/2 connections the Connect and gRPC
+	// clients spread their callers over.
+	Connections int
+	// Redis configures the agent's store and batcher.
+	Redis admission.RedisConfig
+}
+
+// DefaultAgentSuiteConfig returns 64 callers over 10,000 keys and 4
+// connections, 10 s or 3 million calls per mode after 1 s of warmup.
+func DefaultAgentSuiteConfig() AgentSuiteConfig {
+	return AgentSuiteConfig{
+		Modes: AgentModes(), Workers: 64, Keys: 10_000, Requests: 3_000_000, Duration: 10 * time.Second,
+		Warmup: time.Second, Connections: 4, Redis: admission.DefaultRedisConfig(),
+	}
+}
+
+// Validate says what is wrong with c, or returns nil.
+func (c AgentSuiteConfig) Validate() error {
+	var errs []error
+	for _, m := range c.Modes {
+		if !slices.Contains(AgentModes(), m) {
+			errs = append(errs, fmt.Errorf("unknown mode %q; want one of %s", m, strings.Join(AgentModes(), ", ")))
+		}
+	}
+	if c.Keys < 1 || c.Keys > 10_000_000 {
+		errs = append(errs, fmt.Errorf("Keys must be in [1, 1e7], got %d", c.Keys))
+	}
+	if c.Connections < 1 || c.Connections > 256 {
+		errs = append(errs, fmt.Errorf("Connections must be in [1, 256], got %d", c.Connections))
+	}
+	if err := (Config{Workers: c.Workers, Requests: c.Requests, Duration: c.Duration, Warmup: c.Warmup}).Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	if err := c.Redis.Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// RunAgentSuite runs the agent suite against client, printing each figure
+// to out as it is measured.
+func RunAgentSuite(ctx context.Context, client redis.UniversalClient, cfg AgentSuiteConfig, out io.Writer) ([]Figure, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	doc, err := policy.Parse([]byte(onePolicy))
+	if err != nil {
+		return nil, err
+	}
+	acfg := agent.DefaultConfig()
+	acfg.Region = "bench"
+	acfg.Engine.Namespace = "benchag"
+	acfg.Engine.StoreTimeout = time.Second // measure the store, not the fail modes
+	acfg.Engine.ExtraDescriptors = []string{"route"}
+	acfg.Store = cfg.Redis
+	acfg.DecisionLogSample = 0
+	a, err := agent.New(acfg, client, agent.WithPolicy(doc, 0))
+	if err != nil {
+		return nil, err
+	}
+	actx, stopAgent := context.WithCancel(ctx)
+	agentDone := make(chan error, 1)
+	go func() { agentDone <- a.Run(actx) }()
+	defer func() {
+		stopAgent()
+		<-agentDone
+	}()
+
+	reqs := requests(cfg.Keys)
+	calls := make([]admission.ScriptCall, len(reqs))
+	checks := make([]*allotv1.CheckRequest, len(reqs))
+	rls := make([]*rlsv3.RateLimitRequest, len(reqs))
+	for i, r := range reqs {
+		c, err := a.Engine().ScriptCalls(r)
+		if err != nil || len(c) != 1 {
+			return nil, fmt.Errorf("script call for key %d: %v (%d calls)", i, err, len(c))
+		}
+		calls[i] = c[0]
+		cr := &allotv1.CheckRequest{}
+		rr := &rlsv3.RateLimitRequest{Domain: "bench", Descriptors: []*commonrl.RateLimitDescriptor{{}}}
+		for _, e := range r.Descriptors {
+			cr.Entries = append(cr.Entries, &allotv1.DescriptorEntry{Key: e.Key, Value: e.Value})
+			rr.Descriptors[0].Entries = append(rr.Descriptors[0].Entries, &commonrl.RateLimitDescriptor_Entry{Key: e.Key, Value: e.Value})
+		}
+		checks[i], rls[i] = cr, rr
+	}
+
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	gln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		ln.Close()
+		return nil, err
+	}
+	sctx, stopServe := context.WithCancel(context.Background())
+	served := make(chan struct{}, 2)
+	go func() {
+		srv := allocator.HTTPServer(ln.Addr().String(), agent.Mux(a, nil))
+		_ = allocator.Serve(sctx, srv, ln, time.Second)
+		_ = srv.Close()
+		served <- struct{}{}
+	}()
+	gs := agent.NewGRPCServer(a)
+	go func() {
+		_ = gs.Serve(gln)
+		served <- struct{}{}
+	}()
+	defer func() {
+		stopServe()
+		gs.Stop()
+		<-served
+		<-served
+	}()
+	connectClients := make([]allotv1connect.AdmissionServiceClient, cfg.Connections)
+	rlsClients := make([]rlsv3.RateLimitServiceClient, cfg.Connections)
+	for i := range connectClients {
+		hc := h2cClient() // one client, one HTTP/2 connection
+		defer hc.CloseIdleConnections()
+		connectClients[i] = allotv1connect.NewAdmissionServiceClient(hc, "http://"+ln.Addr().String())
+		conn, err := grpc.NewClient(gln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			return nil, err
+		}
+		defer conn.Close()
+		rlsClients[i] = rlsv3.NewRateLimitServiceClient(conn)
+	}
+
+	sha := admission.ScriptSHA()
+	base := Config{Workers: cfg.Workers, Requests: cfg.Requests, Duration: cfg.Duration, Warmup: cfg.Warmup}
+	var figs []Figure
+	for _, mode := range cfg.Modes {
+		c := base
+		var target Target
+		switch mode {
+		case "raw":
+			c.Name = "(a) raw, 1 call/decision"
+			target = func(ctx context.Context, w int, i uint64) error {
+				k := calls[keyOf(w, i, len(calls))]
+				return client.EvalSha(ctx, sha, k.Keys, k.Args...).Err()
+			}
+		case "connect":
+			c.Name = "(c) agent Check, Connect"
+			target = func(ctx context.Context, w int, i uint64) error {
+				resp, err := connectClients[w%len(connectClients)].Check(ctx, connect.NewRequest(checks[keyOf(w, i, len(checks))]))
+				switch {
+				case err != nil:
+					return err
+				case !resp.Msg.Allowed:
+					return fmt.Errorf("denied by %s", resp.Msg.Rule)
+				}
+				return nil
+			}
+		case "envoy":
+			c.Name = "(d) agent Envoy RLS, gRPC"
+			target = func(ctx context.Context, w int, i uint64) error {
+				resp, err := rlsClients[w%len(rlsClients)].ShouldRateLimit(ctx, rls[keyOf(w, i, len(rls))])
+				switch {
+				case err != nil:
+					return err
+				case resp.GetOverallCode() != rlsv3.RateLimitResponse_OK:
+					return fmt.Errorf("code %s", resp.GetOverallCode())
+				}
+				return nil
+			}
+		}
+		f, err := measure(ctx, client, c, target)
+		if err != nil {
+			return figs, fmt.Errorf("%s: %w", mode, err)
+		}
+		figs = append(figs, f)
+		fmt.Fprintln(out, f)
+	}
+	return figs, nil
+}
+
+// h2cClient returns a client speaking only cleartext HTTP/2 (prior
+// knowledge), so callers multiplex on one connection as gRPC's do. (A
+// transport allowing HTTP/1.1 too picks HTTP/1.1 for http:// URLs.)
+func h2cClient() *http.Client {
+	var p http.Protocols
+	p.SetUnencryptedHTTP2(true)
+	return &http.Client{Transport: &http.Transport{Protocols: &p}}
+}
+
+// SummarizeAgent prints (c) and (d) as fractions of (a); issue 4 targets
+// at least 0.5 each.
+func SummarizeAgent(out io.Writer, figs []Figure) {
+	var a float64
+	for _, f := range figs {
+		if strings.HasPrefix(f.Name, "(a) ") {
+			a = f.PerSecond
+		}
+	}
+	fmt.Fprintln(out, "summary:")
+	for _, f := range figs {
+		if a > 0 && (strings.HasPrefix(f.Name, "(c) ") || strings.HasPrefix(f.Name, "(d) ")) {
+			fmt.Fprintf(out, "  %s / (a): %.2f (target >= 0.5)\n", f.Name, f.PerSecond/a)
+		}
+	}
+}

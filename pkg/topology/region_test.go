@@ -1,0 +1,109 @@
+package topology_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"github.com/allot-dev/allot/examples"
+	"github.com/allot-dev/allot/pkg/allocator"
+	"github.com/allot-dev/allot/pkg/topology"
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+)
+
+// TestRegionProcesses starts an allocator and one region as real processes
+// (redis-server + regionagent), decides a request through the agent, and
+// stops the agent with SIGTERM: it exits cleanly after handing its unspent
+// tokens back to the allocator.
+func TestRegionProcesses(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and starts processes")
+	}
+	if _, err := exec.LookPath("redis-server"); err != nil {
+		if os.Getenv("CI") != "" {
+			t.Fatal("redis-server not installed")
+		}
+		t.Skip("redis-server not installed")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	wd, err := os.Getwd()
+	if err != nil {
+		t.Fatal(err)
+	}
+	root, err := topology.ModuleRoot(wd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	bins, err := topology.Build(ctx, root, dir+"/bin", "./cmd/allocator", "./cmd/regionagent")
+	if err != nil {
+		t.Fatal(err)
+	}
+	allocs, err := topology.StartAllocators(ctx, topology.AllocatorConfig{Nodes: 1, Bin: bins["./cmd/allocator"], Dir: dir + "/alloc",
+		ExtraArgs: []string{"-log-level", "warn", "-lease-margin", "50ms"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer allocs.Close(5 * time.Second)
+	client, err := allocator.NewClient(allocs.Endpoints())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.Operator().PublishPolicy(ctx, &allotv1.PublishPolicyRequest{
+		Document: examples.Northstar, ExpectedVersion: 1, Author: "test", Reason: "region process test",
+	}); err != nil {
+		t.Fatal(err)
+	}
+	r, err := topology.StartRegion(ctx, topology.RegionConfig{
+		Name: "eu", AgentBin: bins["./cmd/regionagent"], Dir: dir + "/eu", AllocatorEndpoints: allocs.Endpoints(),
+		AgentArgs: []string{"-log-level", "warn", "-lease-margin", "50ms", "-starve-wait", "5s"},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close(5 * time.Second)
+	if err := r.WaitReady(ctx); err != nil {
+		t.Fatal(err)
+	}
+	req := &allotv1.CheckRequest{Entries: []*allotv1.DescriptorEntry{
+		{Key: "auth", Value: "token"}, {Key: "tenant", Value: "birch"}, {Key: "user", Value: "b1"}, {Key: "route", Value: "GET /catalog"},
+	}}
+	resp, err := r.Client().Check(ctx, connect.NewRequest(req))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !resp.Msg.Allowed || resp.Msg.PolicyVersion != 1 {
+		t.Fatalf("Check: %+v, want allowed under v1; agent output:\n%s", resp.Msg, r.Agent.Output())
+	}
+	before, err := client.Operator().GetWindow(ctx, &allotv1.GetWindowRequest{Quota: "p-tenant-birch"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Agent.Stop(10 * time.Second); err != nil {
+		t.Fatalf("agent did not stop cleanly: %v\n%s", err, r.Agent.Output())
+	}
+	after, err := client.Operator().GetWindow(ctx, &allotv1.GetWindowRequest{Quota: "p-tenant-birch"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after.GetWindowIndex() != before.GetWindowIndex() {
+		t.Skip("the minute window turned during the test; the release went to a closed window")
+	}
+	if after.GetGranted() < 1 || after.GetGranted()-after.GetReleased() != 1 {
+		t.Fatalf("p-tenant-birch ledger after shutdown: granted %d released %d; want all but the 1 spent token released",
+			after.GetGranted(), after.GetReleased())
+	}
+	// The agent restarts from its last-known-good policy.
+	if err := r.StartAgent(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.WaitReady(ctx); err != nil && !errors.Is(err, context.Canceled) {
+		t.Fatal(err)
+	}
+}
