@@ -700,7 +700,7 @@ func (d *Driver) release(q *quotaState, c *chunk, now int64) {
 	go func() {
 		defer d.bg.Done()
 		ctx, cancel := context.WithTimeout(d.reqCtx, d.cfg.CallTimeout)
-		resp, err := d.client.Release(ctx, &allotv1.ReleaseRequest{Region: d.cfg.Region, GrantId: c.grantID, Tokens: tokens})
+		resp, err := d.client.Release(ctx, &allotv1.ReleaseRequest{Region: d.cfg.Region, GrantId: c.grantID, Tokens: tokens, RequestId: "release-" + c.grantID})
 		cancel()
 		ev := history.Event{Kind: history.KindRelease, Region: d.cfg.Region, Quota: q.cfg.Name, Call: now, At: d.clock.Now(),
 			GrantID: c.grantID, Tokens: tokens, Window: c.window, Outcome: history.OK}

@@ -906,7 +906,9 @@ func (l *leases) handBack(ctx context.Context, quotaName, grantID string, tokens
 	}
 	cctx, cancel := context.WithTimeout(ctx, l.cfg.AcquireTimeout)
 	defer cancel()
-	resp, err := l.client.Release(cctx, &allotv1.ReleaseRequest{Region: l.region, GrantId: grantID, Tokens: tokens})
+	// One release per grant (the whole remainder), so the grant id names it:
+	// the client's retries of it cannot hand the tokens back twice.
+	resp, err := l.client.Release(cctx, &allotv1.ReleaseRequest{Region: l.region, GrantId: grantID, Tokens: tokens, RequestId: "release-" + grantID})
 	if err != nil {
 		l.log.Debug("release failed", zap.String("quota", quotaName), zap.String("grant", grantID), zap.Error(err))
 		return

@@ -250,3 +250,39 @@ func TestWatchPolicyStreamsNewVersions(t *testing.T) {
 		t.Errorf("watch after the current version delivered version %d", s2.Msg().GetPolicy().GetVersion())
 	}
 }
+
+// TestReleaseRetryIsIdempotent releases part of a grant, then retries the
+// same call (as after a lost answer): the tokens go back once.
+func TestReleaseRetryIsIdempotent(t *testing.T) {
+	tc := newTestCluster(t, 1)
+	tc.leader()
+	publishTest(t, tc.addrs, clusterPolicy, 1)
+	c, err := NewClient(tc.addrs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	acq, err := c.Acquire(ctx, &allotv1.AcquireRequest{Region: "eu", RequestId: "a", Wants: []*allotv1.Want{{Quota: "atlas", Tokens: 100}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rel := &allotv1.ReleaseRequest{Region: "eu", GrantId: acq.GetGrants()[0].GetGrantId(), Tokens: 30, RequestId: "rel-1"}
+	first, err := c.Release(ctx, rel)
+	if err != nil {
+		t.Fatal(err)
+	}
+	again, err := c.Release(ctx, rel)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if first.GetReturned() != 30 || first.GetReplayed() || !again.GetReplayed() || again.GetReturned() != 30 {
+		t.Errorf("first %+v, retry %+v: want 30 returned once, the retry replayed", first, again)
+	}
+	w, err := c.Operator().GetWindow(ctx, &allotv1.GetWindowRequest{Quota: "atlas"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w.GetReleased() != 30 || w.GetRemaining() != 930 {
+		t.Errorf("ledger: released %d remaining %d, want 30 and 930", w.GetReleased(), w.GetRemaining())
+	}
+}

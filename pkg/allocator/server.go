@@ -184,7 +184,12 @@ func (s *Server) Release(ctx context.Context, req *connect.Request[allotv1.Relea
 		}
 		return resp, nil
 	}
-	out, err := s.node.Apply(ctx, fsm.Command{Type: fsm.CmdRelease, Release: &fsm.Release{Region: m.GetRegion(), GrantID: m.GetGrantId(), Tokens: m.GetTokens()}})
+	if len(m.GetRequestId()) > maxRequestIDLen {
+		return nil, s.toConnect(method, fmt.Errorf("request_id: longer than %d bytes: %w", maxRequestIDLen, errInvalid))
+	}
+	out, err := s.node.Apply(ctx, fsm.Command{Type: fsm.CmdRelease, Release: &fsm.Release{
+		Region: m.GetRegion(), GrantID: m.GetGrantId(), Tokens: m.GetTokens(), RequestID: m.GetRequestId(),
+	}})
 	if err != nil {
 		return nil, s.toConnect(method, err)
 	}
@@ -192,9 +197,11 @@ func (s *Server) Release(ctx context.Context, req *connect.Request[allotv1.Relea
 	if !ok {
 		return nil, s.toConnect(method, fmt.Errorf("release: unexpected result %T", out))
 	}
-	s.metrics.TokensReleased.Add(float64(res.Returned))
+	if !res.Replayed {
+		s.metrics.TokensReleased.Add(float64(res.Returned))
+	}
 	s.metrics.Requests.WithLabelValues(method, "ok").Inc()
-	return connect.NewResponse(&allotv1.ReleaseResponse{Returned: res.Returned, PoolRemaining: res.PoolRemaining}), nil
+	return connect.NewResponse(&allotv1.ReleaseResponse{Returned: res.Returned, PoolRemaining: res.PoolRemaining, Replayed: res.Replayed}), nil
 }
 
 // PublishPolicy implements OperatorService.PublishPolicy.

@@ -333,7 +333,11 @@ type ReleaseRequest struct {
 	// grant_id as returned by Acquire.
 	GrantId string `protobuf:"bytes,2,opt,name=grant_id,json=grantId,proto3" json:"grant_id,omitempty"`
 	// tokens to hand back; at most what the grant has not yet released.
-	Tokens        int64 `protobuf:"varint,3,opt,name=tokens,proto3" json:"tokens,omitempty"`
+	Tokens int64 `protobuf:"varint,3,opt,name=tokens,proto3" json:"tokens,omitempty"`
+	// request_id, when set, makes a retry idempotent: the same region and id
+	// return the recorded answer and hand nothing back twice. Set it whenever
+	// a Release may be retried.
+	RequestId     string `protobuf:"bytes,4,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -389,6 +393,13 @@ func (x *ReleaseRequest) GetTokens() int64 {
 	return 0
 }
 
+func (x *ReleaseRequest) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
 // ReleaseResponse says how many tokens went back to the pool.
 type ReleaseResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -396,6 +407,8 @@ type ReleaseResponse struct {
 	Returned int64 `protobuf:"varint,1,opt,name=returned,proto3" json:"returned,omitempty"`
 	// pool_remaining after the release.
 	PoolRemaining int64 `protobuf:"varint,2,opt,name=pool_remaining,json=poolRemaining,proto3" json:"pool_remaining,omitempty"`
+	// replayed is true when this answers a retry of an earlier request_id.
+	Replayed      bool `protobuf:"varint,3,opt,name=replayed,proto3" json:"replayed,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -442,6 +455,13 @@ func (x *ReleaseResponse) GetPoolRemaining() int64 {
 		return x.PoolRemaining
 	}
 	return 0
+}
+
+func (x *ReleaseResponse) GetReplayed() bool {
+	if x != nil {
+		return x.Replayed
+	}
+	return false
 }
 
 // LeaderHint travels as an error detail of Unavailable errors from a node that
@@ -526,14 +546,17 @@ const file_allot_v1_allocator_proto_rawDesc = "" +
 	"\x0fAcquireResponse\x12'\n" +
 	"\x06grants\x18\x01 \x03(\v2\x0f.allot.v1.GrantR\x06grants\x12+\n" +
 	"\x12leader_now_unix_ms\x18\x02 \x01(\x03R\x0fleaderNowUnixMs\x12\x1a\n" +
-	"\breplayed\x18\x03 \x01(\bR\breplayed\"[\n" +
+	"\breplayed\x18\x03 \x01(\bR\breplayed\"z\n" +
 	"\x0eReleaseRequest\x12\x16\n" +
 	"\x06region\x18\x01 \x01(\tR\x06region\x12\x19\n" +
 	"\bgrant_id\x18\x02 \x01(\tR\agrantId\x12\x16\n" +
-	"\x06tokens\x18\x03 \x01(\x03R\x06tokens\"T\n" +
+	"\x06tokens\x18\x03 \x01(\x03R\x06tokens\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\x04 \x01(\tR\trequestId\"p\n" +
 	"\x0fReleaseResponse\x12\x1a\n" +
 	"\breturned\x18\x01 \x01(\x03R\breturned\x12%\n" +
-	"\x0epool_remaining\x18\x02 \x01(\x03R\rpoolRemaining\"W\n" +
+	"\x0epool_remaining\x18\x02 \x01(\x03R\rpoolRemaining\x12\x1a\n" +
+	"\breplayed\x18\x03 \x01(\bR\breplayed\"W\n" +
 	"\n" +
 	"LeaderHint\x12\x1b\n" +
 	"\tleader_id\x18\x01 \x01(\tR\bleaderId\x12,\n" +
