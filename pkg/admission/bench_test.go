@@ -9,6 +9,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/allot-dev/allot/pkg/admission"
+	"github.com/allot-dev/allot/pkg/bench"
 )
 
 // BenchmarkNegativeCacheHit is the in-process denial of a recently denied
@@ -55,33 +56,10 @@ func BenchmarkLocalChunkSpendRefund(b *testing.B) {
 	}
 }
 
-const benchPolicy = `
-name: bench
-rules:
-  - name: tenant
-    scope: tenant
-    match: [{key: tenant}]
-    kind: token_bucket
-    capacity: 1000000000
-    refill_per_second: 1000000
-  - name: user
-    scope: user
-    match: [{key: tenant}, {key: user}]
-    kind: token_bucket
-    capacity: 1000000000
-    refill_per_second: 1000000
-  - name: route
-    scope: route
-    match: [{key: tenant}, {key: route}]
-    kind: fixed_window
-    limit: 1000000000
-    window: 1m
-`
-
 // BenchmarkDecide is the whole engine on the embedded store and on Redis,
 // for a 3-rule decision (tenant, user, route).
 func BenchmarkDecide(b *testing.B) {
-	doc := parse(b, benchPolicy)
+	doc := parse(b, bench.ThreeRulePolicy)
 	for _, name := range []string{"memory", "redis"} {
 		b.Run(name, func(b *testing.B) {
 			var store admission.Store

@@ -120,7 +120,10 @@ rules:
     refill_per_second: 1000000
 `
 
-const threePolicy = `
+// ThreeRulePolicy is the 3-rule hierarchical policy (tenant bucket, user
+// bucket, route window) the benchmarks decide against, with limits no load
+// reaches, so every decision runs the whole script.
+const ThreeRulePolicy = `
 name: bench-3
 rules:
   - name: tenant
@@ -176,7 +179,7 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 		return nil, err
 	}
 	engines := map[string]*admission.Engine{}
-	for name, src := range map[string]string{"1": onePolicy, "3": threePolicy} {
+	for name, src := range map[string]string{"1": onePolicy, "3": ThreeRulePolicy} {
 		doc, err := policy.Parse([]byte(src))
 		if err != nil {
 			return nil, err
