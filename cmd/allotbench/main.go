@@ -70,6 +70,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs.IntVar(&cfg.Redis.MaxPipelines, "pipelines", cfg.Redis.MaxPipelines, "SDK: most pipelines in flight")
 	fs.DurationVar(&cfg.Redis.BatchDelay, "batch-delay", cfg.Redis.BatchDelay, "SDK: how long a partial batch may wait while pipelines are in flight")
 	cpuprofile := fs.String("cpuprofile", "", "write a CPU profile of the benchmark client to this file")
+	suite := fs.String("suite", "admission", "admission: the engine's modes (a), (a'), (b); agent: the region agent's Connect (c) and Envoy RLS (d) beside the raw ceiling (a)")
+	connections := fs.Int("connections", bench.DefaultAgentSuiteConfig().Connections, "agent suite: HTTP/2 connections the clients spread over")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -84,10 +86,21 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		}
 		defer pprof.StopCPUProfile()
 	}
+	if *suite != "admission" && *suite != "agent" {
+		return fmt.Errorf("-suite: %q is neither admission nor agent", *suite)
+	}
+	acfg := bench.DefaultAgentSuiteConfig()
+	acfg.Workers, acfg.Keys, acfg.Requests, acfg.Duration, acfg.Warmup = cfg.Workers, cfg.Keys, cfg.Requests, cfg.Duration, cfg.Warmup
+	acfg.Connections, acfg.Redis = *connections, cfg.Redis
 	if *mode != "all" {
 		cfg.Modes = strings.Split(*mode, ",")
+		acfg.Modes = cfg.Modes
 	}
-	if err := cfg.Validate(); err != nil {
+	if *suite == "agent" {
+		if err := acfg.Validate(); err != nil {
+			return err
+		}
+	} else if err := cfg.Validate(); err != nil {
 		return err
 	}
 	if *addr == "" {
@@ -103,7 +116,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	version, _ := client.Info(ctx, "server").Result()
 	fmt.Fprintf(stdout, "allotbench: redis %s at %s, %d workers, %d keys, GOMAXPROCS %d, %s\n",
 		field(version, "redis_version"), *addr, cfg.Workers, cfg.Keys, runtime.GOMAXPROCS(0), time.Now().UTC().Format(time.RFC3339))
-	figs, err := bench.RunSuite(ctx, client, cfg, stdout)
+	var (
+		figs []bench.Figure
+		err  error
+	)
+	if *suite == "agent" {
+		figs, err = bench.RunAgentSuite(ctx, client, acfg, stdout)
+	} else {
+		figs, err = bench.RunSuite(ctx, client, cfg, stdout)
+	}
 	if err != nil {
 		return err
 	}
