@@ -1,0 +1,23 @@
+// Package allocator is allot's allocator server: one Raft node (hashicorp/raft
+// with a BoltDB log and stable store, file snapshots and a TCP transport)
+// whose state machine is fsm.FSM, and the Connect handlers of
+// allot.v1.AllocatorService and allot.v1.OperatorService on top of it.
+//
+// The leader stamps its clock into every entry and answers a call only after
+// the entry is committed by a quorum and applied, so no acknowledged grant is
+// lost by a failover. Concurrent Acquire and Release calls are group-committed
+// into one entry. Any node accepts any call: followers forward to the leader
+// once, and answer Unavailable with a LeaderHint when they cannot. Client is
+// the matching failover client; Run wires a node, its HTTP server (Connect,
+// gRPC and gRPC-Web over h2c, /metrics, /healthz, /readyz) and a graceful
+// shutdown that transfers leadership first.
+//
+// # Usage
+//
+//  1. Build a Config from DefaultConfig and flags; Validate it.
+//  2. Call Run (processes), or NewNode + NewServer + Mux + HTTPServer (tests,
+//     embedding), injecting stores and a transport with WithRaftDeps if needed.
+//  3. Publish a policy (OperatorService.PublishPolicy) before regions Acquire.
+//  4. Stop with a cancelled context (Run) or Node.Close: both transfer
+//     leadership first when other voters exist.
+package allocator
