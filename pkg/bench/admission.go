@@ -70,17 +70,23 @@ func DefaultSuiteConfig() SuiteConfig {
 	}
 }
 
-// Validate says what is wrong with c, or returns nil.
-func (c SuiteConfig) Validate() error {
+// checkModesAndKeys holds the checks every suite's config shares.
+func checkModesAndKeys(modes, known []string, keys int) []error {
 	var errs []error
-	for _, m := range c.Modes {
-		if !slices.Contains(Modes(), m) {
-			errs = append(errs, fmt.Errorf("unknown mode %q; want one of %s", m, strings.Join(Modes(), ", ")))
+	for _, m := range modes {
+		if !slices.Contains(known, m) {
+			errs = append(errs, fmt.Errorf("unknown mode %q; want one of %s", m, strings.Join(known, ", ")))
 		}
 	}
-	if c.Keys < 1 || c.Keys > 10_000_000 {
-		errs = append(errs, fmt.Errorf("Keys must be in [1, 1e7], got %d", c.Keys))
+	if keys < 1 || keys > 10_000_000 {
+		errs = append(errs, fmt.Errorf("Keys must be in [1, 1e7], got %d", keys))
 	}
+	return errs
+}
+
+// Validate says what is wrong with c, or returns nil.
+func (c SuiteConfig) Validate() error {
+	errs := checkModesAndKeys(c.Modes, Modes(), c.Keys)
 	if c.Pipeline < 1 || c.Pipeline > 1024 {
 		errs = append(errs, fmt.Errorf("Pipeline must be in [1, 1024], got %d", c.Pipeline))
 	}

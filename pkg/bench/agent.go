@@ -7,7 +7,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"slices"
 	"strings"
 	"time"
 
@@ -72,15 +71,7 @@ func DefaultAgentSuiteConfig() AgentSuiteConfig {
 
 // Validate says what is wrong with c, or returns nil.
 func (c AgentSuiteConfig) Validate() error {
-	var errs []error
-	for _, m := range c.Modes {
-		if !slices.Contains(AgentModes(), m) {
-			errs = append(errs, fmt.Errorf("unknown mode %q; want one of %s", m, strings.Join(AgentModes(), ", ")))
-		}
-	}
-	if c.Keys < 1 || c.Keys > 10_000_000 {
-		errs = append(errs, fmt.Errorf("Keys must be in [1, 1e7], got %d", c.Keys))
-	}
+	errs := checkModesAndKeys(c.Modes, AgentModes(), c.Keys)
 	if c.Connections < 1 || c.Connections > 256 {
 		errs = append(errs, fmt.Errorf("Connections must be in [1, 256], got %d", c.Connections))
 	}

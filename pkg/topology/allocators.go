@@ -84,16 +84,27 @@ func StartAllocators(ctx context.Context, cfg AllocatorConfig) (*Allocators, err
 	for _, n := range a.Nodes {
 		n.Args = append([]string{"-id", n.ID, "-raft-addr", n.RaftAddr, "-api-addr", n.APIAddr, "-data-dir", n.DataDir, "-bootstrap"}, peers...)
 		n.Args = append(n.Args, cfg.ExtraArgs...)
+	}
+	if err := a.startAll(ctx); err != nil {
+		return nil, err
+	}
+	return a, nil
+}
+
+// startAll starts every node and waits for a leader; on failure it stops
+// what it started.
+func (a *Allocators) startAll(ctx context.Context) error {
+	for _, n := range a.Nodes {
 		if err := a.Start(n); err != nil {
 			a.Close(time.Second)
-			return nil, err
+			return err
 		}
 	}
 	if _, err := a.WaitLeader(ctx); err != nil {
 		a.Close(time.Second)
-		return nil, err
+		return err
 	}
-	return a, nil
+	return nil
 }
 
 // Start (re)starts node n with its recorded arguments and data dir.

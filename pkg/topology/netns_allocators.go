@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"path/filepath"
-	"time"
 )
 
 // The ports every allocator host of a Lab uses (each host has its own address).
@@ -50,15 +49,9 @@ func StartAllocatorsIn(ctx context.Context, cfg AllocatorConfig, hosts []*Host) 
 	}
 	for _, h := range hosts {
 		args := append(append([]string{"-bootstrap"}, peers...), cfg.ExtraArgs...)
-		n := AllocatorNodeIn(h, bin, cfg.Dir, args...)
-		a.Nodes = append(a.Nodes, n)
-		if err := a.Start(n); err != nil {
-			a.Close(time.Second)
-			return nil, err
-		}
+		a.Nodes = append(a.Nodes, AllocatorNodeIn(h, bin, cfg.Dir, args...))
 	}
-	if _, err := a.WaitLeader(ctx); err != nil {
-		a.Close(time.Second)
+	if err := a.startAll(ctx); err != nil {
 		return nil, err
 	}
 	return a, nil
