@@ -16,6 +16,7 @@ import (
 	"github.com/hashicorp/raft"
 	raftboltdb "github.com/hashicorp/raft-boltdb/v2"
 
+	"github.com/allot-dev/allot/fsm"
 	"github.com/allot-dev/allot/pkg/allocator"
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
 )
@@ -23,13 +24,18 @@ import (
 // BenchmarkAllocator measures, in one run on the same machine, Acquire through
 // a 3-node loopback cluster (BoltDB with fsync, TCP transport, Connect over
 // h2c) and, as the ceiling, a bare hashicorp/raft Apply loop on the same
-// stores and transport with a no-op FSM. Run it with:
+// stores and transport with a no-op FSM, and between the two the same
+// Acquires proposed straight to the leader's Node (node-apply: group commit
+// and FSM without the API). Run it with:
 //
 //	go test -run '^$' -bench BenchmarkAllocator -benchtime 3s ./pkg/allocator
 func BenchmarkAllocator(b *testing.B) {
 	for _, callers := range []int{1, 64} {
 		b.Run(fmt.Sprintf("bare-raft-apply/callers=%d", callers), func(b *testing.B) {
 			benchBare(b, callers)
+		})
+		b.Run(fmt.Sprintf("node-apply/callers=%d", callers), func(b *testing.B) {
+			benchNodeApply(b, callers)
 		})
 		for _, batch := range []int{1, 100} {
 			b.Run(fmt.Sprintf("acquire/batch=%d/callers=%d", batch, callers), func(b *testing.B) {
@@ -156,6 +162,16 @@ func startBenchCluster(b *testing.B) *benchCluster {
 	return nil
 }
 
+// leader is the node that leads now.
+func (bc *benchCluster) leader() *allocator.Node {
+	for _, n := range bc.nodes {
+		if n.IsLeader() {
+			return n
+		}
+	}
+	return bc.nodes[0]
+}
+
 func benchPolicy(quotas int) string {
 	var sb strings.Builder
 	sb.WriteString("name: bench\nregions: [eu]\nrules:\n")
@@ -179,12 +195,7 @@ func benchAcquire(b *testing.B, batch, callers int) {
 	for i := range wants {
 		wants[i] = &allotv1.Want{Quota: fmt.Sprintf("q%03d", i), Tokens: 1, DemandPerSecond: 10}
 	}
-	var leader *allocator.Node
-	for _, n := range bc.nodes {
-		if n.IsLeader() {
-			leader = n
-		}
-	}
+	leader := bc.leader()
 	first := leader.Raft().LastIndex()
 	defer func() {
 		if entries := leader.Raft().LastIndex() - first; entries > 0 {
@@ -196,6 +207,34 @@ func benchAcquire(b *testing.B, batch, callers int) {
 		if err == nil && len(resp.GetGrants()) != batch {
 			return fmt.Errorf("got %d grants", len(resp.GetGrants()))
 		}
+		return err
+	})
+}
+
+// benchNodeApply proposes single-quota Acquires straight to the leader's
+// Node (group commit included, no HTTP): what the allocator costs on top of
+// Raft without the API in between.
+func benchNodeApply(b *testing.B, callers int) {
+	bc := startBenchCluster(b)
+	client, err := allocator.NewClient(bc.addrs)
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx := context.Background()
+	if _, err := client.Operator().PublishPolicy(ctx, &allotv1.PublishPolicyRequest{Document: []byte(benchPolicy(1)), ExpectedVersion: 1, Author: "bench", Reason: "bench"}); err != nil {
+		b.Fatal(err)
+	}
+	leader := bc.leader()
+	first := leader.Raft().LastIndex()
+	defer func() {
+		if entries := leader.Raft().LastIndex() - first; entries > 0 {
+			b.ReportMetric(float64(b.N)/float64(entries), "calls/entry")
+		}
+	}()
+	runLoad(b, callers, 1, func(i int) error {
+		_, err := leader.Apply(ctx, fsm.Command{Type: fsm.CmdAcquire, Acquire: &fsm.Acquire{
+			Region: "eu", RequestID: fmt.Sprintf("r%d", i), Wants: []fsm.Want{{Quota: "q000", Tokens: 1, DemandPerSecond: 10}},
+		}})
 		return err
 	})
 }
