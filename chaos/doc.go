@@ -9,7 +9,7 @@
 //
 //   - pkg/topology (netns*.go): the lab (namespaces, bridge, veth, sweep of
 //     a crashed run's leftovers) and allocators inside namespaces;
-//   - chaos/faultproxy: delay with jitter, loss, cuts on one TCP link;
+//   - pkg/faultproxy: delay with jitter, loss, cuts on one TCP link;
 //   - chaos/driver and chaos/cmd/chaosregion: the region stand-in;
 //   - chaos/history: events, the true clock, the driver wire protocol;
 //   - chaos/check: the checkers and the report;

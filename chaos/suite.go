@@ -14,7 +14,7 @@ import (
 	"time"
 
 	"github.com/allot-dev/allot/chaos/check"
-	"github.com/allot-dev/allot/chaos/faultproxy"
+	"github.com/allot-dev/allot/pkg/faultproxy"
 	"github.com/allot-dev/allot/chaos/history"
 	"github.com/allot-dev/allot/pkg/allocator"
 	"github.com/allot-dev/allot/pkg/lease"
