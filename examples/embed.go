@@ -11,3 +11,11 @@ import _ "embed"
 //
 //go:embed northstar.yaml
 var Northstar []byte
+
+// Plans is examples/plans.yaml: per-tenant plans written as quota templates
+// (global_quota rules with a match entry without a value, one leased pool
+// per tenant), beside a fixed rule for one tenant. Shared like Northstar:
+// read it, never modify it.
+//
+//go:embed plans.yaml
+var Plans []byte

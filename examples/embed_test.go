@@ -22,3 +22,19 @@ func TestNorthstarParses(t *testing.T) {
 		t.Errorf("%d global quotas, want 3 (atlas, birch, catalog)", got)
 	}
 }
+
+func TestPlansParses(t *testing.T) {
+	d, err := policy.Parse(examples.Plans)
+	if err != nil {
+		t.Fatalf("examples/plans.yaml: %v", err)
+	}
+	tmpl := 0
+	for _, q := range d.GlobalQuotas() {
+		if len(q.TemplateKeys) > 0 {
+			tmpl++
+		}
+	}
+	if tmpl != 2 {
+		t.Errorf("%d templates, want 2 (p-tenant-standard, p-tenant-exports)", tmpl)
+	}
+}

@@ -141,6 +141,14 @@ type QuotaSpec struct {
 	// Regions, when not empty, are the only regions that may acquire the
 	// quota. Stored sorted.
 	Regions []string `json:"regions,omitempty"`
+	// TemplateKeys, when positive, makes the quota a template: it has no
+	// pool of its own, and each name "<Name>/<value 1>/.../<value
+	// TemplateKeys>" (policy.InstanceName's syntax, or its hashed form
+	// "<Name>/#<32 hex digits>") is a pool of its own with this spec, an
+	// instance, alive from the first Acquire that names it until it holds
+	// nothing visible. It is the number of the template rule's value-less
+	// match entries.
+	TemplateKeys int `json:"template_keys,omitempty"`
 }
 
 // Publish publishes a new policy version.
@@ -236,7 +244,8 @@ func Decode(b []byte) (Command, error) {
 // The errors Apply returns, wrapped with the name of the offending field.
 // Match them with errors.Is.
 var (
-	// ErrUnknownQuota means a want names a quota the current policy lacks.
+	// ErrUnknownQuota means a want names a quota the current policy lacks,
+	// or an instance of a template it lacks or of a single pool.
 	ErrUnknownQuota = errors.New("unknown quota")
 	// ErrInvalidArgument means a field of a command is out of range.
 	ErrInvalidArgument = errors.New("invalid argument")
@@ -247,4 +256,7 @@ var (
 	ErrUnknownGrant = errors.New("unknown grant")
 	// ErrMalformedCommand means the entry bytes could not be decoded.
 	ErrMalformedCommand = errors.New("malformed command")
+	// ErrResourceExhausted means an Acquire would create an instance of a
+	// template beyond MaxInstancesPerTemplate.
+	ErrResourceExhausted = errors.New("resource exhausted")
 )

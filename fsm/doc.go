@@ -35,10 +35,29 @@
 // Apply returns *AcquireResult, *ReleaseResult, *PublishResult or
 // *SetMemberResult through
 // ApplyFuture.Response, or an error wrapping ErrUnknownQuota,
-// ErrInvalidArgument, ErrStaleVersion, ErrUnknownGrant or
-// ErrMalformedCommand whose message names the offending field. A command is
+// ErrInvalidArgument, ErrStaleVersion, ErrUnknownGrant, ErrResourceExhausted
+// or ErrMalformedCommand whose message names the offending field. A command is
 // validated whole before anything changes: after an error the state,
 // including the time, is exactly as before. No input bytes make Apply panic.
+//
+// # Quota templates
+//
+// A spec with TemplateKeys > 0 is a template (a global_quota rule with match
+// entries without a value): it has no pool of its own, and every name
+// "<template>/<values>" written as policy.InstanceName writes it is a pool
+// of its own, an instance, with the template's spec ("p-tenant-standard/
+// birch": one pool per tenant from one rule). An instance comes into being
+// on the first Acquire that names it, deterministically, and is forgotten as
+// soon as it holds nothing visible (no current or previous window, no fresh
+// demand report), so idle tenants cost no memory. At most
+// MaxInstancesPerTemplate are alive per template; an Acquire that would
+// create more fails whole with ErrResourceExhausted, naming the want. Naming
+// an instance of a template the policy lacks, or of a single pool, is
+// ErrUnknownQuota; a template's own name, or a malformed instance name,
+// ErrInvalidArgument. Release, the grants, the windows and the snapshots of
+// instances work as for any quota. A publish that changes a template's
+// window drops its instances whole (they come back with the next Acquire);
+// one that drops the template drops them all.
 //
 // # Memory
 //
@@ -47,7 +66,9 @@
 // TTLs. Older windows are collected when their quota is touched and by a
 // round-robin sweep of a few quotas per entry, so an entry costs O(quotas it
 // touches), never O(all quotas); until collected they are invisible to every
-// read, result and snapshot. Request ids are kept for two of the longest
+// read, result and snapshot. Dead instances of templates are collected the
+// same way (amortized O(1) each: a template keeps its instances in order of
+// death). Request ids are kept for two of the longest
 // window of the policy, and at most MaxIdempotencyRecords of them.
 //
 // # Usage

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
 
 	"github.com/hashicorp/raft"
@@ -22,12 +23,22 @@ const (
 	MaxRequestIDBytes = 128
 	// MaxGrantIDBytes bounds a grant id in a Release.
 	MaxGrantIDBytes = 64
-	// MaxWants bounds the wants of one Acquire.
-	MaxWants = 1000
-	// MaxQuotaNameBytes bounds a quota name.
+	// MaxWants bounds the wants of one Acquire: a region renews every
+	// quota it needs in one call per tick, and 16,384 wants with names of
+	// MaxQuotaNameBytes still fit the allocator's default 4 MiB body limit,
+	// request and answer (pkg/allocator measures it).
+	MaxWants = 16_384
+	// MaxQuotaNameBytes bounds a quota name, template instances included
+	// (policy.MaxInstanceNameBytes).
 	MaxQuotaNameBytes = 128
 	// MaxQuotas bounds the quotas of one policy.
 	MaxQuotas = 1_000_000
+	// MaxTemplateKeys bounds a template's value-less match entries
+	// (policy.MaxMatchEntries).
+	MaxTemplateKeys = 16
+	// MaxInstancesPerTemplate bounds the live instances of one template;
+	// an Acquire that would create more fails with ErrResourceExhausted.
+	MaxInstancesPerTemplate = 1_000_000
 	// MaxRegionsPerQuota bounds a quota's declared regions.
 	MaxRegionsPerQuota = 1000
 	// MaxLimit bounds a quota's limit (about 10^15 tokens per window).
@@ -86,6 +97,9 @@ type state struct {
 	history       []*PolicyRecord // ascending versions; the last is current
 	quotas        map[string]*quota
 	names         []string // quota names, sorted
+	templates     []string // the names of the templates among them, sorted
+	tmplCursor    int
+	instances     int // instances in memory, of every template
 	maxWindowMs   int64
 	grants        map[string]*grantRef
 	idem          map[idemKey]*idemRecord
@@ -101,14 +115,17 @@ type state struct {
 	lastGrantIndex uint64
 	// members maps Raft server IDs to API addresses.
 	members map[string]string
+	// maxInstances is MaxInstancesPerTemplate; tests lower it.
+	maxInstances int
 }
 
 func newState() *state {
 	return &state{
-		quotas:  map[string]*quota{},
-		grants:  map[string]*grantRef{},
-		idem:    map[idemKey]*idemRecord{},
-		members: map[string]string{},
+		maxInstances: MaxInstancesPerTemplate,
+		quotas:       map[string]*quota{},
+		grants:       map[string]*grantRef{},
+		idem:         map[idemKey]*idemRecord{},
+		members:      map[string]string{},
 	}
 }
 
@@ -117,6 +134,16 @@ type quota struct {
 	spec    *QuotaSpec        // points into the current PolicyRecord
 	windows []*window         // ascending index
 	demand  map[string]demand // by region; created lazily
+
+	// A template (spec.TemplateKeys > 0) has no windows: it holds its
+	// instances, by name and in a list ordered by death (instance.go).
+	instances  map[string]*quota
+	head, tail *quota
+	// An instance points to its template and its list neighbours; death is
+	// the first instant it holds nothing visible.
+	tmpl       *quota
+	prev, next *quota
+	death      int64
 }
 
 type demand struct {
@@ -335,31 +362,57 @@ func (s *state) acquire(index uint64, base int, now int64, a *Acquire) (*Acquire
 		return nil, fmt.Errorf("wants: %d entries, want 1 to %d: %w", n, MaxWants, ErrInvalidArgument)
 	}
 	qs := make([]*quota, len(a.Wants))
+	tmpls := make([]*quota, len(a.Wants)) // the template of an instance
 	seen := make(map[string]int, len(a.Wants))
+	var born, live map[*quota]int // per template: instances this Acquire creates, and those alive at now
 	for i, w := range a.Wants {
 		if w.Quota == "" || len(w.Quota) > MaxQuotaNameBytes {
 			return nil, checkName(fmt.Sprintf("wants[%d].quota", i), w.Quota, MaxQuotaNameBytes)
 		}
-		q, ok := s.quotas[w.Quota]
-		if !ok {
-			return nil, fmt.Errorf("wants[%d].quota %q: %w", i, w.Quota, ErrUnknownQuota)
+		q, t, err := s.lookupQuota(w.Quota, now)
+		if err != nil {
+			return nil, fmt.Errorf("wants[%d].quota %w", i, err)
 		}
 		if j, dup := seen[w.Quota]; dup {
 			return nil, fmt.Errorf("wants[%d].quota %q: duplicate of wants[%d]: %w", i, w.Quota, j, ErrInvalidArgument)
 		}
 		seen[w.Quota] = i
-		if w.Tokens < 0 || w.Tokens > q.spec.Limit {
-			return nil, fmt.Errorf("wants[%d].tokens %d: must be in [0, limit %d]: %w", i, w.Tokens, q.spec.Limit, ErrInvalidArgument)
+		var spec *QuotaSpec
+		if q != nil {
+			spec = q.spec
+		} else {
+			spec = t.spec // an instance not alive yet: its template's spec
+		}
+		if w.Tokens < 0 || w.Tokens > spec.Limit {
+			return nil, fmt.Errorf("wants[%d].tokens %d: must be in [0, limit %d]: %w", i, w.Tokens, spec.Limit, ErrInvalidArgument)
 		}
 		if !(w.DemandPerSecond >= 0) || math.IsInf(w.DemandPerSecond, 1) {
 			return nil, fmt.Errorf("wants[%d].demand_per_second %v: must be finite and >= 0: %w", i, w.DemandPerSecond, ErrInvalidArgument)
 		}
-		if len(q.spec.Regions) > 0 {
-			if _, ok := slices.BinarySearch(q.spec.Regions, a.Region); !ok {
+		if len(spec.Regions) > 0 {
+			if _, ok := slices.BinarySearch(spec.Regions, a.Region); !ok {
 				return nil, fmt.Errorf("region %q: not declared for wants[%d].quota %q: %w", a.Region, i, w.Quota, ErrInvalidArgument)
 			}
 		}
-		qs[i] = q
+		if q == nil { // an instance not alive yet: it would be created
+			if born == nil {
+				born, live = map[*quota]int{}, map[*quota]int{}
+			}
+			if _, counted := live[t]; !counted {
+				// Forgetting the instances dead at the state's time is
+				// invisible, so it may happen before the command is known
+				// to be valid; those that die between then and now are
+				// counted out, and forgotten only if it is.
+				s.expire(t, s.now)
+				live[t] = len(t.instances) - t.deadBy(now)
+			}
+			born[t]++
+			if live[t]+born[t] > s.maxInstances {
+				return nil, fmt.Errorf("wants[%d].quota %q: template %q has %d live instances, at most %d: %w",
+					i, w.Quota, t.name, live[t], s.maxInstances, ErrResourceExhausted)
+			}
+		}
+		qs[i], tmpls[i] = q, t
 	}
 	if index < s.lastGrantIndex || (index == s.lastGrantIndex && base == 0) {
 		// Raft never does this; grant ids would collide.
@@ -369,7 +422,11 @@ func (s *state) acquire(index uint64, base int, now int64, a *Acquire) (*Acquire
 	// Validated: from here on nothing fails.
 	res := &AcquireResult{Region: a.Region, RequestID: a.RequestID, NowUnixMs: now, Grants: make([]GrantResult, len(a.Wants))}
 	for i, wt := range a.Wants {
-		q := qs[i]
+		q, t := qs[i], tmpls[i]
+		if t != nil && q == nil {
+			s.expire(t, now) // a dead instance of the same name goes first
+			q = s.newInstance(t, wt.Quota)
+		}
 		s.collect(q, now)
 		w := s.openWindow(q, now)
 		if q.demand == nil {
@@ -405,6 +462,9 @@ func (s *state) acquire(index uint64, base int, now int64, a *Acquire) (*Acquire
 		gr.PoolRemaining = w.remaining()
 		gr.PoolExhausted = gr.PoolRemaining == 0 || n < asked
 		res.Grants[i] = gr
+		if t != nil {
+			t.touch(q)
+		}
 	}
 	s.record(&idemRecord{key: key, at: now, acquire: res})
 	return res.clone(), nil
@@ -477,6 +537,19 @@ func (s *state) dropWindows(q *quota) {
 	q.windows = nil
 }
 
+// dropState drops q's windows, or for a template its instances; it reports
+// whether there were any.
+func (s *state) dropState(q *quota) bool {
+	if q.isTemplate() {
+		had := len(q.instances) > 0
+		s.dropInstances(q)
+		return had
+	}
+	had := len(q.windows) > 0
+	s.dropWindows(q)
+	return had
+}
+
 // sweep runs after every successful Apply: it prunes idempotency records by
 // age and count, and collects the old windows of a few quotas round robin so
 // that quotas nobody touches are collected too, at O(1) cost per entry.
@@ -504,6 +577,13 @@ func (s *state) sweep() {
 		}
 		s.collect(s.quotas[s.names[s.gcCursor]], s.now)
 		s.gcCursor++
+	}
+	for i := 0; i < gcPerApply && i < len(s.templates); i++ {
+		if s.tmplCursor >= len(s.templates) {
+			s.tmplCursor = 0
+		}
+		s.expire(s.quotas[s.templates[s.tmplCursor]], s.now)
+		s.tmplCursor++
 	}
 }
 
@@ -602,6 +682,9 @@ func validateSpecs(in []QuotaSpec) ([]QuotaSpec, error) {
 		if err := checkName(field+".name", q.Name, MaxQuotaNameBytes); err != nil {
 			return nil, err
 		}
+		if strings.Contains(q.Name, instanceSep) {
+			return nil, fmt.Errorf("%s.name %q: %q is reserved for the instances of templates: %w", field, q.Name, instanceSep, ErrInvalidArgument)
+		}
 		if j, dup := seen[q.Name]; dup {
 			return nil, fmt.Errorf("%s.name %q: duplicate of quotas[%d]: %w", field, q.Name, j, ErrInvalidArgument)
 		}
@@ -621,6 +704,8 @@ func validateSpecs(in []QuotaSpec) ([]QuotaSpec, error) {
 			return nil, fmt.Errorf("%s.fallback_per_region %d: must be in [0, %d]: %w", field, q.FallbackPerRegion, int64(MaxLimit), ErrInvalidArgument)
 		case len(q.Regions) > MaxRegionsPerQuota:
 			return nil, fmt.Errorf("%s.regions: %d entries, at most %d: %w", field, len(q.Regions), MaxRegionsPerQuota, ErrInvalidArgument)
+		case q.TemplateKeys < 0 || q.TemplateKeys > MaxTemplateKeys:
+			return nil, fmt.Errorf("%s.template_keys %d: must be in [0, %d]: %w", field, q.TemplateKeys, MaxTemplateKeys, ErrInvalidArgument)
 		}
 		switch q.Strategy {
 		case "":
@@ -683,39 +768,82 @@ func (s *state) publish(now int64, p *Publish) (*PublishResult, error) {
 	res := &PublishResult{Policy: rec.clone(true)}
 	quotas := make(map[string]*quota, len(specs))
 	names := make([]string, len(specs))
+	var templates []string
 	var maxW int64
 	for i := range specs {
 		spec := &specs[i]
 		names[i] = spec.Name
+		if spec.TemplateKeys > 0 {
+			templates = append(templates, spec.Name)
+		}
 		maxW = max(maxW, spec.WindowMs)
 		q, ok := s.quotas[spec.Name]
 		if !ok {
 			quotas[spec.Name] = &quota{name: spec.Name, spec: spec}
 			continue
 		}
-		switch {
-		case q.spec.WindowMs != spec.WindowMs:
-			if len(q.windows) > 0 {
+		// Forget what is invisible under the old spec first: the result
+		// must not depend on what lingers in memory, and a longer TTL must
+		// not revive a stale demand report on one replica and not on
+		// another (one restored from a snapshot never had it).
+		pools := []*quota{q}
+		if q.isTemplate() {
+			s.expire(q, now)
+			pools = q.instanceList()
+		}
+		for _, p := range pools {
+			s.collect(p, now)
+		}
+		if q.spec.TemplateKeys != spec.TemplateKeys {
+			// A single pool became a template, a template a single pool, or
+			// a template's instances are named by more or fewer values:
+			// the old pools are not the new ones.
+			if s.dropState(q) {
 				res.WindowsReset = append(res.WindowsReset, q.name)
 			}
-			s.dropWindows(q)
+			quotas[spec.Name] = &quota{name: spec.Name, spec: spec}
+			continue
+		}
+		switch {
+		case q.spec.WindowMs != spec.WindowMs:
+			// A template's instances go whole, demand reports included:
+			// they come back with the next Acquire that names them.
+			if s.dropState(q) {
+				res.WindowsReset = append(res.WindowsReset, q.name)
+			}
+			pools = nil
 		case q.spec.Limit != spec.Limit:
 			// Only the current window takes the new limit; its pool becomes
 			// max(0, new limit - outstanding). The previous one is history.
-			if n := len(q.windows); n > 0 && q.windows[n-1].index == q.currentIndex(now) {
-				q.windows[n-1].limit = spec.Limit
+			for _, p := range pools {
+				if n := len(p.windows); n > 0 && p.windows[n-1].index == p.currentIndex(now) {
+					p.windows[n-1].limit = spec.Limit
+				}
 			}
 		}
+		ttlChanged := q.spec.TTLMs != spec.TTLMs
 		q.spec = spec
+		if q.isTemplate() && len(pools) > 0 {
+			for _, p := range pools {
+				p.spec = spec
+				if ttlChanged { // demand stays fresh for another 2 x TTL
+					p.death = p.computeDeath()
+				}
+			}
+			if ttlChanged {
+				q.relink(pools)
+			}
+		}
 		quotas[spec.Name] = q
 	}
 	for _, name := range s.names {
 		if _, kept := quotas[name]; !kept {
-			s.dropWindows(s.quotas[name])
+			s.dropState(s.quotas[name])
 			res.Removed = append(res.Removed, name)
 		}
 	}
 	s.quotas, s.names, s.maxWindowMs, s.gcCursor = quotas, names, maxW, 0
+	s.templates, s.tmplCursor = templates, 0
 	s.history = append(s.history, rec)
 	if n := len(s.history); n > HistoryVersions {
 		s.history = append([]*PolicyRecord(nil), s.history[n-HistoryVersions:]...)

@@ -21,6 +21,10 @@ func fuzzSeeds(tb testing.TB) [][]byte {
 	return [][]byte{
 		enc(Command{Type: CmdAcquire, NowUnixMs: t0 + 1, Acquire: &Acquire{Region: "eu", RequestID: "r1", Wants: []Want{{Quota: "atlas", Tokens: 50, DemandPerSecond: 2}}}}),
 		enc(Command{Type: CmdAcquire, NowUnixMs: t0 + 2, Acquire: &Acquire{Region: "us", RequestID: "r2", Wants: []Want{{Quota: "atlas"}, {Quota: "birch", Tokens: 3}}}}),
+		enc(Command{Type: CmdAcquire, NowUnixMs: t0 + 2, Acquire: &Acquire{Region: "eu", RequestID: "r3", Wants: []Want{{Quota: "std/x"}, {Quota: "std/y%2Fz", Tokens: 3}}}}),
+		enc(Command{Type: CmdAcquire, NowUnixMs: t0 + 2, Acquire: &Acquire{Region: "eu", RequestID: "r4", Wants: []Want{{Quota: "std"}, {Quota: "std/a/b"}, {Quota: "atlas/x"}}}}),
+		enc(Command{Type: CmdAcquire, NowUnixMs: t0 + 200_000, Acquire: &Acquire{Region: "eu", RequestID: "r5", Wants: []Want{{Quota: "std/#0123456789abcdef0123456789abcdef"}}}}),
+		enc(Command{Type: CmdPublishPolicy, NowUnixMs: t0 + 4, Publish: &Publish{ExpectedVersion: 2, Author: "a", Quotas: []QuotaSpec{{Name: "std", Limit: 10, WindowMs: 1000, ChunkTokens: 1, TTLMs: 500, Clamp: true, TemplateKeys: 2}}}}),
 		enc(Command{Type: CmdRelease, NowUnixMs: t0 + 3, Release: &Release{Region: "eu", GrantID: "1-0", Tokens: 10}}),
 		enc(Command{Type: CmdRelease, NowUnixMs: t0 + 3, Release: &Release{Region: "eu", GrantID: "1-0", Tokens: 10, RequestID: "x"}}),
 		enc(Command{Type: CmdPublishPolicy, NowUnixMs: t0 + 4, Publish: &Publish{ExpectedVersion: 2, Author: "a", Quotas: []QuotaSpec{{Name: "atlas", Limit: 10, WindowMs: 1000, ChunkTokens: 1, TTLMs: 500, Clamp: true, Strategy: StrategyFairShare}}}}),
@@ -46,8 +50,9 @@ func fuzzSeeds(tb testing.TB) [][]byte {
 func fuzzFSM(tb testing.TB) *FSM {
 	h := newHarness(tb)
 	birch := QuotaSpec{Name: "birch", Limit: 30, WindowMs: 5_000, ChunkTokens: 3, TTLMs: 10_000, Strategy: StrategyFairShare}
-	h.publish(t0, atlas(StrategyDemand), birch)
-	h.acquire(t0, "eu", "seed", Want{Quota: "atlas"}, Want{Quota: "birch", DemandPerSecond: 1})
+	std := QuotaSpec{Name: "std", Limit: 50, WindowMs: 10_000, ChunkTokens: 5, TTLMs: 5_000, Clamp: true, TemplateKeys: 1}
+	h.publish(t0, atlas(StrategyDemand), birch, std)
+	h.acquire(t0, "eu", "seed", Want{Quota: "atlas"}, Want{Quota: "birch", DemandPerSecond: 1}, Want{Quota: "std/x", DemandPerSecond: 2})
 	return h.f
 }
 

@@ -42,8 +42,39 @@ type grantMade struct {
 
 var (
 	propRegions = []string{"eu", "us", "apac"}
-	propQuotas  = []string{"q0", "q1", "q2", "q3"}
+	// propQuotas are the quota specs; "tq" is a template, whose instances
+	// are propInstances.
+	propQuotas    = []string{"q0", "q1", "q2", "q3", "tq"}
+	propInstances = []string{"tq/a", "tq/b%2Fc", "tq/d"}
+	// propBadNames are refused whatever the policy: a template's own name,
+	// an instance of a single pool, a malformed instance.
+	propBadNames = []string{"tq", "q0/a", "tq/a/b"}
 )
+
+// spec returns the spec of pool name: a single pool's, or an instance's
+// template's.
+func (m *model) spec(name string) (QuotaSpec, bool) {
+	if slices.Contains(propInstances, name) {
+		s, ok := m.specs["tq"]
+		return s, ok
+	}
+	s, ok := m.specs[name]
+	return s, ok && s.TemplateKeys == 0
+}
+
+// pools returns the names of the pools of the current policy.
+func (m *model) pools() []string {
+	var out []string
+	for _, name := range propQuotas {
+		if _, ok := m.spec(name); ok {
+			out = append(out, name)
+		}
+	}
+	if _, ok := m.specs["tq"]; ok {
+		out = append(out, propInstances...)
+	}
+	return out
+}
 
 func drawSpec(t *rapid.T, name string) QuotaSpec {
 	limit := rapid.Int64Range(1, 500).Draw(t, name+".limit")
@@ -76,6 +107,11 @@ func (m *model) publish(t *rapid.T) {
 			specs[name] = old
 		case rapid.IntRange(0, 4).Draw(t, "drop "+name) > 0:
 			specs[name] = drawSpec(t, name)
+			if name == "tq" {
+				s := specs[name]
+				s.TemplateKeys = 1
+				specs[name] = s
+			}
 		}
 	}
 	list := make([]QuotaSpec, 0, len(specs))
@@ -90,12 +126,18 @@ func (m *model) publish(t *rapid.T) {
 		if !had || old.WindowMs != s.WindowMs {
 			continue
 		}
-		w := m.h.f.CurrentWindow(s.Name, m.stamp)
-		k := windowKey{s.Name, w.Index}
-		if s.Limit < w.Outstanding {
-			m.lowered[k] = true
+		names := []string{s.Name}
+		if s.TemplateKeys > 0 {
+			names = propInstances
 		}
-		m.peak[k] = max(m.peak[k], w.Limit, s.Limit)
+		for _, name := range names {
+			w := m.h.f.CurrentWindow(name, m.stamp)
+			k := windowKey{name, w.Index}
+			if s.Limit < w.Outstanding {
+				m.lowered[k] = true
+			}
+			m.peak[k] = max(m.peak[k], w.Limit, s.Limit)
+		}
 	}
 	m.h.publish(m.stamp, list...)
 	m.specs = specs
@@ -103,7 +145,7 @@ func (m *model) publish(t *rapid.T) {
 
 func (m *model) windowsAt(stamp int64) map[string]WindowView {
 	out := map[string]WindowView{}
-	for name := range m.specs {
+	for _, name := range m.pools() {
 		out[name] = m.h.f.CurrentWindow(name, stamp)
 	}
 	return out
@@ -111,11 +153,20 @@ func (m *model) windowsAt(stamp int64) map[string]WindowView {
 
 func (m *model) acquire(t *rapid.T) {
 	region := rapid.SampledFrom(propRegions).Draw(t, "region")
-	n := rapid.IntRange(1, 3).Draw(t, "wants")
-	names := rapid.Permutation(propQuotas).Draw(t, "quotas")[:n]
+	n := rapid.IntRange(1, 4).Draw(t, "wants")
+	all := append(append(slices.Clone(propQuotas[:4]), propInstances...), propInstances...) // instances twice as often
+	if rapid.IntRange(0, 9).Draw(t, "bad name?") == 0 {
+		all = append(all, rapid.SampledFrom(propBadNames).Draw(t, "bad name"))
+	}
+	var names []string
+	for _, q := range rapid.Permutation(all).Draw(t, "quotas") {
+		if len(names) < n && !slices.Contains(names, q) {
+			names = append(names, q)
+		}
+	}
 	var wants []Want
 	for _, q := range names {
-		spec, ok := m.specs[q]
+		spec, ok := m.spec(q)
 		maxTokens := int64(600)
 		if ok {
 			maxTokens = spec.Limit
@@ -137,7 +188,7 @@ func (m *model) acquire(t *rapid.T) {
 	m.requests = append(m.requests, sentAcquire{acq: acq, res: r})
 	after := m.windowsAt(m.stamp)
 	for i, g := range r.Grants {
-		spec := m.specs[g.Quota]
+		spec, _ := m.spec(g.Quota)
 		b, a := before[g.Quota], after[g.Quota]
 		if g.Tokens > b.Remaining || g.Tokens > g.Requested || g.Tokens < 0 {
 			t.Fatalf("want %d: granted %d, pool before %d, asked %d", i, g.Tokens, b.Remaining, g.Requested)
@@ -218,7 +269,7 @@ func (m *model) release(t *rapid.T) {
 		t.Fatalf("after releasing %d: pool %d (result %d), want %d", tokens, after.Remaining, r.PoolRemaining, want)
 	}
 	// Released tokens are reusable: ask for them back at once.
-	spec := m.specs[g.quota]
+	spec, _ := m.spec(g.quota)
 	if spec.Strategy != StrategyDemand || m.lowered[windowKey{g.quota, after.Index}] {
 		return
 	}
@@ -258,7 +309,7 @@ func (m *model) check(t *rapid.T, prevNow int64) {
 	if now < prevNow {
 		t.Fatalf("time went backwards: %d -> %d", prevNow, now)
 	}
-	for name := range m.specs {
+	for _, name := range m.pools() {
 		cur := f.CurrentWindow(name, now)
 		for _, idx := range []int64{cur.Index - 1, cur.Index} {
 			w, ok := f.Window(name, idx)

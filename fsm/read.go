@@ -52,17 +52,29 @@ func (f *FSM) PolicyHistory() []PolicyRecord {
 	return out
 }
 
-// Quota returns the current spec of quota name.
+// Quota returns the current spec of quota name: a single pool, a template,
+// or an instance of a template in force, alive or not (its template's spec,
+// with Name set to the instance's name and TemplateKeys to 0).
 func (f *FSM) Quota(name string) (QuotaSpec, bool) {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	if q, ok := f.s.quotas[name]; ok {
 		return cloneSpec(*q.spec), true
 	}
-	return QuotaSpec{}, false
+	q, t, err := f.s.lookupQuota(name, f.s.now)
+	if err != nil {
+		return QuotaSpec{}, false
+	}
+	spec := cloneSpec(*t.spec)
+	if q != nil {
+		spec = cloneSpec(*q.spec)
+	}
+	spec.Name, spec.TemplateKeys = name, 0
+	return spec, true
 }
 
-// Quotas returns the current quota specs sorted by name.
+// Quotas returns the current quota specs (single pools and templates, not
+// instances) sorted by name.
 func (f *FSM) Quotas() []QuotaSpec {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
@@ -73,14 +85,15 @@ func (f *FSM) Quotas() []QuotaSpec {
 	return out
 }
 
-// Window returns window index of quota, as of the state machine's time. Only
-// the current and the previous window are held.
+// Window returns window index of quota (a single pool or a live instance of
+// a template), as of the state machine's time. Only the current and the
+// previous window are held.
 func (f *FSM) Window(quota string, index int64) (WindowView, bool) {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	s := f.s
-	q, ok := s.quotas[quota]
-	if !ok || !q.visible(index, s.now) || index > q.currentIndex(s.now) {
+	q, _, err := s.lookupQuota(quota, s.now)
+	if err != nil || q == nil || !q.visible(index, s.now) || index > q.currentIndex(s.now) {
 		return WindowView{}, false
 	}
 	for _, w := range q.windows {
@@ -91,19 +104,24 @@ func (f *FSM) Window(quota string, index int64) (WindowView, bool) {
 	return WindowView{}, false
 }
 
-// CurrentWindow returns quota's window holding nowMs, with Expired counted
+// CurrentWindow returns quota name's window holding nowMs, with Expired counted
 // at nowMs. A nowMs before the state machine's time is raised to it (windows
-// never reopen). A window not opened yet is shown with its full pool. An
-// unknown quota yields the zero WindowView, whose Quota is empty.
-func (f *FSM) CurrentWindow(quota string, nowMs int64) WindowView {
+// never reopen). A window not opened yet, and the window of an instance of a
+// template that is not alive, is shown with its full pool. An unknown quota
+// (or a template's own name) yields the zero WindowView, whose Quota is
+// empty.
+func (f *FSM) CurrentWindow(name string, nowMs int64) WindowView {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	s := f.s
-	q, ok := s.quotas[quota]
-	if !ok {
+	nowMs = max(nowMs, s.now)
+	q, t, err := s.lookupQuota(name, nowMs)
+	if err != nil {
 		return WindowView{}
 	}
-	nowMs = max(nowMs, s.now)
+	if q == nil {
+		q = &quota{name: name, spec: t.spec} // an instance with nothing yet
+	}
 	idx := q.currentIndex(nowMs)
 	if n := len(q.windows); n > 0 && q.windows[n-1].index == idx {
 		return view(q, q.windows[n-1], nowMs)
@@ -142,6 +160,7 @@ func (f *FSM) Stats() Stats {
 		NowUnixMs:          s.now,
 		PolicyVersion:      s.version(),
 		Quotas:             len(s.quotas),
+		Instances:          s.instances,
 		Windows:            s.windows,
 		Grants:             len(s.grants),
 		IdempotencyRecords: len(s.idem),

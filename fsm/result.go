@@ -165,8 +165,12 @@ type Stats struct {
 	NowUnixMs int64
 	// PolicyVersion is the current policy version (0 before the first).
 	PolicyVersion uint64
-	// Quotas is the number of quotas in the current policy.
+	// Quotas is the number of quotas in the current policy (single pools
+	// and templates).
 	Quotas int
+	// Instances counts the instances of templates in memory, including
+	// dead ones not yet garbage-collected.
+	Instances int
 	// Windows and Grants count retained windows and grant records,
 	// including old ones not yet garbage-collected.
 	Windows int

@@ -23,7 +23,8 @@ var ErrBadSnapshot = errors.New("bad snapshot")
 // A snapshot is a stream of JSON values, one per line: a snapshotHeader,
 // then header.Policies PolicyRecords (ascending versions, the last one
 // current), header.Quotas snapQuotas (by name; only quotas with windows or
-// demand reports) and header.Idempotency snapIdems (in insertion order).
+// demand reports), header.Instances snapQuotas of the live instances of
+// templates (by name) and header.Idempotency snapIdems (in insertion order).
 // Values hold no maps, so encoding/json writes them the same way every time.
 // One value per record keeps the decoder's buffer small when restoring a
 // large state.
@@ -39,6 +40,7 @@ type snapshotHeader struct {
 	LastGrantIndex uint64 `json:"last_grant_index"`
 	Policies       int    `json:"policies"`
 	Quotas         int    `json:"quotas"`
+	Instances      int    `json:"instances,omitempty"`
 	Idempotency    int    `json:"idempotency"`
 	// Members is the member table, sorted by ID.
 	Members []snapMember `json:"members"`
@@ -54,6 +56,7 @@ type snapshotDoc struct {
 	header      snapshotHeader
 	policies    []*PolicyRecord
 	quotas      []snapQuota
+	instances   []snapQuota
 	idempotency []snapIdem
 }
 
@@ -108,26 +111,23 @@ func (s *state) snapshot() *snapshotDoc {
 		idempotency: make([]snapIdem, 0, len(s.idem)),
 	}
 	for _, name := range s.names {
-		q := s.quotas[name]
-		sq := snapQuota{Name: name}
-		for _, w := range q.windows {
-			if !q.visible(w.index, s.now) {
-				continue
-			}
-			sw := snapWindow{Index: w.index, Limit: w.limit, Grants: make([]snapGrant, len(w.grants))}
-			for i, g := range w.grants {
-				sw.Grants[i] = snapGrant{ID: g.id, Region: g.region, Tokens: g.tokens, Released: g.released, GrantedUnixMs: g.grantedAt, ExpiresUnixMs: g.expires}
-			}
-			sq.Windows = append(sq.Windows, sw)
-		}
-		for r := range q.demand {
-			if dm, fresh := q.freshDemand(r, s.now); fresh {
-				sq.Demand = append(sq.Demand, snapDemand{Region: r, PerSecond: dm.rate, ReportedUnixMs: dm.at})
-			}
-		}
-		slices.SortFunc(sq.Demand, func(a, b snapDemand) int { return strings.Compare(a.Region, b.Region) })
-		if len(sq.Windows) > 0 || len(sq.Demand) > 0 {
+		if sq, ok := s.snapQuota(s.quotas[name]); ok {
 			d.quotas = append(d.quotas, sq)
+		}
+	}
+	var live []*quota
+	for _, name := range s.templates {
+		for i := s.quotas[name].head; i != nil; i = i.next {
+			if i.alive(s.now) {
+				live = append(live, i)
+			}
+		}
+	}
+	slices.SortFunc(live, func(a, b *quota) int { return strings.Compare(a.name, b.name) })
+	d.instances = make([]snapQuota, 0, len(live))
+	for _, i := range live {
+		if sq, ok := s.snapQuota(i); ok {
+			d.instances = append(d.instances, sq)
 		}
 	}
 	for _, r := range s.idemQ[s.idemHead:] {
@@ -148,10 +148,34 @@ func (s *state) snapshot() *snapshotDoc {
 		LastGrantIndex: s.lastGrantIndex,
 		Policies:       len(d.policies),
 		Quotas:         len(d.quotas),
+		Instances:      len(d.instances),
 		Idempotency:    len(d.idempotency),
 		Members:        members,
 	}
 	return d
+}
+
+// snapQuota captures q's visible windows and fresh demand reports; it
+// reports false when there are none.
+func (s *state) snapQuota(q *quota) (snapQuota, bool) {
+	sq := snapQuota{Name: q.name}
+	for _, w := range q.windows {
+		if !q.visible(w.index, s.now) {
+			continue
+		}
+		sw := snapWindow{Index: w.index, Limit: w.limit, Grants: make([]snapGrant, len(w.grants))}
+		for i, g := range w.grants {
+			sw.Grants[i] = snapGrant{ID: g.id, Region: g.region, Tokens: g.tokens, Released: g.released, GrantedUnixMs: g.grantedAt, ExpiresUnixMs: g.expires}
+		}
+		sq.Windows = append(sq.Windows, sw)
+	}
+	for r := range q.demand {
+		if dm, fresh := q.freshDemand(r, s.now); fresh {
+			sq.Demand = append(sq.Demand, snapDemand{Region: r, PerSecond: dm.rate, ReportedUnixMs: dm.at})
+		}
+	}
+	slices.SortFunc(sq.Demand, func(a, b snapDemand) int { return strings.Compare(a.Region, b.Region) })
+	return sq, len(sq.Windows) > 0 || len(sq.Demand) > 0
 }
 
 type fsmSnapshot struct {
@@ -185,6 +209,11 @@ func (fs *fsmSnapshot) write(w io.Writer) error {
 	}
 	for i := range d.quotas {
 		if err := enc.Encode(&d.quotas[i]); err != nil {
+			return err
+		}
+	}
+	for i := range d.instances {
+		if err := enc.Encode(&d.instances[i]); err != nil {
 			return err
 		}
 	}
@@ -237,6 +266,8 @@ func decodeSnapshot(dec *json.Decoder) (*state, error) {
 		return nil, fmt.Errorf("policies: %d versions, want 0 to %d", h.Policies, HistoryVersions)
 	case h.Quotas < 0 || h.Quotas > MaxQuotas:
 		return nil, fmt.Errorf("quotas: %d out of range", h.Quotas)
+	case h.Instances < 0:
+		return nil, fmt.Errorf("instances: %d out of range", h.Instances)
 	case h.Idempotency < 0 || h.Idempotency > MaxIdempotencyRecords:
 		return nil, fmt.Errorf("idempotency: %d records out of range", h.Idempotency)
 	}
@@ -271,6 +302,9 @@ func decodeSnapshot(dec *json.Decoder) (*state, error) {
 			s.quotas[spec.Name] = &quota{name: spec.Name, spec: spec}
 			s.names[i] = spec.Name
 			s.maxWindowMs = max(s.maxWindowMs, spec.WindowMs)
+			if spec.TemplateKeys > 0 {
+				s.templates = append(s.templates, spec.Name)
+			}
 		}
 	}
 
@@ -288,9 +322,15 @@ func decodeSnapshot(dec *json.Decoder) (*state, error) {
 		if !ok {
 			return nil, fmt.Errorf("quotas[%d]: %q not in the current policy", i, sq.Name)
 		}
+		if q.isTemplate() {
+			return nil, fmt.Errorf("quotas[%d]: %q is a template, which has no windows", i, sq.Name)
+		}
 		if err := s.restoreQuota(q, sq); err != nil {
 			return nil, fmt.Errorf("quotas[%d] %q: %w", i, sq.Name, err)
 		}
+	}
+	if err := s.restoreInstances(dec, h.Instances); err != nil {
+		return nil, err
 	}
 
 	var prevAt int64
@@ -362,7 +402,8 @@ func validGrantID(id string, last uint64) bool {
 		return false
 	}
 	w, err := strconv.Atoi(want)
-	return err == nil && w >= 0 && w < MaxWants && strconv.Itoa(w) == want
+	// A batch entry numbers the wants of all its Acquires in one sequence.
+	return err == nil && w >= 0 && w < MaxWants*MaxBatch && strconv.Itoa(w) == want
 }
 
 func specEqual(a, b QuotaSpec) bool {
@@ -371,7 +412,7 @@ func specEqual(a, b QuotaSpec) bool {
 	}
 	return a.Name == b.Name && a.Limit == b.Limit && a.WindowMs == b.WindowMs &&
 		a.ChunkTokens == b.ChunkTokens && a.TTLMs == b.TTLMs && a.Clamp == b.Clamp &&
-		a.Strategy == b.Strategy && a.FallbackPerRegion == b.FallbackPerRegion
+		a.Strategy == b.Strategy && a.FallbackPerRegion == b.FallbackPerRegion && a.TemplateKeys == b.TemplateKeys
 }
 
 func (s *state) restoreQuota(q *quota, sq snapQuota) error {
@@ -427,6 +468,46 @@ func (s *state) restoreQuota(q *quota, sq snapQuota) error {
 	}
 	if len(q.windows) == 0 && len(q.demand) == 0 {
 		return errors.New("neither windows nor demand")
+	}
+	return nil
+}
+
+// restoreInstances reads n instances of the current policy's templates, in
+// name order, and rebuilds each template's list in order of death.
+func (s *state) restoreInstances(dec *json.Decoder, n int) error {
+	prev := ""
+	for i := range n {
+		var sq snapQuota
+		if err := dec.Decode(&sq); err != nil {
+			return fmt.Errorf("instances[%d]: %w", i, err)
+		}
+		if i > 0 && sq.Name <= prev {
+			return fmt.Errorf("instances[%d]: %q out of order", i, sq.Name)
+		}
+		prev = sq.Name
+		if len(sq.Name) > MaxQuotaNameBytes {
+			return fmt.Errorf("instances[%d]: name of %d bytes, at most %d", i, len(sq.Name), MaxQuotaNameBytes)
+		}
+		q, t, err := s.lookupQuota(sq.Name, s.now)
+		switch {
+		case err != nil:
+			return fmt.Errorf("instances[%d] %w", i, err)
+		case t == nil || q != nil: // a single pool, or a name seen before
+			return fmt.Errorf("instances[%d]: %q is not a new instance of a template", i, sq.Name)
+		case len(t.instances) >= s.maxInstances:
+			return fmt.Errorf("instances[%d]: template %q over %d instances", i, t.name, s.maxInstances)
+		}
+		in := s.newInstance(t, sq.Name)
+		if err := s.restoreQuota(in, sq); err != nil {
+			return fmt.Errorf("instances[%d] %q: %w", i, sq.Name, err)
+		}
+		if in.death = in.computeDeath(); !in.alive(s.now) {
+			return fmt.Errorf("instances[%d] %q: holds nothing visible", i, sq.Name)
+		}
+	}
+	for _, name := range s.templates {
+		t := s.quotas[name]
+		t.relink(t.instanceList())
 	}
 	return nil
 }

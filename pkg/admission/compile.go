@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"fmt"
+	"slices"
 	"strconv"
 	"time"
 
@@ -35,8 +36,15 @@ type spec struct {
 	local        bool
 	gatewayChunk int64
 	chunk        *localChunk // set by Engine.Apply
-	// poolTag, poolZ, poolH locate a global quota's leased pool.
+	// poolTag, poolZ, poolH locate a global quota's leased pool; empty for
+	// a template, whose instances' pools are located per name (poolKeys).
 	poolTag, poolZ, poolH string
+	// template marks a global quota template: one pool per instance.
+	template bool
+	// tenantAt is, for a tenant-scoped template whose tenant entry has no
+	// value, the position of the tenant among its instances' values; -1
+	// otherwise.
+	tenantAt int
 	// fallback sizing: the per-gateway share of the rule.
 	fbCap, fbRefill, fbLimit, fbWindow int64
 	// quota and window (seconds) advertised in RateLimit-Policy; 0 = none.
@@ -51,7 +59,7 @@ type snapshot struct {
 	version uint64
 	matcher *policy.Matcher
 	specs   map[*policy.Rule]*spec
-	quotas  map[string]*spec // global_quota rules by name
+	quotas  map[string]*spec // global_quota rules (single pools and templates) by name
 	known   map[string]bool  // descriptor keys the policy uses
 }
 
@@ -116,9 +124,15 @@ func compile(doc *policy.Document, version uint64, cfg *Config) (*snapshot, erro
 		case policy.KindGlobalQuota:
 			sp.kind = kindPool
 			sp.unit, sp.ceiling = r.Cost, r.Limit
-			sp.poolTag = poolTag(r)
-			sp.poolZ = cfg.Namespace + ":{" + sp.poolTag + "}:pool:" + r.Name + ":z"
-			sp.poolH = cfg.Namespace + ":{" + sp.poolTag + "}:pool:" + r.Name + ":h"
+			sp.tenantAt = -1
+			if sp.template = r.IsTemplate(); sp.template {
+				if r.Scope == policy.ScopeTenant {
+					sp.tenantAt = slices.Index(r.TemplateKeys(), "tenant")
+				}
+			} else {
+				sp.poolTag = poolTag(r)
+				sp.poolZ, sp.poolH = poolKeys(cfg.Namespace, sp.poolTag, r.Name)
+			}
 			if r.Lease != nil {
 				sp.fbLimit, sp.fbWindow = r.Lease.FallbackPerRegion/g, r.Window.Milliseconds()
 				if r.Lease.GatewayChunk > 0 {
@@ -169,6 +183,40 @@ func ruleDigest(r *policy.Rule) string {
 		field(m.Value)
 	}
 	return hex.EncodeToString(h.Sum(nil)[:4])
+}
+
+// poolKeys returns the keys of the pool named name (a single pool's rule
+// name or an instance's name) under hash tag tag.
+func poolKeys(ns, tag, name string) (z, h string) {
+	base := ns + ":{" + tag + "}:pool:" + name
+	return base + ":z", base + ":h"
+}
+
+// instanceTag is the hash tag of the pool of instance name of template sp:
+// the tenant's tag for a tenant-scoped template, so the pool is decided
+// atomically with the tenant's other rules, and a tag of its own ("g:" and
+// the instance's name) otherwise. tenant is the instance's tenant when its
+// tenant entry has no value ("" when unknown): a hashed name does not carry
+// it, so such an instance (values too long to name in full) keeps its pool
+// under a tag of its own too, which costs its requests one more store call.
+func instanceTag(sp *spec, name, tenant string) string {
+	if sp.scope == policy.ScopeTenant {
+		for _, m := range sp.rule.Match {
+			if m.Key == "tenant" && m.HasValue {
+				return tenantTag(m.Value)
+			}
+		}
+		if sp.tenantAt >= 0 && tenant != "" && !hashedInstance(sp.name, name) {
+			return tenantTag(tenant)
+		}
+	}
+	return "g:" + name
+}
+
+// hashedInstance reports whether name is the hashed form of an instance of
+// template tmpl (see policy.InstanceName).
+func hashedInstance(tmpl, name string) bool {
+	return len(name) > len(tmpl)+1 && name[len(tmpl)+1] == '#'
 }
 
 // poolTag is the hash tag of a global quota's pool: the tenant's tag for a

@@ -31,6 +31,7 @@ var conformance = []struct {
 	{"hierarchy: all or nothing", testHierarchy},
 	{"leased pool: earliest expiry first, expired never spends", testPool},
 	{"leased pool: exhausted pool retry", testPoolExhausted},
+	{"quota template: one pool per tenant, in the tenant's slot", testTemplatePools},
 	{"gateway-local chunk: refunded when a tenant rule denies", testLocalChunkRefund},
 	{"shadow rules: own keys, would_deny", testShadow},
 	{"idempotency: replay returns the earlier decision", testIdempotency},
@@ -402,6 +403,106 @@ func testPool(t *testing.T, b backend) {
 	} {
 		if _, err := h.e.DepositChunk(ctx, tc.quota, tc.id, tc.tokens, tc.ttl); !errors.Is(err, tc.want) {
 			t.Errorf("DepositChunk(%q, %q, %d, %s) = %v, want %v", tc.quota, tc.id, tc.tokens, tc.ttl, err, tc.want)
+		}
+	}
+}
+
+// templatePolicy gives every tenant a leased pool of its own (a template)
+// beside a per-tenant token bucket, and Acme a fixed pool too.
+const templatePolicy = `
+name: plans
+regions: [eu]
+rules:
+  - name: plan
+    scope: tenant
+    match: [{key: tenant}]
+    kind: global_quota
+    limit: 1000
+    window: 1m
+    lease: {chunk: 500, ttl: 1m}
+  - name: q-acme
+    scope: tenant
+    match: [{key: tenant, value: acme}]
+    kind: global_quota
+    limit: 1000
+    window: 1m
+    lease: {chunk: 500, ttl: 1m}
+  - name: burst
+    scope: tenant
+    match: [{key: tenant}]
+    kind: token_bucket
+    capacity: 100
+    refill_per_second: 1
+`
+
+// testTemplatePools: a template's instances are pools of their own, named
+// by policy.InstanceName, keyed under the tenant's hash tag (one script
+// call with the tenant's other rules, even on a cluster); a tenant matching
+// the template and a fixed rule is charged to both; an instance whose name
+// had to be hashed keeps its pool under a tag of its own.
+func testTemplatePools(t *testing.T, b backend) {
+	h := newHarness(t, b, parse(t, templatePolicy), nil)
+	ctx := context.Background()
+	birch := policy.InstanceName("plan", []string{"birch"})
+	d := h.decide("tenant", "birch")
+	wantDenied(t, d, "empty instance", "plan", policy.ScopeTenant, 1)
+	if r := rule(t, d, "plan"); r.Pool != birch {
+		t.Fatalf("denied by pool %q, want %q", r.Pool, birch)
+	}
+	h.fund(birch, 2)
+	wantAllowed(t, h.decide("tenant", "birch"), "birch's own pool")
+	wantAllowed(t, h.decide("tenant", "birch"), "birch's own pool")
+	wantDenied(t, h.decide("tenant", "birch"), "birch's pool spent", "plan", policy.ScopeTenant, 1)
+	wantDenied(t, h.decide("tenant", "cedar"), "cedar's pool is not birch's", "plan", policy.ScopeTenant, 1)
+	if s := h.stats(birch); s.Consumed != 2 || s.Starved != 2 {
+		t.Fatalf("birch's pool %+v, want 2 consumed, 2 starved (empty, then spent)", s)
+	}
+
+	// Acme matches the template and its own pool: both must allow.
+	h.fund("plan/acme", 10)
+	d = h.decide("tenant", "acme")
+	wantDenied(t, d, "acme without its fixed pool", "q-acme", policy.ScopeTenant, 1)
+	h.fund("q-acme", 10)
+	d = h.decide("tenant", "acme")
+	wantAllowed(t, d, "acme with both pools")
+	if r := rule(t, d, "q-acme"); r.Pool != "q-acme" {
+		t.Fatalf("fixed pool named %q", r.Pool)
+	}
+	if a, q := h.stats("plan/acme"), h.stats("q-acme"); a.Consumed != 1 || q.Consumed != 1 {
+		t.Fatalf("acme consumed %d from its plan, %d from its own pool; want 1 and 1", a.Consumed, q.Consumed)
+	}
+
+	// One script call per decision, every key under the tenant's tag.
+	calls, err := h.e.ScriptCalls(&admission.Request{Descriptors: entries("tenant", "acme")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(calls) != 1 {
+		t.Fatalf("%d script calls, want 1", len(calls))
+	}
+	for _, k := range calls[0].Keys {
+		if !strings.Contains(k, "{t:acme}") {
+			t.Errorf("key %q lacks {t:acme}", k)
+		}
+	}
+	if z, _, err := h.e.PoolKeys("plan/acme"); err != nil || z != h.ns+":{t:acme}:pool:plan/acme:z" {
+		t.Fatalf("PoolKeys = %q, %v", z, err)
+	}
+
+	// A tenant too long to name in full: a hashed instance, its pool under
+	// a tag of its own, spent in a second call.
+	long := strings.Repeat("l", 200)
+	hashed := policy.InstanceName("plan", []string{long})
+	h.fund(hashed, 1)
+	wantAllowed(t, h.decide("tenant", long), "hashed instance")
+	wantDenied(t, h.decide("tenant", long), "hashed instance spent", "plan", policy.ScopeTenant, 1)
+	if z, _, err := h.e.PoolKeys(hashed); err != nil || !strings.Contains(z, "{g:"+hashed+"}") {
+		t.Fatalf("PoolKeys(hashed) = %q, %v", z, err)
+	}
+
+	for _, bad := range []string{"plan", "plan/a/b", "q-acme/x", "nope/x", "plan/a{"} {
+		if _, err := h.e.DepositChunk(ctx, bad, "g", 1, time.Second); !errors.Is(err, admission.ErrUnknownQuota) {
+			t.Errorf("DepositChunk(%q) = %v, want ErrUnknownQuota", bad, err)
 		}
 	}
 }

@@ -82,6 +82,10 @@ type RuleResult struct {
 	Scope policy.Scope
 	// Kind is the rule's kind.
 	Kind policy.Kind
+	// Pool is, for a global quota, the leased pool the request is charged
+	// to: the rule's name for a single pool, the instance's name
+	// (policy.InstanceName) for a template; empty for other kinds.
+	Pool string
 	// Shadow rules never deny; Allowed says whether they would have.
 	Shadow bool
 	// Allowed says whether this rule admits the request (for a shadow rule,

@@ -26,6 +26,10 @@
 //     first. A tenant's pool is part of the tenant's atomic script; a
 //     fleet-wide pool (P-GLOBAL) is spent from a gateway-local chunk taken
 //     from the regional pool, refunded in process when a later rule denies.
+//     A quota template (match entries without a value) has a pool per
+//     instance, named by policy.InstanceName and keyed under the tenant's
+//     tag; RuleResult.Pool names the pool a request was charged to, and
+//     DepositChunk, PoolStats, MarkExhausted and PoolKeys take it.
 //
 // Weighted cost (P-EXPORT costs 10) multiplies everything; Request.Hits
 // multiplies it again. A cost above what a rule can ever admit is an error.

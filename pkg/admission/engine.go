@@ -158,6 +158,7 @@ func (e *Engine) newID() string {
 type item struct {
 	sp    *spec
 	key   string // counter key; the pool's sorted set for a pool
+	poolH string // a pool's hash
 	hash  uint64 // negative cache and fallback key
 	tag   string
 	cost  int64
@@ -317,8 +318,13 @@ func (e *Engine) plan(snap *snapshot, req *Request) ([]item, []RuleResult, error
 			it.cost = sp.unit * hits
 		}
 		switch {
+		case sp.kind == kindPool && sp.template:
+			// An instance of a template: its pool, by its name.
+			it.tag = instanceTag(sp, m.Instance, tenant)
+			it.key, it.poolH = poolKeys(e.cfg.Namespace, it.tag, m.Instance)
+			_, it.hash = e.hash.counter(it.tag, sp.digest, m.Parts)
 		case sp.kind == kindPool:
-			it.tag, it.key = sp.poolTag, sp.poolZ
+			it.tag, it.key, it.poolH = sp.poolTag, sp.poolZ, sp.poolH
 			_, it.hash = e.hash.counter(sp.poolTag, sp.digest, nil)
 		case sp.scope == policy.ScopeIP:
 			it.tag = e.hash.ipTag(ip)
@@ -338,6 +344,12 @@ func (e *Engine) plan(snap *snapshot, req *Request) ([]item, []RuleResult, error
 			Shadow:    sp.shadow,
 			Allowed:   true,
 			Remaining: -1,
+		}
+		if sp.kind == kindPool {
+			it.res.Pool = sp.name
+			if sp.template {
+				it.res.Pool = m.Instance
+			}
 		}
 		if !sp.shadow && sp.scope != policy.ScopeGlobal && sp.scope != policy.ScopeIP && sp.quota > 0 {
 			it.res.Quota, it.res.Window = sp.quota, sp.window
@@ -401,7 +413,7 @@ func (e *Engine) decideOp(g *group, items []item, req *Request, id, member strin
 				if it.cost != sp.unit {
 					ra.box = nil // a pool's first argument is the cost
 				}
-				o.keys = append(o.keys, sp.poolH)
+				o.keys = append(o.keys, it.poolH)
 			}
 			o.rules[j] = ra
 		}

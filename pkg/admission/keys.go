@@ -16,6 +16,14 @@ import (
 //	al:{i:<address hash>}:<rule digest>:<principal hash>   ip rules
 //	al:{g:<rule>}:<rule digest>:<principal hash>     fleet-wide rules
 //	al:{<tag>}:pool:<quota>:z and :h                 a leased pool's grants and counters
+//
+// A leased pool's tag is the tenant's for a tenant-scoped quota and g:<quota>
+// otherwise. A template's instance is a pool named by its instance name
+// (policy.InstanceName, e.g. p-tenant-standard/birch), under the tag of the
+// tenant it names, or g:<instance> when it names none (a fleet-wide
+// template, or a hashed name that does not carry the tenant). An instance
+// name carries its values in clear, as the allocator must know it: policy
+// documents that templates be keyed by tenant or plan ids, not principals.
 //	al:{<tag>}:id:<request id hash>                  an idempotency record
 //
 // Principals (users, addresses, any wildcard value) appear only hashed with

@@ -41,7 +41,9 @@ type PoolStats struct {
 	Local int64
 }
 
-// Quotas returns the names of the policy's global quotas, sorted.
+// Quotas returns the names of the policy's global quotas, sorted: single
+// pools and templates (a template's pools are its instances, named by
+// policy.InstanceName; every method below takes an instance's name too).
 func (e *Engine) Quotas() []string {
 	s := e.snap.Load()
 	out := make([]string, 0, len(s.quotas))
@@ -52,12 +54,40 @@ func (e *Engine) Quotas() []string {
 	return out
 }
 
-func (e *Engine) quota(name string) (*spec, error) {
-	sp := e.snap.Load().quotas[name]
-	if sp == nil {
-		return nil, fmt.Errorf("quota %q: %w", name, ErrUnknownQuota)
+// pool locates the pool named name: a single pool, or an instance of a
+// template of the policy in force. It returns the keys of its sorted set
+// and its hash, and its rule.
+func (e *Engine) pool(name string) (z, h string, sp *spec, err error) {
+	s := e.snap.Load()
+	if sp = s.quotas[name]; sp != nil {
+		if sp.template {
+			return "", "", nil, fmt.Errorf("quota %q: a template, not a pool: name one of its instances: %w", name, ErrUnknownQuota)
+		}
+		return sp.poolZ, sp.poolH, sp, nil
 	}
-	return sp, nil
+	in, err := policy.ParseInstanceName(name)
+	if err != nil {
+		return "", "", nil, fmt.Errorf("quota %q: %w: %w", name, ErrUnknownQuota, err)
+	}
+	sp = s.quotas[in.Template]
+	if sp == nil || !sp.template || (!in.Hashed && len(in.Values) != len(sp.rule.TemplateKeys())) {
+		return "", "", nil, fmt.Errorf("quota %q: not an instance of a template of policy version %d: %w", name, s.version, ErrUnknownQuota)
+	}
+	tenant := ""
+	if sp.tenantAt >= 0 && !in.Hashed {
+		tenant = in.Values[sp.tenantAt]
+	}
+	z, h = poolKeys(e.cfg.Namespace, instanceTag(sp, name, tenant), name)
+	return z, h, sp, nil
+}
+
+// PoolKeys returns the regional store's keys of the pool named quota (a
+// single pool or a template's instance): its sorted set of grants and its
+// hash of counters (see keys.go). The region agent needs them to withdraw
+// its grants when it stops, which has no operation here.
+func (e *Engine) PoolKeys(quota string) (z, h string, err error) {
+	z, h, _, err = e.pool(quota)
+	return z, h, err
 }
 
 // DepositChunk puts a grant of tokens into quota's regional pool for ttl
@@ -66,7 +96,7 @@ func (e *Engine) quota(name string) (*spec, error) {
 // same grant id again while it is live adds nothing, so the agent may retry.
 // It reports whether the grant was added.
 func (e *Engine) DepositChunk(ctx context.Context, quota, grantID string, tokens int64, ttl time.Duration) (bool, error) {
-	sp, err := e.quota(quota)
+	z, h, _, err := e.pool(quota)
 	if err != nil {
 		return false, err
 	}
@@ -78,7 +108,7 @@ func (e *Engine) DepositChunk(ctx context.Context, quota, grantID string, tokens
 	case ttl < time.Millisecond || ttl > policy.MaxWindow:
 		return false, fmt.Errorf("ttl: %s is not in [1ms, %s]: %w", ttl, policy.MaxWindow, ErrBadGrant)
 	}
-	o := &op{code: opDeposit, now: e.storeNow(e.clock.Now()), keys: []string{sp.poolZ, sp.poolH},
+	o := &op{code: opDeposit, now: e.storeNow(e.clock.Now()), keys: []string{z, h},
 		member: grantID, n1: tokens, n2: ttl.Milliseconds()}
 	if err := e.run(ctx, o); err != nil {
 		return false, fmt.Errorf("deposit %s: %w", quota, err)
@@ -89,12 +119,12 @@ func (e *Engine) DepositChunk(ctx context.Context, quota, grantID string, tokens
 // PoolStats reads quota's pool. Expired chunks are pruned (and counted in
 // Expired) as a side effect.
 func (e *Engine) PoolStats(ctx context.Context, quota string) (PoolStats, error) {
-	sp, err := e.quota(quota)
+	z, h, sp, err := e.pool(quota)
 	if err != nil {
 		return PoolStats{}, err
 	}
 	now := e.clock.Now()
-	o := &op{code: opStats, now: e.storeNow(now), keys: []string{sp.poolZ, sp.poolH}}
+	o := &op{code: opStats, now: e.storeNow(now), keys: []string{z, h}}
 	if err := e.run(ctx, o); err != nil {
 		return PoolStats{}, fmt.Errorf("pool stats %s: %w", quota, err)
 	}
@@ -120,14 +150,14 @@ func (e *Engine) PoolStats(ctx context.Context, quota string) (PoolStats, error)
 // for d (typically until the window ends), so requests the pool cannot serve
 // get Retry-After up to d rather than a short hint. A deposit clears it.
 func (e *Engine) MarkExhausted(ctx context.Context, quota string, d time.Duration) error {
-	sp, err := e.quota(quota)
+	z, h, _, err := e.pool(quota)
 	if err != nil {
 		return err
 	}
 	if d < time.Millisecond || d > policy.MaxWindow {
 		return fmt.Errorf("exhausted for %s: not in [1ms, %s]: %w", d, policy.MaxWindow, ErrBadGrant)
 	}
-	o := &op{code: opExhaust, now: e.storeNow(e.clock.Now()), keys: []string{sp.poolZ, sp.poolH}, n1: d.Milliseconds()}
+	o := &op{code: opExhaust, now: e.storeNow(e.clock.Now()), keys: []string{z, h}, n1: d.Milliseconds()}
 	if err := e.run(ctx, o); err != nil {
 		return fmt.Errorf("mark exhausted %s: %w", quota, err)
 	}

@@ -31,8 +31,9 @@ type Agent struct {
 	clock  admission.Clock
 	log    *zap.Logger
 	m      *metrics
-	store  *admission.RedisStore
-	rdb    redis.UniversalClient
+	store  admission.Store
+	rstore *admission.RedisStore // the store New made on rdb; nil with WithStore
+	rdb    redis.UniversalClient // nil with WithStore
 	client *allocator.Client
 	leases *leases
 	dlog   *decisionLog
@@ -46,29 +47,40 @@ type Agent struct {
 }
 
 // New returns an agent deciding on the Redis behind rdb (which the caller
-// creates and closes). It puts the last-known-good policy in force when
-// Config.DataDir holds one, else Config.PolicyFile or WithPolicy as version
-// 0; with none of them the agent is not ready (ErrNotReady) until the
-// allocator's policy arrives in Run. New does no network I/O.
+// creates and closes), or, with WithStore and a nil rdb, on the given store.
+// It puts the last-known-good policy in force when Config.DataDir holds one,
+// else Config.PolicyFile or WithPolicy as version 0; with none of them the
+// agent is not ready (ErrNotReady) until the allocator's policy arrives in
+// Run. New does no network I/O.
 func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if rdb == nil {
-		return nil, errors.New("agent: nil redis client")
-	}
 	o := options{clock: admission.SystemClock{}, logger: zap.NewNop(), rand: rand.Reader}
 	for _, opt := range opts {
 		opt(&o)
+	}
+	switch {
+	case rdb == nil && o.store == nil:
+		return nil, errors.New("agent: nil redis client (and no WithStore)")
+	case rdb != nil && o.store != nil:
+		return nil, errors.New("agent: a redis client and WithStore: give one store only")
 	}
 	var idb [6]byte
 	if _, err := io.ReadFull(o.rand, idb[:]); err != nil {
 		return nil, fmt.Errorf("agent: instance id: %w", err)
 	}
 	log := o.logger.Named("agent").With(zap.String("region", cfg.Region))
-	store, err := admission.NewRedisStore(rdb, cfg.Store, admission.WithRedisLogger(log))
-	if err != nil {
-		return nil, err
+	var (
+		store  = o.store
+		rstore *admission.RedisStore
+		err    error
+	)
+	if rdb != nil {
+		if rstore, err = admission.NewRedisStore(rdb, cfg.Store, admission.WithRedisLogger(log)); err != nil {
+			return nil, err
+		}
+		store = rstore
 	}
 	client := o.client
 	if client == nil && len(cfg.AllocatorEndpoints) > 0 {
@@ -77,7 +89,7 @@ func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) 
 		}
 	}
 	a := &Agent{
-		cfg: cfg, clock: o.clock, log: log, m: newMetrics(), store: store, rdb: rdb, client: client,
+		cfg: cfg, clock: o.clock, log: log, m: newMetrics(), store: store, rstore: rstore, rdb: rdb, client: client,
 		dlog:  newDecisionLog(log.Named("decisions"), cfg.DecisionLogSample, cfg.LogSalt, cfg.LogClearKeys),
 		slots: newSlotTable(cfg.MaxTrackedSlots),
 	}
@@ -202,10 +214,13 @@ func (a *Agent) applyRecord(p *allotv1.PolicyRecord) {
 
 // Run follows the policy and renews leases until ctx ends; then it hands
 // the unspent tokens it deposited back to the allocator (within
-// Config.ShutdownTimeout) and closes the engine and the store. Call it once.
+// Config.ShutdownTimeout) and closes the engine and the Redis store (a store
+// given with WithStore is the caller's to close). Call it once.
 func (a *Agent) Run(ctx context.Context) error {
-	if err := a.store.Load(ctx); err != nil {
-		a.log.Warn("admission script not preloaded (it loads on first use)", zap.Error(err))
+	if a.rstore != nil {
+		if err := a.rstore.Load(ctx); err != nil {
+			a.log.Warn("admission script not preloaded (it loads on first use)", zap.Error(err))
+		}
 	}
 	g, gctx := errgroup.WithContext(ctx)
 	if a.client != nil {
@@ -220,7 +235,10 @@ func (a *Agent) Run(ctx context.Context) error {
 	if eng := a.engine.Load(); eng != nil {
 		_ = eng.Close()
 	}
-	return errors.Join(err, a.store.Close())
+	if a.rstore != nil {
+		err = errors.Join(err, a.rstore.Close())
+	}
+	return err
 }
 
 // Ready reports whether a policy is in force.

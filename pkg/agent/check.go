@@ -90,7 +90,7 @@ func (a *Agent) Check(ctx context.Context, in *Input) (*Verdict, error) {
 		if err != nil {
 			return nil, err
 		}
-		pool := poolDenial(d)
+		rule, pool := poolDenial(d)
 		if pool == "" {
 			v := a.verdict(d)
 			if !start.IsZero() {
@@ -105,8 +105,8 @@ func (a *Agent) Check(ctx context.Context, in *Input) (*Verdict, error) {
 		if start.IsZero() {
 			var others []string
 			for i := range d.Rules {
-				if r := &d.Rules[i]; r.Kind == policy.KindGlobalQuota && r.Rule != pool && !r.Shadow {
-					others = append(others, r.Rule)
+				if r := &d.Rules[i]; r.Kind == policy.KindGlobalQuota && r.Pool != pool && !r.Shadow {
+					others = append(others, r.Pool)
 				}
 			}
 			a.leases.touch(others)
@@ -120,7 +120,7 @@ func (a *Agent) Check(ctx context.Context, in *Input) (*Verdict, error) {
 			}
 			return a.finish(d, v, in), nil
 		case poolCutOff:
-			a.m.failMode.WithLabelValues(pool, "cut_off").Inc()
+			a.m.failMode.WithLabelValues(rule, "cut_off").Inc()
 			if !start.IsZero() {
 				a.m.starveWaits.WithLabelValues("cut_off").Inc()
 			}
@@ -148,22 +148,23 @@ func (a *Agent) Check(ctx context.Context, in *Input) (*Verdict, error) {
 	}
 }
 
-// poolDenial returns the leased pool that denied d, if a pool (and not a
-// live rule before it) is why d was denied.
-func poolDenial(d *admission.Decision) string {
+// poolDenial returns the rule and the leased pool (the rule's own, or an
+// instance of a template) that denied d, if a pool (and not a live rule
+// before it) is why d was denied.
+func poolDenial(d *admission.Decision) (rule, pool string) {
 	if d.Outcome != admission.Deny || d.Source == admission.SourceFailMode {
-		return ""
+		return "", ""
 	}
 	for i := range d.Rules {
 		r := &d.Rules[i]
 		if r.Rule == d.Rule && !r.Shadow && !r.Allowed {
 			if r.Kind == policy.KindGlobalQuota {
-				return r.Rule
+				return r.Rule, r.Pool
 			}
-			return ""
+			return "", ""
 		}
 	}
-	return ""
+	return "", ""
 }
 
 // verdict converts an engine decision.
@@ -258,16 +259,8 @@ func (a *Agent) ReleaseSlot(ctx context.Context, descriptors []policy.Entry, req
 		if member == "" {
 			member = requestID
 		}
-		pipe := a.rdb.Pipeline()
-		cmds := make([]*redis.IntCmd, len(keys))
-		for i, k := range keys {
-			cmds[i] = pipe.ZRem(ctx, k, member)
-		}
-		if _, err := pipe.Exec(ctx); err != nil {
-			return 0, fmt.Errorf("release slots: %w: %w", admission.ErrUnavailable, err)
-		}
-		for _, c := range cmds {
-			released += c.Val()
+		if released, err = a.releaseStoreSlots(ctx, eng, descriptors, requestID, keys, member); err != nil {
+			return 0, err
 		}
 	}
 	if d := a.slots.take(requestID); d != nil {
@@ -279,6 +272,33 @@ func (a *Agent) ReleaseSlot(ctx context.Context, descriptors []policy.Entry, req
 		if err := eng.Release(ctx, d); err != nil {
 			return released, err
 		}
+	}
+	return released, nil
+}
+
+// releaseStoreSlots removes member from the slot sets keys in the store:
+// with one pipeline on Redis, or through the engine on a store given with
+// WithStore.
+func (a *Agent) releaseStoreSlots(ctx context.Context, eng *admission.Engine, descriptors []policy.Entry, requestID string,
+	keys []string, member string) (int64, error) {
+	if a.rdb == nil {
+		n, err := eng.ReleaseRequest(ctx, &admission.Request{Descriptors: descriptors, RequestID: member})
+		if err != nil {
+			return 0, fmt.Errorf("release slots of %s: %w: %w", requestID, admission.ErrUnavailable, err)
+		}
+		return n, nil
+	}
+	pipe := a.rdb.Pipeline()
+	cmds := make([]*redis.IntCmd, len(keys))
+	for i, k := range keys {
+		cmds[i] = pipe.ZRem(ctx, k, member)
+	}
+	if _, err := pipe.Exec(ctx); err != nil {
+		return 0, fmt.Errorf("release slots: %w: %w", admission.ErrUnavailable, err)
+	}
+	var released int64
+	for _, c := range cmds {
+		released += c.Val()
 	}
 	return released, nil
 }

@@ -157,7 +157,7 @@ func DefaultLeaseConfig() LeaseConfig {
 		BoundaryDelay:    5 * time.Millisecond,
 		ExhaustedRecheck: time.Second,
 		DemandHalfLife:   time.Second,
-		MaxWantsPerCall:  1000,
+		MaxWantsPerCall:  16_384, // the allocator's default: one Acquire per tick
 		StoreParallelism: 32,
 		QuarantineTime:   5 * time.Second,
 	}
@@ -271,6 +271,7 @@ type options struct {
 	client   *allocator.Client
 	doc      *policy.Document
 	version  uint64
+	store    admission.Store
 }
 
 // WithClock sets the clock of the agent and its engine (monotonic readings
@@ -297,6 +298,14 @@ func WithAllocatorClient(c *allocator.Client) Option { return func(o *options) {
 func WithPolicy(doc *policy.Document, version uint64) Option {
 	return func(o *options) { o.doc, o.version = doc, version }
 }
+
+// WithStore makes the agent decide on s (for example the embedded
+// admission.MemoryStore, for a region without Redis) instead of a Redis
+// client: New's rdb must then be nil. s is the caller's to close. Without a
+// Redis client the agent cannot withdraw its deposited tokens when it stops,
+// so it hands none back to the allocator: they stay in s until their leases
+// end (stranded, never spent twice). ReleaseSlot goes through the engine.
+func WithStore(s admission.Store) Option { return func(o *options) { o.store = s } }
 
 // halfLifeAlpha returns the EWMA weight of a sample dt after the previous
 // one, for half-life h.

@@ -20,8 +20,19 @@
 //     lack of leased tokens x their cost (an exponentially weighted average,
 //     Config.Lease.DemandHalfLife). A pool under its low watermark (demand x
 //     Lead) is renewed; all the pools due in one tick go in ONE batched
-//     Acquire (more only beyond the allocator's 1,000 quotas per call), each
-//     asking lease.Sizing.Chunk(demand) tokens, at most the policy's chunk.
+//     Acquire (more only beyond Config.Lease.MaxWantsPerCall, 16,384 by
+//     default as the allocator's limit per call), each asking
+//     lease.Sizing.Chunk(demand) tokens, at most the policy's chunk. A pool
+//     whose demand decayed under 0.01 tokens/s is renewed only when a
+//     request starves.
+//   - Quota templates. A global_quota rule with a match entry without a
+//     value has a pool per instance ("p-tenant-standard/birch"). The lease
+//     manager learns of an instance from the first request its pool
+//     denies (pkg/admission names it in RuleResult.Pool), manages it like a
+//     single pool from then on, and forgets it once it is idle (no demand,
+//     nothing held, no live grant, unused for the longer of two IdlePolls
+//     and the lease TTL), so memory follows the active tenants. Lease
+//     metrics sum a template's instances under the template's name.
 //     Grants are deposited with DepositChunk for a TTL computed by the
 //     send-time rule (lease.Deadline from the moment the Acquire was first
 //     sent, minus Config.Lease.Margin; lease.RedisTTL subtracts the measured

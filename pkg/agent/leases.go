@@ -8,6 +8,7 @@ import (
 	"regexp"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -24,8 +25,12 @@ import (
 
 // QuotaStatus is one leased quota as the lease manager last saw it.
 type QuotaStatus struct {
-	// Quota is the global quota's name.
+	// Quota is the pool's name: a global quota's, or an instance's of a
+	// template (policy.InstanceName).
 	Quota string
+	// Template is the template an instance belongs to; empty for a single
+	// pool.
+	Template string
 	// Held is the unexpired, unspent tokens in the regional store at the
 	// last look.
 	Held int64
@@ -65,11 +70,17 @@ type held struct {
 	deadline time.Time
 }
 
-// quota is the lease manager's state of one global quota.
+// quota is the lease manager's state of one leased pool: a single global
+// quota, or an active instance of a template.
 type quota struct {
+	name string // the pool's name, as the allocator and the store know it
+	tmpl string // the template of an instance; empty for a single pool
 	spec policy.GlobalQuota
 	rule *policy.Rule
 	cost int64
+	// lastActive is when the pool was last seen in use (created, spent
+	// from, starved): an idle instance is forgotten (see idle).
+	lastActive time.Time
 
 	stats     admission.PoolStats
 	statsAt   time.Time
@@ -102,6 +113,30 @@ func (q *quota) changed() {
 	q.notify = make(chan struct{})
 }
 
+// template is a quota template of the policy that this region leases: its
+// instances become managed pools when requests for them arrive.
+type template struct {
+	spec      policy.GlobalQuota
+	rule      *policy.Rule
+	cost      int64
+	instances int       // managed instances
+	warnedAt  time.Time // the last warning that maxInstances was reached
+}
+
+// maxInstances bounds the managed instances of one template: the
+// allocator's bound (fsm.MaxInstancesPerTemplate). Requests for further
+// instances are answered unavailable until idle ones are forgotten.
+const maxInstances = 1_000_000
+
+// maxAcquireBytes bounds the estimated size of one Acquire request: within
+// the allocator's default 4 MiB body limit whatever the quota names, so a
+// round that is due more wants than fit takes more calls.
+const maxAcquireBytes = 3 << 20
+
+// wantBytes estimates the encoded size of a want for quota name: the name
+// and, with field tags and lengths, three numbers at their widest.
+func wantBytes(name string) int { return len(name) + 32 }
+
 // acquireCall is one Acquire request, kept with its first send time so that
 // a retry (same request id) measures deadlines from the first send.
 type acquireCall struct {
@@ -128,7 +163,8 @@ type leases struct {
 	eng atomic.Pointer[admission.Engine]
 
 	mu         sync.Mutex
-	quotas     map[string]*quota
+	quotas     map[string]*quota    // single pools and active instances, by pool name
+	templates  map[string]*template // by name
 	seq        uint64
 	cutOff     bool
 	pending    []*acquireCall
@@ -143,7 +179,7 @@ func newLeases(cfg LeaseConfig, region string, client *allocator.Client, clock a
 	return &leases{
 		cfg: cfg, region: region, client: client, clock: clock, log: log.Named("leases"), m: m, id: id, wd: wd,
 		shutdownIn: shutdownIn,
-		quotas:     map[string]*quota{}, cutOff: client == nil,
+		quotas:     map[string]*quota{}, templates: map[string]*template{}, cutOff: client == nil,
 		storeDelay: cfg.MinStoreDelay, acquireRTT: 10 * time.Millisecond,
 	}
 }
@@ -169,34 +205,138 @@ func (l *leases) setPolicy(doc *policy.Document, eng *admission.Engine) {
 	l.sync(doc, true)
 }
 
-// sync adds (and with prune, removes) quotas. The caller holds l.mu.
+// sync adds (and with prune, removes) quotas and templates; the instances
+// of a template follow its spec, and go with it. The caller holds l.mu.
 func (l *leases) sync(doc *policy.Document, prune bool) {
 	now := l.clock.Now()
-	keep := map[string]bool{}
+	keep, keepT := map[string]bool{}, map[string]bool{}
 	if doc != nil {
 		for _, gq := range doc.GlobalQuotas() {
 			if len(gq.Regions) > 0 && !slices.Contains(gq.Regions, l.region) {
 				continue
 			}
-			keep[gq.Name] = true
 			r := doc.Rule(gq.Name)
+			if len(gq.TemplateKeys) > 0 {
+				keepT[gq.Name] = true
+				t := l.templates[gq.Name]
+				if t == nil {
+					t = &template{}
+					l.templates[gq.Name] = t
+				}
+				t.spec, t.rule, t.cost = gq, r, max(r.Cost, 1)
+				continue
+			}
+			keep[gq.Name] = true
 			q := l.quotas[gq.Name]
 			if q == nil {
-				q = &quota{grants: map[string]held{}, notify: make(chan struct{}), nextPoll: now}
-				l.quotas[gq.Name] = q
+				q = l.newQuota(gq.Name, "", now)
 			}
 			q.spec, q.rule, q.cost = gq, r, max(r.Cost, 1)
+		}
+	}
+	for _, q := range l.quotas {
+		if t := l.templates[q.tmpl]; q.tmpl != "" && t != nil {
+			q.spec, q.rule, q.cost = t.spec, t.rule, t.cost
 		}
 	}
 	if !prune {
 		return
 	}
-	for name, q := range l.quotas {
-		if !keep[name] {
-			q.changed()
-			delete(l.quotas, name)
+	for name := range l.templates {
+		if !keepT[name] {
+			delete(l.templates, name)
 		}
 	}
+	for name, q := range l.quotas {
+		stale := !keep[name]
+		if q.tmpl != "" {
+			t := l.templates[q.tmpl]
+			stale = t == nil || !instanceOf(name, t)
+		}
+		if stale {
+			l.forget(q)
+		}
+	}
+}
+
+// newQuota starts managing pool name (of template tmpl, or a single pool).
+// The caller holds l.mu and sets the spec.
+func (l *leases) newQuota(name, tmpl string, now time.Time) *quota {
+	q := &quota{name: name, tmpl: tmpl, grants: map[string]held{}, notify: make(chan struct{}), nextPoll: now, lastActive: now}
+	l.quotas[name] = q
+	if t := l.templates[tmpl]; t != nil {
+		t.instances++
+	}
+	return q
+}
+
+// forget stops managing q, waking the requests waiting on it. Its tokens in
+// the store stay spendable until their leases end. The caller holds l.mu.
+func (l *leases) forget(q *quota) {
+	q.changed()
+	delete(l.quotas, q.name)
+	if t := l.templates[q.tmpl]; q.tmpl != "" && t != nil {
+		t.instances--
+	}
+}
+
+// instanceOf reports whether name is a well-formed instance of t.
+func instanceOf(name string, t *template) bool {
+	in, err := policy.ParseInstanceName(name)
+	return err == nil && in.Template == t.spec.Name && (in.Hashed || len(in.Values) == len(t.spec.TemplateKeys))
+}
+
+// lookup returns the managed pool name, activating it when it is an
+// instance of a template this region leases: the lease manager learns of
+// instances from the requests that need them. It returns nil for a pool
+// that is not (or cannot be) managed. The caller holds l.mu.
+func (l *leases) lookup(name string, now time.Time) *quota {
+	if q := l.quotas[name]; q != nil {
+		return q
+	}
+	tmpl, _, ok := strings.Cut(name, string(policy.InstanceSeparator))
+	t := l.templates[tmpl]
+	if !ok || t == nil || !instanceOf(name, t) {
+		return nil
+	}
+	if t.instances >= maxInstances {
+		if now.Sub(t.warnedAt) >= time.Minute {
+			t.warnedAt = now
+			l.log.Warn("too many active instances: requests for new ones are answered unavailable", zap.String("template", tmpl),
+				zap.Int("instances", t.instances))
+		}
+		return nil
+	}
+	q := l.newQuota(name, tmpl, now)
+	q.spec, q.rule, q.cost = t.spec, t.rule, t.cost
+	return q
+}
+
+// idleFor is how long an instance must go unused before it is forgotten:
+// the longer of two idle polls and the template's lease TTL, after which no
+// grant it took can still be live.
+func (l *leases) idleFor(q *quota) time.Duration {
+	return max(2*l.cfg.IdlePoll, q.spec.TTL)
+}
+
+// minDemand is the demand (tokens per second) below which a pool counts as
+// unused.
+const minDemand = 0.01
+
+// idle reports whether instance q can be forgotten: unused for idleFor,
+// nothing of its own in the store or in flight, no request waiting for it.
+// A later request for it makes it active again. The caller holds l.mu.
+func (l *leases) idle(q *quota, now time.Time) bool {
+	if q.tmpl == "" || q.inflight || q.starving || q.kicked || !q.haveStats || q.stats.Available > 0 ||
+		q.demand >= minDemand || now.Sub(q.lastActive) < l.idleFor(q) {
+		return false
+	}
+	for _, g := range q.grants {
+		if now.Before(g.deadline) {
+			return false
+		}
+	}
+	return true
 }
 
 // Status returns every managed quota's state, sorted by name.
@@ -213,7 +353,7 @@ func (l *leases) Status() []QuotaStatus {
 			}
 		}
 		out = append(out, QuotaStatus{
-			Quota: name, Held: q.stats.Available, Consumed: q.stats.Consumed, Expired: q.stats.Expired,
+			Quota: name, Template: q.tmpl, Held: q.stats.Available, Consumed: q.stats.Consumed, Expired: q.stats.Expired,
 			Starved: q.stats.Starved, Granted: q.granted, Released: q.released, Deposits: q.deposits,
 			Demand: q.demand, Exhausted: now.Before(q.exhaustedUntil), LiveGrants: live,
 		})
@@ -237,18 +377,21 @@ func (l *leases) CutOff() bool {
 	return l.cutOff
 }
 
-// starved is called for a request that only quota name's pool denied. It
-// returns what the pool is waiting for, how long an answer should tell the
-// caller to wait, and a channel closed at the pool's next change. When a
-// renewal is possible it marks the pool for the next round.
+// starved is called for a request that only pool name denied (a single
+// pool, or an instance of a template, which this makes active). It returns
+// what the pool is waiting for, how long an answer should tell the caller
+// to wait, and a channel closed at the pool's next change. When a renewal
+// is possible it marks the pool for the next round.
 func (l *leases) starved(name string) (poolState, time.Duration, <-chan struct{}) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	now := l.clock.Now()
-	q := l.quotas[name]
+	q := l.lookup(name, now)
 	if q == nil {
 		return poolCutOff, time.Second, nil // not leased to this region
 	}
+	q.lastActive = now
+	l.waiting(q)
 	if now.Before(q.exhaustedUntil) {
 		return poolExhausted, q.exhaustedUntil.Sub(now), nil
 	}
@@ -266,19 +409,33 @@ func (l *leases) starved(name string) (poolState, time.Duration, <-chan struct{}
 func (l *leases) touch(names []string) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	now := l.clock.Now()
 	for _, n := range names {
-		if q := l.quotas[n]; q != nil {
-			q.kicked, q.starving = true, true
+		if q := l.lookup(n, now); q != nil {
+			q.kicked, q.starving, q.lastActive = true, true, now
+			l.waiting(q)
 		}
+	}
+}
+
+// waiting counts a request waiting for instance q before its pool was ever
+// read: its first ask is what the waiting requests need (plus MinChunk),
+// not the policy's chunk. Instances come and go with their tenants' traffic,
+// and a tenant's occasional request must not take a chunk of its plan into
+// one region each time its instance is created. (Once read, the pool's
+// starved counter measures the backlog.) The caller holds l.mu.
+func (l *leases) waiting(q *quota) {
+	if q.tmpl != "" && !q.haveStats {
+		q.backlog = min(q.backlog+q.cost, q.spec.Chunk)
 	}
 }
 
 // Run renews until ctx ends, then hands unspent tokens back within the
 // shutdown timeout. Rounds run once per Tick, no more often, so the
 // allocator sees at most one batched Acquire per Tick from this agent (plus
-// one per 1,000 quotas beyond the first 1,000 due, and the retry of an
-// unanswered call): a starved request marks its pool for the next round
-// rather than starting one.
+// one per MaxWantsPerCall quotas beyond the first MaxWantsPerCall due, and
+// the retry of an unanswered call): a starved request marks its pool for
+// the next round rather than starting one.
 func (l *leases) Run(ctx context.Context) error {
 	t := time.NewTicker(l.cfg.Tick)
 	defer t.Stop()
@@ -295,8 +452,9 @@ func (l *leases) Run(ctx context.Context) error {
 }
 
 // Tick does one round: retry a pending Acquire with its request id, read the
-// pools that are due, and ask for every pool under its low watermark in one
-// Acquire (more only when more than MaxWantsPerCall are due).
+// pools that are due, ask for every pool under its low watermark in one
+// Acquire (more only when more than MaxWantsPerCall are due, or more than
+// maxAcquireBytes of them), and forget the idle instances of templates.
 func (l *leases) Tick(ctx context.Context) {
 	eng := l.eng.Load()
 	if eng == nil {
@@ -319,6 +477,9 @@ func (l *leases) Tick(ctx context.Context) {
 	var wants []*allotv1.Want
 	var fallbacks []*quota
 	for _, s := range stats {
+		if l.quotas[s.q.name] != s.q {
+			continue // forgotten meanwhile (a new policy)
+		}
 		l.observe(s.q, s.ps, s.at)
 		w, fb := l.plan(s.q, now)
 		if w != nil {
@@ -327,13 +488,22 @@ func (l *leases) Tick(ctx context.Context) {
 		if fb {
 			fallbacks = append(fallbacks, s.q)
 		}
+		if w == nil && !fb && l.idle(s.q, now) {
+			l.forget(s.q)
+		}
 	}
 	skipSend := l.client == nil || (retried && l.cutOff)
 	var calls []*acquireCall
 	if !skipSend && len(wants) > 0 {
 		slices.SortFunc(wants, func(a, b *allotv1.Want) int { return compareStrings(a.Quota, b.Quota) })
-		for i := 0; i < len(wants); i += l.cfg.MaxWantsPerCall {
-			batch := wants[i:min(i+l.cfg.MaxWantsPerCall, len(wants))]
+		for i := 0; i < len(wants); {
+			n, size := 0, 0
+			for i+n < len(wants) && n < l.cfg.MaxWantsPerCall && (n == 0 || size+wantBytes(wants[i+n].Quota) <= maxAcquireBytes) {
+				size += wantBytes(wants[i+n].Quota)
+				n++
+			}
+			batch := wants[i : i+n]
+			i += n
 			c := &acquireCall{req: &allotv1.AcquireRequest{Region: l.region, RequestId: l.nextID(), Wants: batch}}
 			for _, w := range batch {
 				q := l.quotas[w.Quota]
@@ -465,6 +635,9 @@ func (l *leases) observe(q *quota, ps admission.PoolStats, at time.Time) {
 		if dt := at.Sub(q.statsAt); dt > 0 {
 			dc := max(0, ps.Consumed-q.stats.Consumed)
 			ds := max(0, ps.Starved-q.stats.Starved)
+			if dc > 0 || ds > 0 {
+				q.lastActive = at
+			}
 			// A reading a moment after the previous one would turn one
 			// starved request into a huge rate: measure over at least
 			// minRateWindow.
@@ -494,7 +667,10 @@ func (l *leases) plan(q *quota, now time.Time) (*allotv1.Want, bool) {
 	sz := l.sizing(q)
 	// Renew at the watermark, not below it: at 1 token/s and a 1 s lead
 	// the watermark is 1, and waiting for 0 means a request starves first.
-	low := q.demand > 0 && held <= sz.LowWatermark(q.demand)
+	// A demand that decayed under minDemand is none: the pool is renewed
+	// when a request starves, not forever in one-token chunks (the demand
+	// estimate only tends to 0), and an idle instance can be forgotten.
+	low := q.demand >= minDemand && held <= sz.LowWatermark(q.demand)
 	if !low && (!starving || held >= q.cost) {
 		return nil, false
 	}
@@ -529,7 +705,7 @@ func (l *leases) plan(q *quota, now time.Time) (*allotv1.Want, bool) {
 	tokens = min(tokens, q.spec.Limit)
 	q.backlog = 0
 	q.nextPoll = now.Add(l.cfg.Tick)
-	return &allotv1.Want{Quota: q.spec.Name, Tokens: tokens, DemandPerSecond: sanitizeRate(q.demand)}, fallback
+	return &allotv1.Want{Quota: q.name, Tokens: tokens, DemandPerSecond: sanitizeRate(q.demand)}, fallback
 }
 
 func sanitizeRate(r float64) float64 {
@@ -589,7 +765,9 @@ func (l *leases) depositFallback(ctx context.Context, eng *admission.Engine, q *
 	idx := lease.WindowIndex(now.UnixMilli()+l.offsetMs, w)
 	end := l.windowEndEstimate(q, now)
 	ttl := lease.RedisTTL(end.Add(-l.cfg.Margin), now, l.storeDelay)
-	name, tokens := q.spec.Name, q.spec.FallbackPerRegion
+	// The metric is labelled with the rule: a template's name for its
+	// instances, so the labels stay bounded.
+	name, rule, tokens := q.name, q.spec.Name, q.spec.FallbackPerRegion
 	l.mu.Unlock()
 	if ttl < l.cfg.MinUsefulTTL {
 		return
@@ -599,7 +777,7 @@ func (l *leases) depositFallback(ctx context.Context, eng *admission.Engine, q *
 		l.storeError("deposit", err)
 		return
 	}
-	l.m.fallbackDep.WithLabelValues(name).Inc()
+	l.m.fallbackDep.WithLabelValues(rule).Inc()
 	l.log.Warn("allocator unreachable: fallback allowance deposited", zap.String("quota", name), zap.Int64("tokens", tokens),
 		zap.Duration("ttl", ttl))
 	l.mu.Lock()
@@ -688,9 +866,12 @@ func (l *leases) do(ctx context.Context, eng *admission.Engine, c *acquireCall) 
 func (l *leases) failed(ctx context.Context, c *acquireCall, err error, now time.Time) {
 	code := connect.CodeOf(err)
 	switch code {
-	case connect.CodeNotFound, connect.CodeInvalidArgument, connect.CodeFailedPrecondition, connect.CodePermissionDenied:
+	case connect.CodeNotFound, connect.CodeInvalidArgument, connect.CodeFailedPrecondition, connect.CodePermissionDenied,
+		connect.CodeResourceExhausted:
 		// Refused: nothing was granted. Leave the named quota (or all of
-		// them) out for a while, and ask for the rest afresh.
+		// them) out for a while, and ask for the rest afresh. (The
+		// allocator refuses a new instance of a template that has too many
+		// with ResourceExhausted, naming its want.)
 		l.m.renewFail.WithLabelValues("refused").Inc()
 		l.log.Warn("allocator refused Acquire", zap.String("request_id", c.req.RequestId), zap.Error(err))
 		l.mu.Lock()
@@ -887,7 +1068,7 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 func (l *leases) markExhausted(ctx context.Context, eng *admission.Engine, q *quota) {
 	l.mu.Lock()
 	d := q.exhaustedUntil.Sub(l.clock.Now()).Truncate(time.Millisecond)
-	name := q.spec.Name
+	name := q.name
 	q.changed()
 	l.mu.Unlock()
 	if d < time.Millisecond {
@@ -933,7 +1114,6 @@ func (l *leases) shutdown(ctx context.Context) error {
 	l.pending = nil
 	type job struct {
 		q      *quota
-		rule   *policy.Rule
 		name   string
 		grants []string
 	}
@@ -948,7 +1128,7 @@ func (l *leases) shutdown(ctx context.Context) error {
 		}
 		if len(ids) > 0 {
 			slices.Sort(ids)
-			jobs = append(jobs, job{q: q, rule: q.rule, name: name, grants: ids})
+			jobs = append(jobs, job{q: q, name: name, grants: ids})
 		}
 	}
 	l.mu.Unlock()
@@ -970,8 +1150,16 @@ func (l *leases) shutdown(ctx context.Context) error {
 		}
 	}
 	var released int64
+	eng := l.eng.Load()
 	for _, j := range jobs {
-		toks, err := l.wd.withdraw(ctx, j.rule, j.grants)
+		if eng == nil {
+			break
+		}
+		z, h, err := eng.PoolKeys(j.name)
+		if err != nil { // the pool left the policy: its tokens expire unspent
+			continue
+		}
+		toks, err := l.wd.withdraw(ctx, j.name, z, h, j.grants)
 		if err != nil {
 			l.storeError("withdraw", err)
 			errs = append(errs, err)

@@ -126,37 +126,72 @@ var (
 	descDemand = prometheus.NewDesc("allot_agent_lease_demand_tokens_per_second",
 		"Measured demand: consumption plus requests starved for lack of tokens, by cost.", []string{"quota"}, nil)
 	descExhausted = prometheus.NewDesc("allot_agent_lease_exhausted",
-		"1 while the allocator says the quota's global pool is exhausted for the window.", []string{"quota"}, nil)
+		"1 while the allocator says the quota's global pool is exhausted for the window (for a template: how many of its instances are).", []string{"quota"}, nil)
+	descInstances = prometheus.NewDesc("allot_agent_lease_instances",
+		"Active instances of a quota template (pools of tenants with recent requests).", []string{"quota"}, nil)
 )
 
 // leaseCollector exports the lease manager's per-quota state at scrape time.
+// The instances of a template are summed under the template's name: one
+// series per rule, however many tenants are active. Those sums cover the
+// active instances only, so they drop (a counter reset, to Prometheus) when
+// idle instances are forgotten.
 type leaseCollector struct{ l *leases }
 
 // Describe implements prometheus.Collector.
 func (c *leaseCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descHeld, descConsumed, descExpired, descStarved, descGranted, descReleased, descDemand, descExhausted} {
+	for _, d := range []*prometheus.Desc{descHeld, descConsumed, descExpired, descStarved, descGranted, descReleased, descDemand, descExhausted, descInstances} {
 		ch <- d
 	}
 }
 
 // Collect implements prometheus.Collector.
 func (c *leaseCollector) Collect(ch chan<- prometheus.Metric) {
+	type sums struct {
+		held, consumed, expired, starved, granted, released, demand, exhausted, instances float64
+	}
+	var order []string
+	by := map[string]*sums{}
+	tmpl := map[string]bool{}
 	for _, s := range c.l.Status() {
-		g := func(d *prometheus.Desc, t prometheus.ValueType, v float64) {
-			ch <- prometheus.MustNewConstMetric(d, t, v, s.Quota)
+		name := s.Quota
+		if s.Template != "" {
+			name, tmpl[s.Template] = s.Template, true
 		}
-		g(descHeld, prometheus.GaugeValue, float64(s.Held))
-		g(descConsumed, prometheus.CounterValue, float64(s.Consumed))
-		g(descExpired, prometheus.CounterValue, float64(s.Expired))
-		g(descStarved, prometheus.CounterValue, float64(s.Starved))
-		g(descGranted, prometheus.CounterValue, float64(s.Granted))
-		g(descReleased, prometheus.CounterValue, float64(s.Released))
-		g(descDemand, prometheus.GaugeValue, s.Demand)
-		ex := 0.0
+		a := by[name]
+		if a == nil {
+			a = &sums{}
+			by[name] = a
+			order = append(order, name)
+		}
+		a.held += float64(s.Held)
+		a.consumed += float64(s.Consumed)
+		a.expired += float64(s.Expired)
+		a.starved += float64(s.Starved)
+		a.granted += float64(s.Granted)
+		a.released += float64(s.Released)
+		a.demand += s.Demand
+		a.instances++
 		if s.Exhausted {
-			ex = 1
+			a.exhausted++
 		}
-		g(descExhausted, prometheus.GaugeValue, ex)
+	}
+	for _, name := range order {
+		a := by[name]
+		g := func(d *prometheus.Desc, t prometheus.ValueType, v float64) {
+			ch <- prometheus.MustNewConstMetric(d, t, v, name)
+		}
+		g(descHeld, prometheus.GaugeValue, a.held)
+		g(descConsumed, prometheus.CounterValue, a.consumed)
+		g(descExpired, prometheus.CounterValue, a.expired)
+		g(descStarved, prometheus.CounterValue, a.starved)
+		g(descGranted, prometheus.CounterValue, a.granted)
+		g(descReleased, prometheus.CounterValue, a.released)
+		g(descDemand, prometheus.GaugeValue, a.demand)
+		g(descExhausted, prometheus.GaugeValue, a.exhausted)
+		if tmpl[name] {
+			g(descInstances, prometheus.GaugeValue, a.instances)
+		}
 	}
 }
 

@@ -2,14 +2,10 @@ package agent
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"fmt"
 	"strings"
 
 	"github.com/redis/go-redis/v9"
-
-	"github.com/allot-dev/allot/pkg/policy"
 )
 
 // withdrawScript takes the unspent tokens of the named grants out of a
@@ -41,39 +37,9 @@ if total > 0 then redis.call('HINCRBY', KEYS[2], 'withdrawn', total) end
 return out
 `
 
-// poolKeys returns the keys of a global quota's pool in the regional store,
-// as pkg/admission lays them out (compile.go, keys.go):
-//
-//	<namespace>:{<tag>}:pool:<quota>:z and :h
-//
-// where the tag is the tenant's tag t:<tenant> for a tenant-scoped quota
-// with a fixed tenant, and g:<quota> otherwise. A test deposits through the
-// engine and withdraws through these keys, so a change of the layout fails
-// it rather than silently withdrawing nothing.
-func poolKeys(namespace string, r *policy.Rule) (z, h string) {
-	tag := "g:" + r.Name
-	if r.Scope == policy.ScopeTenant {
-		for _, m := range r.Match {
-			if m.Key == "tenant" && m.HasValue {
-				tag = tenantTag(m.Value)
-				break
-			}
-		}
-	}
-	base := namespace + ":{" + tag + "}:pool:" + r.Name
-	return base + ":z", base + ":h"
-}
-
-// tenantTag mirrors admission's tenant hash tag.
-func tenantTag(tenant string) string {
-	if strings.ContainsAny(tenant, "{}") {
-		sum := sha256.Sum256([]byte(tenant))
-		return "t:#" + hex.EncodeToString(sum[:8])
-	}
-	return "t:" + tenant
-}
-
-// withdrawer runs withdrawScript.
+// withdrawer runs withdrawScript. Without a Redis client (an agent on a
+// store given with WithStore) it withdraws nothing: the tokens stay in that
+// store until their leases end, and none is handed back.
 type withdrawer struct {
 	rdb    redis.UniversalClient
 	script *redis.Script
@@ -84,22 +50,29 @@ func newWithdrawer(rdb redis.UniversalClient, namespace string) *withdrawer {
 	return &withdrawer{rdb: rdb, script: redis.NewScript(withdrawScript), ns: namespace}
 }
 
-// withdraw takes grants out of rule's pool and returns the tokens each held.
-func (w *withdrawer) withdraw(ctx context.Context, r *policy.Rule, grants []string) ([]int64, error) {
+// withdraw takes grants out of the pool named name, whose keys z and h
+// the engine gives (admission.Engine.PoolKeys: the layout lives there), and
+// returns the tokens each held.
+func (w *withdrawer) withdraw(ctx context.Context, name, z, h string, grants []string) ([]int64, error) {
 	if len(grants) == 0 {
 		return nil, nil
 	}
-	z, h := poolKeys(w.ns, r)
+	if w.rdb == nil {
+		return make([]int64, len(grants)), nil
+	}
+	if prefix := w.ns + ":{"; !strings.HasPrefix(z, prefix) || !strings.HasPrefix(h, prefix) {
+		return nil, fmt.Errorf("withdraw %s: keys %q and %q are outside namespace %q", name, z, h, w.ns)
+	}
 	args := make([]any, len(grants))
 	for i, g := range grants {
 		args[i] = g
 	}
 	vals, err := w.script.Run(ctx, w.rdb, []string{z, h}, args...).Int64Slice()
 	if err != nil {
-		return nil, fmt.Errorf("withdraw %s: %w", r.Name, err)
+		return nil, fmt.Errorf("withdraw %s: %w", name, err)
 	}
 	if len(vals) != len(grants) {
-		return nil, fmt.Errorf("withdraw %s: %d results for %d grants", r.Name, len(vals), len(grants))
+		return nil, fmt.Errorf("withdraw %s: %d results for %d grants", name, len(vals), len(grants))
 	}
 	return vals, nil
 }

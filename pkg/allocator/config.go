@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"strings"
 	"time"
+
+	"github.com/allot-dev/allot/fsm"
 )
 
 // Peer is one member of the initial cluster configuration.
@@ -62,7 +64,11 @@ type Config struct {
 	SnapshotInterval time.Duration
 	// TrailingLogs is how many entries stay in the log after a snapshot.
 	TrailingLogs uint64
-	// MaxWantsPerCall caps the quotas of one Acquire.
+	// MaxWantsPerCall caps the quotas of one Acquire, at most fsm.MaxWants.
+	// The default, 16,384, lets a region renew every quota it needs in one
+	// call per tick; so many wants with quota names of the longest allowed
+	// (fsm.MaxQuotaNameBytes) still fit the default MaxBodyBytes, request
+	// and answer.
 	MaxWantsPerCall int
 	// MaxBodyBytes caps request bodies; larger ones get ResourceExhausted.
 	MaxBodyBytes int
@@ -97,7 +103,7 @@ func DefaultConfig() Config {
 		SnapshotThreshold:   8192,
 		SnapshotInterval:    30 * time.Second,
 		TrailingLogs:        10240,
-		MaxWantsPerCall:     1000,
+		MaxWantsPerCall:     fsm.MaxWants,
 		MaxBodyBytes:        4 << 20,
 		LeaseMargin:         250 * time.Millisecond,
 		MaxDriftPPM:         200,
@@ -125,8 +131,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("leader lease timeout %s exceeds heartbeat timeout %s: %w", c.LeaderLeaseTimeout, c.HeartbeatTimeout, ErrConfig)
 	case c.ApplyTimeout <= 0:
 		return fmt.Errorf("apply timeout must be positive: %w", ErrConfig)
-	case c.MaxWantsPerCall <= 0:
-		return fmt.Errorf("max wants per call must be positive: %w", ErrConfig)
+	case c.MaxWantsPerCall <= 0 || c.MaxWantsPerCall > fsm.MaxWants:
+		return fmt.Errorf("max wants per call must be in [1, %d]: %w", fsm.MaxWants, ErrConfig)
 	case c.MaxBodyBytes <= 0:
 		return fmt.Errorf("max body bytes must be positive: %w", ErrConfig)
 	case c.LeaseMargin < 0 || c.MaxDriftPPM < 0 || c.MaxOneWayDelay < 0 || c.MaxLeaderSkew < 0 || c.StoreReplicationLag < 0:

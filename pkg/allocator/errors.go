@@ -28,6 +28,8 @@ func (s *Server) toConnect(method string, err error) error {
 		code = connect.CodeInvalidArgument
 	case errors.Is(err, fsm.ErrStaleVersion):
 		code = connect.CodeFailedPrecondition
+	case errors.Is(err, fsm.ErrResourceExhausted):
+		code = connect.CodeResourceExhausted
 	case errors.Is(err, ErrNotLeader), errors.Is(err, ErrUnknownOutcome):
 		code = connect.CodeUnavailable
 	case errors.Is(err, context.DeadlineExceeded):

@@ -73,7 +73,8 @@ var (
 	descApplied   = prometheus.NewDesc("allot_allocator_applied_index", "Last applied Raft index.", nil, nil)
 	descPolicy    = prometheus.NewDesc("allot_allocator_policy_version", "Current policy version.", nil, nil)
 	descRemaining = prometheus.NewDesc("allot_allocator_pool_remaining", "Tokens remaining in the current window's pool.", []string{"quota"}, nil)
-	descQuotas    = prometheus.NewDesc("allot_allocator_quotas", "Global quotas of the current policy.", nil, nil)
+	descQuotas    = prometheus.NewDesc("allot_allocator_quotas", "Global quotas of the current policy (single pools and templates).", nil, nil)
+	descInstances = prometheus.NewDesc("allot_allocator_quota_instances", "Instances of quota templates held in memory (one pool per tenant, say).", nil, nil)
 )
 
 // maxQuotaSeries caps per-quota series so a huge policy cannot blow up a scrape.
@@ -85,6 +86,7 @@ func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descPolicy
 	ch <- descRemaining
 	ch <- descQuotas
+	ch <- descInstances
 }
 
 func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
@@ -107,9 +109,14 @@ func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descPolicy, prometheus.GaugeValue, float64(ver))
 	quotas := n.fsm.Quotas()
 	ch <- prometheus.MustNewConstMetric(descQuotas, prometheus.GaugeValue, float64(len(quotas)))
+	ch <- prometheus.MustNewConstMetric(descInstances, prometheus.GaugeValue, float64(n.fsm.Stats().Instances))
 	now := n.fsm.Now()
-	for i, q := range quotas {
-		if i >= maxQuotaSeries {
+	series := 0
+	for _, q := range quotas {
+		if q.TemplateKeys > 0 {
+			continue // a template's pools are its instances: too many for series
+		}
+		if series++; series > maxQuotaSeries {
 			break
 		}
 		w := n.fsm.CurrentWindow(q.Name, now)

@@ -364,7 +364,7 @@ func TestProcessBadInput(t *testing.T) {
 			return err
 		}, connect.CodeInvalidArgument, "tokens"},
 		{"too many wants", func() error {
-			ws := make([]*allotv1.Want, 1001)
+			ws := make([]*allotv1.Want, allocator.DefaultConfig().MaxWantsPerCall+1)
 			for i := range ws {
 				ws[i] = &allotv1.Want{Quota: "roomy"}
 			}

@@ -246,7 +246,9 @@ func (s *Server) PublishPolicy(ctx context.Context, req *connect.Request[allotv1
 	return connect.NewResponse(&allotv1.PublishPolicyResponse{Policy: recordToProto(res.Policy, true)}), nil
 }
 
-// QuotaSpecs derives the FSM's quota specs from a policy's global quotas.
+// QuotaSpecs derives the FSM's quota specs from a policy's global quotas:
+// one per single pool, and one per template (TemplateKeys set), whose
+// instances the state machine creates as regions acquire them.
 func QuotaSpecs(doc *policy.Document) []fsm.QuotaSpec {
 	gq := doc.GlobalQuotas()
 	out := make([]fsm.QuotaSpec, len(gq))
@@ -255,6 +257,7 @@ func QuotaSpecs(doc *policy.Document) []fsm.QuotaSpec {
 			Name: q.Name, Limit: q.Limit, WindowMs: q.Window.Milliseconds(), ChunkTokens: q.Chunk,
 			TTLMs: q.TTL.Milliseconds(), Clamp: q.Clamp, Strategy: fsm.Strategy(q.Strategy),
 			FallbackPerRegion: q.FallbackPerRegion, Regions: append([]string(nil), q.Regions...),
+			TemplateKeys: len(q.TemplateKeys),
 		}
 	}
 	return out
@@ -371,6 +374,10 @@ func (s *Server) GetWindow(ctx context.Context, req *connect.Request[allotv1.Get
 	spec, ok := s.node.fsm.Quota(req.Msg.GetQuota())
 	if !ok {
 		return nil, s.toConnect(method, fmt.Errorf("quota %q: %w", req.Msg.GetQuota(), fsm.ErrUnknownQuota))
+	}
+	if spec.TemplateKeys > 0 {
+		return nil, s.toConnect(method, fmt.Errorf("quota %q: a template has no window of its own; name one of its instances, %s/<value>: %w",
+			spec.Name, spec.Name, errInvalid))
 	}
 	now := max(s.now().UnixMilli(), s.node.fsm.Now())
 	idx := req.Msg.GetWindowIndex()

@@ -69,14 +69,18 @@ func (s *Server) GetBound(ctx context.Context, req *connect.Request[allotv1.GetB
 	}
 	out := &allotv1.GetBoundResponse{PolicyVersion: rec.Version}
 	base := s.node.cfg.BoundConfig()
-	for _, q := range doc.GlobalQuotas() {
-		if req.Msg.GetQuota() != "" && q.Name != req.Msg.GetQuota() {
-			continue
+	if name := req.Msg.GetQuota(); name != "" {
+		// One pool: a single pool, a template (the bound of each of its
+		// instances), or an instance (its template's bound, under its name).
+		q, ok := doc.Quota(name)
+		if !ok {
+			return nil, s.toConnect(method, fmt.Errorf("quota %q: %w", name, fsm.ErrUnknownQuota))
 		}
 		out.Bounds = append(out.Bounds, boundToProto(bound.Calculate(base.WithQuota(q))))
-	}
-	if req.Msg.GetQuota() != "" && len(out.Bounds) == 0 {
-		return nil, s.toConnect(method, fmt.Errorf("quota %q: %w", req.Msg.GetQuota(), fsm.ErrUnknownQuota))
+	} else {
+		for _, q := range doc.GlobalQuotas() {
+			out.Bounds = append(out.Bounds, boundToProto(bound.Calculate(base.WithQuota(q))))
+		}
 	}
 	s.metrics.Requests.WithLabelValues(method, "ok").Inc()
 	return connect.NewResponse(out), nil

@@ -29,9 +29,11 @@
 //     canonical form is deterministic, so equal policies have equal digests
 //     whatever their source order or formatting, and Parse(Canonical(d))
 //     equals d.
-//  3. Derive the leased pools with [Document.GlobalQuotas] (the allocator) and
-//     match request descriptors with a [Matcher] from [Compile] (the agents and
-//     gateways). A Document must not be modified once it is shared.
+//  3. Derive the leased pools with [Document.GlobalQuotas] (the allocator;
+//     [Document.Quota] resolves a pool by name, template instances included)
+//     and match request descriptors with a [Matcher] from [Compile] (the
+//     agents and gateways). A Document must not be modified once it is
+//     shared.
 //  4. Show operators what a new version changes with [Diff].
 //
 // # Matching
@@ -43,6 +45,32 @@
 // order of entries in the request does not matter; a key that occurs twice in
 // a request is taken from its first occurrence; an entry with an empty value
 // counts as absent (an empty user must never become one shared counter).
+//
+// A global_quota rule is one leased pool when every match entry has a value.
+// With entries without a value it is a quota template: each distinct tuple
+// of the request's values for them (in match order) gets a pool of its own,
+// an instance, with the rule's limit, window and lease; "every tenant: 1,000
+// requests per minute worldwide" is the rule
+//
+//	name: p-tenant-standard
+//	scope: tenant
+//	match: [{key: tenant}]
+//	kind: global_quota
+//	limit: 1000
+//	window: 1m
+//
+// [Matched.Instance] names the instance a request is charged to,
+// [InstanceName] writes such names ("p-tenant-standard/birch") and
+// [ParseInstanceName] reads them back. A template and a rule with a fixed
+// value for the same key are two rules like any others: a request of Atlas
+// that matches both p-tenant-atlas and the template is charged to both
+// pools, and both must allow it (a conjunction, as for every rule). A
+// template cannot use gateway-local chunks (lease.gateway_chunk). Instance
+// names carry the values in clear to the allocator (its state, snapshots
+// and operator views) and to the regional store's key names, unlike the
+// counters of other rules, whose wildcard values are hashed: key templates
+// by identifiers that may be shown, such as tenant or plan ids, not by users
+// or client addresses.
 //
 // Matched rules come back in the fixed evaluation order: ip, global, tenant,
 // user, route, and by rule name within a scope. The ip scope comes first

@@ -79,7 +79,9 @@ func genRule(t *rapid.T, o genOpts, l, name string, regions int) Rule {
 	} else {
 		r.Scope = rapid.SampledFrom([]Scope{ScopeIP, ScopeTenant, ScopeUser, ScopeRoute}).Draw(t, l+"-scope")
 	}
-	r.Match = genMatch(t, o, l, r.Scope, r.Kind == KindGlobalQuota)
+	// A global quota is a single pool or, when an entry has no value, a
+	// template of pools.
+	r.Match = genMatch(t, o, l, r.Scope, r.Kind == KindGlobalQuota && rapid.Bool().Draw(t, l+"-single"))
 
 	switch r.Kind {
 	case KindFixedWindow, KindSlidingWindow:
@@ -106,7 +108,7 @@ func genRule(t *rapid.T, o genOpts, l, name string, regions int) Rule {
 			Clamp:    rapid.Bool().Draw(t, l+"-clamp"),
 			Strategy: rapid.SampledFrom(Strategies()).Draw(t, l+"-strategy"),
 		}
-		if rapid.Bool().Draw(t, l+"-gw") {
+		if !r.IsTemplate() && rapid.Bool().Draw(t, l+"-gw") {
 			le.GatewayChunk = genAmount(t, l+"-gwchunk", le.Chunk)
 		}
 		ceiling := le.Chunk

@@ -24,6 +24,10 @@ type Matched struct {
 	// rule's match order: together with the rule name they identify the
 	// counter (e.g. ["203.0.113.7"] for p-anon). Empty for one-pool rules.
 	Parts []string
+	// Instance is, for a quota template, the name of the leased pool the
+	// request is charged to: InstanceName(Rule.Name, Parts). Empty for
+	// every other rule (a single pool is named by its rule).
+	Instance string
 }
 
 // Match returns every rule of d that applies to the request described by
@@ -38,8 +42,13 @@ type Matched struct {
 func (d *Document) Match(entries []Entry) []Matched {
 	var out []Matched
 	for i := range d.Rules {
-		if parts, ok := matchRule(&d.Rules[i], entries, nil); ok {
-			out = append(out, Matched{Rule: &d.Rules[i], Parts: parts})
+		r := &d.Rules[i]
+		if parts, ok := matchRule(r, entries, nil); ok {
+			mt := Matched{Rule: r, Parts: parts}
+			if r.IsTemplate() {
+				mt.Instance = InstanceName(r.Name, parts)
+			}
+			out = append(out, mt)
 		}
 	}
 	slices.SortStableFunc(out, func(a, b Matched) int { return compareRules(a.Rule, b.Rule) })
@@ -85,6 +94,7 @@ func matchRule(r *Rule, entries []Entry, parts []string) ([]string, bool) {
 type Matcher struct {
 	rules   []*Rule           // in evaluation order
 	wild    []int             // wildcard entries per rule, by position
+	tmpl    []bool            // quota templates, by position
 	byValue map[Entry][]int32 // anchor (key, value) -> positions in rules, ascending
 	byKey   map[string][]int32
 }
@@ -95,6 +105,7 @@ func Compile(d *Document) *Matcher {
 	m := &Matcher{
 		rules:   make([]*Rule, len(d.Rules)),
 		wild:    make([]int, len(d.Rules)),
+		tmpl:    make([]bool, len(d.Rules)),
 		byValue: make(map[Entry][]int32),
 		byKey:   make(map[string][]int32),
 	}
@@ -103,6 +114,7 @@ func Compile(d *Document) *Matcher {
 	}
 	slices.SortStableFunc(m.rules, compareRules)
 	for pos, r := range m.rules {
+		m.tmpl[pos] = r.IsTemplate()
 		anchored := false
 		for _, e := range r.Match {
 			if !e.HasValue {
@@ -164,6 +176,9 @@ func (m *Matcher) AppendMatch(dst []Matched, entries []Entry) []Matched {
 			mt := Matched{Rule: r}
 			if len(parts) > start {
 				mt.Parts = parts[start:len(parts):len(parts)]
+			}
+			if m.tmpl[pos] {
+				mt.Instance = InstanceName(r.Name, mt.Parts)
 			}
 			dst = append(dst, mt)
 		}

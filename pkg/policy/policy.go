@@ -263,15 +263,22 @@ func Strategies() []Strategy { return []Strategy{StrategyDemand, StrategyFairSha
 // Valid reports whether s is a known strategy.
 func (s Strategy) Valid() bool { return slices.Contains(Strategies(), s) }
 
-// GlobalQuota is one leased pool derived from a global_quota rule: what the
-// allocator needs to run it and pkg/bound needs to state its overshoot.
+// GlobalQuota is one leased pool derived from a global_quota rule, or a
+// template of pools: what the allocator needs to run it and pkg/bound needs
+// to state its overshoot (per pool: every instance of a template has the
+// template's bound).
 type GlobalQuota struct {
-	// Name is the rule's name; it names the pool.
+	// Name is the rule's name; it names the pool, or for a template the
+	// template (its instances are named by InstanceName).
 	Name string
 	// Scope is the rule's scope (global or tenant).
 	Scope Scope
-	// Match is the rule's fixed match entries, which identify the pool.
+	// Match is the rule's match entries: the fixed ones identify the pool,
+	// the value-less ones (a template's) name an instance per request.
 	Match []Match
+	// TemplateKeys are a template's value-less match keys, in match order;
+	// empty for a single pool (and for an instance, see Document.Quota).
+	TemplateKeys []string
 	// Limit is G, the tokens per window.
 	Limit int64
 	// Window is the window length; windows are epoch-aligned.
@@ -294,8 +301,8 @@ type GlobalQuota struct {
 	Regions []string
 }
 
-// GlobalQuotas returns the leased global quotas of d, sorted by name. The
-// slices in the result are copies.
+// GlobalQuotas returns the leased global quotas of d, single pools and
+// templates, sorted by name. The slices in the result are copies.
 func (d *Document) GlobalQuotas() []GlobalQuota {
 	var qs []GlobalQuota
 	for i := range d.Rules {
@@ -309,6 +316,7 @@ func (d *Document) GlobalQuotas() []GlobalQuota {
 			Name:              r.Name,
 			Scope:             r.Scope,
 			Match:             slices.Clone(r.Match),
+			TemplateKeys:      r.TemplateKeys(),
 			Limit:             r.Limit,
 			Window:            r.Window,
 			Chunk:             r.Lease.Chunk,

@@ -14,8 +14,10 @@ import (
 // known kinds, scopes, fail modes and strategies, unique names, well-formed
 // match lists that carry the keys their scope needs, and lease specs that keep
 // the overshoot bound finite (TTL within the window, chunk within the limit,
-// fallback allowances within the limit, no fail-open global quota), and that
-// the canonical encoding fits in MaxDocumentBytes.
+// fallback allowances within the limit, no fail-open global quota, no
+// gateway-local chunks for a template), and that the canonical encoding fits
+// in MaxDocumentBytes. A global_quota whose match has entries without a
+// value is a template of pools (see InstanceName), not an error.
 func (d *Document) Validate() error {
 	var c collector
 	d.validate(&c)
@@ -157,12 +159,9 @@ func (r *Rule) validateGlobal(c *collector, p string, regions int) {
 	if r.Scope.Valid() && r.Scope != ScopeGlobal && r.Scope != ScopeTenant {
 		c.add(p+".scope", 0, "a global_quota is one pool; scope must be global or tenant, got %s", r.Scope)
 	}
-	for i, m := range r.Match {
-		if !m.HasValue {
-			c.add(fmt.Sprintf("%s.match[%d].value", p, i), 0,
-				"required for global_quota: a leased quota is one named pool, so key %q needs a fixed value", m.Key)
-		}
-	}
+	// Match entries without a value make the rule a template: one pool per
+	// distinct tuple of values (see InstanceName).
+	template := r.IsTemplate()
 	if r.Shadow {
 		c.add(p+".shadow", 0, "a shadow global_quota is not supported: its pool would need leases of its own")
 	}
@@ -208,6 +207,8 @@ func (r *Rule) validateGlobal(c *collector, p string, regions int) {
 	switch {
 	case l.GatewayChunk < 0:
 		c.add(lp+".gateway_chunk", 0, "must not be negative, got %d", l.GatewayChunk)
+	case l.GatewayChunk > 0 && template:
+		c.add(lp+".gateway_chunk", 0, "not supported by a template (a match entry without a value): every instance would need gateway-local chunks of its own")
 	case l.GatewayChunk > 0 && l.Chunk > 0 && l.GatewayChunk > l.Chunk:
 		c.add(lp+".gateway_chunk", 0, "%d exceeds chunk %d", l.GatewayChunk, l.Chunk)
 	case l.GatewayChunk > 0 && r.Cost > l.GatewayChunk:

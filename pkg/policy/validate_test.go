@@ -95,7 +95,8 @@ func TestValidateRejects(t *testing.T) {
 		{"shadow global quota", func(d *Document) { d.Rules[atlas].Shadow = true }, at(atlas, "shadow") + ": a shadow global_quota is not supported"},
 		{"gateway chunk exceeds chunk", func(d *Document) { d.Rules[global].Lease.GatewayChunk = 4001 }, at(global, "lease.gateway_chunk") + ": 4001 exceeds chunk 4000"},
 		{"negative gateway chunk", func(d *Document) { d.Rules[global].Lease.GatewayChunk = -1 }, at(global, "lease.gateway_chunk") + ": must not be negative"},
-		{"wildcard in global quota", func(d *Document) { d.Rules[atlas].Match[0] = Match{Key: "tenant"} }, at(atlas, "match[0].value") + `: required for global_quota: a leased quota is one named pool, so key "tenant" needs a fixed value`},
+		{"gateway chunk in a template", func(d *Document) { d.Rules[global].Match[0] = Match{Key: "route"} }, at(global, "lease.gateway_chunk") + ": not supported by a template"},
+		{"shadow template", func(d *Document) { d.Rules[atlas].Match[0] = Match{Key: "tenant"}; d.Rules[atlas].Shadow = true }, at(atlas, "shadow") + ": a shadow global_quota is not supported"},
 		{"global quota per user", func(d *Document) {
 			d.Rules[atlas].Scope = ScopeUser
 			d.Rules[atlas].Match = append(d.Rules[atlas].Match, Match{Key: "user", Value: "u", HasValue: true})

@@ -93,7 +93,9 @@ type AcquireRequest struct {
 	Region string `protobuf:"bytes,1,opt,name=region,proto3" json:"region,omitempty"`
 	// request_id makes the call idempotent: a retry returns the recorded grants.
 	RequestId string `protobuf:"bytes,2,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
-	// wants lists at most 1,000 quotas, each at most once.
+	// wants lists at most 16,384 quotas (the allocator's default limit per
+	// call), each at most once: a single pool by name, or an instance of a
+	// quota template ("<template>/<value>").
 	Wants         []*Want `protobuf:"bytes,3,rep,name=wants,proto3" json:"wants,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

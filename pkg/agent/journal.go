@@ -1,0 +1,180 @@
+package agent
+
+import (
+	"encoding/json"
+	"errors"
+	"io"
+	"sync"
+)
+
+// The kinds of LeaseEvent.
+const (
+	// LeaseEventStart opens the journal of one agent process; it is written
+	// by whoever creates the journal (cmd/regionagent), not by the agent.
+	LeaseEventStart = "start"
+	// LeaseEventAcquire is one attempt of one Acquire request id: its
+	// answer, its refusal or its failure to get an answer. Retries of the
+	// request id are further events with the same RequestID and FirstSent.
+	LeaseEventAcquire = "acquire"
+	// LeaseEventDeposit is one grant put into (or, with Outcome failed, not
+	// put into) the region's store.
+	LeaseEventDeposit = "deposit"
+	// LeaseEventRelease is one Release of a grant's tokens back to the
+	// allocator: a grant the agent could not use, or the unspent rest it
+	// withdrew from the store at shutdown.
+	LeaseEventRelease = "release"
+)
+
+// The outcomes of a LeaseEvent.
+const (
+	// LeaseOK: the call was answered (or the deposit made).
+	LeaseOK = "ok"
+	// LeaseFailed: the call was refused and had no effect (or the deposit
+	// was not made).
+	LeaseFailed = "failed"
+	// LeaseUnknown: no answer; the allocator may or may not have applied the
+	// call. The agent retries an Acquire with the same request id.
+	LeaseUnknown = "unknown"
+)
+
+// LeaseEvent is one entry of the lease journal: what the lease manager asked
+// the allocator for, what it was granted, what it deposited into the store
+// and with what deadline, and what it handed back. Times are the agent's
+// clock (WithClock) in Unix nanoseconds; the allocator's are its own, in Unix
+// milliseconds. Fields that do not apply to a Kind are zero.
+type LeaseEvent struct {
+	// Kind is one of the LeaseEvent* kinds.
+	Kind string `json:"kind"`
+	// At is when the event completed: the answer (or failure) of a call,
+	// the return of a deposit.
+	At int64 `json:"at"`
+	// Sent is when this attempt, deposit or Release started.
+	Sent int64 `json:"sent,omitempty"`
+	// Region is the agent's region.
+	Region string `json:"region,omitempty"`
+	// RequestID names an Acquire (shared by its retries) or a Release.
+	RequestID string `json:"request_id,omitempty"`
+	// FirstSent is when the Acquire was first sent: its leases' deadlines
+	// are measured from it.
+	FirstSent int64 `json:"first_sent,omitempty"`
+	// Outcome is LeaseOK, LeaseFailed or LeaseUnknown.
+	Outcome string `json:"outcome,omitempty"`
+	// Code and Err describe a refused, unanswered or failed call.
+	Code string `json:"code,omitempty"`
+	Err  string `json:"err,omitempty"`
+	// Wants are an Acquire's requests.
+	Wants []JournalWant `json:"wants,omitempty"`
+	// Grants are an answered Acquire's grants, in the order of Wants.
+	Grants []JournalGrant `json:"grants,omitempty"`
+	// LeaderNowMs is the leader's stamp on an answered Acquire.
+	LeaderNowMs int64 `json:"leader_now_ms,omitempty"`
+	// Replayed is the allocator's replayed flag of an answered Acquire.
+	Replayed bool `json:"replayed,omitempty"`
+	// Quota, GrantID and Tokens name a deposit's or a Release's grant and
+	// its tokens.
+	Quota   string `json:"quota,omitempty"`
+	GrantID string `json:"grant_id,omitempty"`
+	Tokens  int64  `json:"tokens,omitempty"`
+	// ExpiresMs is a deposited grant's expiry by the allocator (Unix ms).
+	ExpiresMs int64 `json:"expires_ms,omitempty"`
+	// Deadline is a deposited grant's deadline by the send-time rule
+	// (lease.Deadline from FirstSent, minus the margin), on the agent's clock.
+	Deadline int64 `json:"deadline,omitempty"`
+	// TTLMs is the relative TTL the deposit gave the store: the chunk
+	// expires at most TTLMs after At by the store's clock.
+	TTLMs int64 `json:"ttl_ms,omitempty"`
+	// Returned is what a Release returned to the pool.
+	Returned int64 `json:"returned,omitempty"`
+	// ClockOffsetNs, in a start event, is how far the agent's clock was set
+	// from the machine's clock (a fault injected on purpose; 0 normally):
+	// the agent's times minus it are machine times.
+	ClockOffsetNs int64 `json:"clock_offset_ns,omitempty"`
+	// Pid, in a start event, is the agent's process id.
+	Pid int `json:"pid,omitempty"`
+}
+
+// JournalWant is one want of an Acquire, as sent.
+type JournalWant struct {
+	// Quota, Tokens and DemandPerSecond as in allot.v1.Want.
+	Quota           string  `json:"quota"`
+	Tokens          int64   `json:"tokens"`
+	DemandPerSecond float64 `json:"demand,omitempty"`
+}
+
+// JournalGrant is one grant of an answered Acquire, as received.
+type JournalGrant struct {
+	// Quota, GrantID and Tokens as in allot.v1.Grant.
+	Quota   string `json:"quota"`
+	GrantID string `json:"grant_id,omitempty"`
+	Tokens  int64  `json:"tokens"`
+	// ExpiresMs and WindowEndMs are the allocator's expiry and window end
+	// (Unix ms, leader clock); Window is the window index.
+	ExpiresMs   int64 `json:"expires_ms,omitempty"`
+	WindowEndMs int64 `json:"window_end_ms,omitempty"`
+	Window      int64 `json:"window,omitempty"`
+	// TTLMs is the lease's TTL from the leader's stamp.
+	TTLMs int64 `json:"ttl_ms,omitempty"`
+	// Exhausted is the allocator's pool_exhausted flag.
+	Exhausted bool `json:"exhausted,omitempty"`
+}
+
+// LeaseObserver receives every lease event of an agent (WithLeaseObserver).
+// It is called from the lease manager's goroutines, concurrently, and must
+// not block for long: renewals wait for it.
+type LeaseObserver func(LeaseEvent)
+
+// LeaseJournal writes lease events as JSON lines, one Write per event, so a
+// reader tailing the file never sees half an event from a live writer. It is
+// safe for concurrent use; Record is a LeaseObserver.
+type LeaseJournal struct {
+	mu  sync.Mutex
+	w   io.Writer
+	err error
+}
+
+// NewLeaseJournal returns a journal writing to w (typically a file opened
+// with O_APPEND, which the caller closes after the agent's Run returned).
+func NewLeaseJournal(w io.Writer) *LeaseJournal { return &LeaseJournal{w: w} }
+
+// errJournalClosed is kept after Close.
+var errJournalClosed = errors.New("lease journal closed")
+
+// Record writes ev. After the first write error it writes nothing more and
+// Err returns that error: the journal is an observer, never a reason for
+// the agent to stop deciding.
+func (j *LeaseJournal) Record(ev LeaseEvent) {
+	b, err := json.Marshal(ev)
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.err != nil {
+		return
+	}
+	if err != nil {
+		j.err = err
+		return
+	}
+	b = append(b, '\n')
+	_, j.err = j.w.Write(b)
+}
+
+// Err returns the first error Record met, if any.
+func (j *LeaseJournal) Err() error {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if errors.Is(j.err, errJournalClosed) {
+		return nil
+	}
+	return j.err
+}
+
+// Close makes later Records do nothing (the writer is the caller's to
+// close) and returns Err.
+func (j *LeaseJournal) Close() error {
+	err := j.Err()
+	j.mu.Lock()
+	if j.err == nil {
+		j.err = errJournalClosed
+	}
+	j.mu.Unlock()
+	return err
+}
