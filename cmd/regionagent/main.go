@@ -3,7 +3,10 @@
 // the allocator's policy (keeping the last-known-good one in -data-dir), and
 // serves admission decisions over Connect (allot.v1.AdmissionService on
 // -api-addr, with /metrics, /healthz and /readyz) and Envoy's rate limit
-// service (gRPC on -envoy-addr).
+// service (gRPC on -envoy-addr). With -store embedded it decides on an
+// in-process store instead of Redis (one agent per region, counters lost on
+// restart, no tokens handed back on shutdown): for trying allot on a machine
+// without redis-server.
 //
 //	regionagent -region eu -allocators 127.0.0.1:8001,127.0.0.1:8002,127.0.0.1:8003 \
 //	  -redis 127.0.0.1:6379 -data-dir /var/lib/allot/eu -api-addr :8081 -envoy-addr :8082
@@ -28,6 +31,7 @@ import (
 	"go.uber.org/zap/zapcore"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/allot-dev/allot/pkg/admission"
 	"github.com/allot-dev/allot/pkg/agent"
 	"github.com/allot-dev/allot/pkg/allocator"
 )
@@ -47,14 +51,19 @@ func run(ctx context.Context, args []string) error {
 	var (
 		allocators, clearKeys string
 		redisAddr, apiAddr    string
-		envoyAddr             string
+		envoyAddr, storeKind  string
 		redisPoolSize         int
+		memoryKeys            int
+		clockOffset           time.Duration
+		journalPath           string
 		logLevel              = zapcore.InfoLevel
 	)
 	fs := flag.NewFlagSet("regionagent", flag.ContinueOnError)
 	fs.StringVar(&cfg.Region, "region", "", "region this agent leases for (one of the policy's regions)")
 	fs.StringVar(&allocators, "allocators", "", "comma-separated allocator API addresses (empty: standalone on -policy)")
+	fs.StringVar(&storeKind, "store", "redis", "where counters live: redis (-redis) or embedded (in this process; one agent per region)")
 	fs.StringVar(&redisAddr, "redis", "127.0.0.1:6379", "the region's Redis address")
+	fs.IntVar(&memoryKeys, "memory-keys", admission.DefaultMemoryConfig().MaxKeys, "most keys the embedded store holds")
 	fs.IntVar(&redisPoolSize, "redis-pool", 64, "Redis connections")
 	fs.StringVar(&cfg.DataDir, "data-dir", "", "directory for the last-known-good policy")
 	fs.StringVar(&cfg.PolicyFile, "policy", "", "policy file in force (as version 0) until the allocator's arrives")
@@ -77,6 +86,8 @@ func run(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.LogSalt, "log-salt", "", "salt of principal hashes in decision logs")
 	fs.StringVar(&clearKeys, "log-clear-keys", strings.Join(cfg.LogClearKeys, ","), "descriptor keys logged in clear")
 	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", cfg.ShutdownTimeout, "bound on handing unspent tokens back")
+	fs.StringVar(&journalPath, "lease-journal", "", "append every Acquire, grant, deposit and Release to this file as JSON lines (audits, the chaos suite)")
+	fs.DurationVar(&clockOffset, "clock-offset", 0, "fault injection only: run the agent's clock this far from the machine's (lease deadlines must not move)")
 	fs.Var(&logLevel, "log-level", "log level: debug, info, warn, error")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -99,11 +110,47 @@ func run(ctx context.Context, args []string) error {
 	}
 	defer func() { _ = log.Sync() }()
 
-	rdb := redis.NewClient(&redis.Options{Addr: redisAddr, PoolSize: redisPoolSize})
-	defer rdb.Close()
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	a, err := agent.New(cfg, rdb, agent.WithLogger(log), agent.WithRegisterer(reg))
+	opts := []agent.Option{agent.WithLogger(log), agent.WithRegisterer(reg)}
+	var clock admission.Clock = admission.SystemClock{}
+	if clockOffset != 0 {
+		clock = agent.OffsetClock{Offset: clockOffset}
+		opts = append(opts, agent.WithClock(clock))
+		log.Warn("agent clock offset from the machine's (fault injection)", zap.Duration("offset", clockOffset))
+	}
+	if journalPath != "" {
+		f, err := os.OpenFile(journalPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+		if err != nil {
+			return fmt.Errorf("-lease-journal: %w", err)
+		}
+		defer f.Close()
+		j := agent.NewLeaseJournal(f)
+		j.Record(agent.LeaseEvent{Kind: agent.LeaseEventStart, At: clock.Now().UnixNano(), Region: cfg.Region,
+			ClockOffsetNs: int64(clockOffset), Pid: os.Getpid()})
+		_ = j // PENDING-HOOK: opts = append(opts, agent.WithLeaseObserver(j.Record))
+		defer func() {
+			if err := j.Close(); err != nil {
+				log.Error("lease journal incomplete", zap.String("file", journalPath), zap.Error(err))
+			}
+		}()
+	}
+	var rdb redis.UniversalClient // stays nil for the embedded store
+	switch storeKind {
+	case "redis":
+		c := redis.NewClient(&redis.Options{Addr: redisAddr, PoolSize: redisPoolSize})
+		defer c.Close()
+		rdb = c
+	case "embedded":
+		ms, err := admission.NewMemoryStore(admission.MemoryConfig{MaxKeys: memoryKeys}, nil)
+		if err != nil {
+			return fmt.Errorf("-memory-keys: %w", err)
+		}
+		opts = append(opts, agent.WithStore(ms))
+	default:
+		return fmt.Errorf("-store: %q is neither redis nor embedded", storeKind)
+	}
+	a, err := agent.New(cfg, rdb, opts...)
 	if err != nil {
 		return err
 	}
@@ -131,7 +178,7 @@ func run(ctx context.Context, args []string) error {
 			return nil
 		})
 	}
-	log.Info("region agent listening", zap.String("region", cfg.Region), zap.String("api", apiLn.Addr().String()),
+	log.Info("region agent listening", zap.String("region", cfg.Region), zap.String("store", storeKind), zap.String("api", apiLn.Addr().String()),
 		zap.String("envoy", envoyAddr), zap.Strings("allocators", cfg.AllocatorEndpoints))
 	return g.Wait()
 }

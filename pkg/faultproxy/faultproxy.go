@@ -1,5 +1,7 @@
 // Package faultproxy is a small TCP proxy that puts WAN faults on one link of
-// the chaos topology: one-way delay with jitter, loss, and cuts.
+// a local topology: one-way delay with jitter, loss, and cuts. The chaos
+// suite puts one on every region-to-allocator link; deploy/multiregion uses
+// it for its -wan-latency.
 //
 // The kernel of the chaos machines has no tc netem, so delay and loss are
 // made here, above TCP. Bytes are never dropped (that would corrupt the

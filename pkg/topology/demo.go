@@ -5,212 +5,584 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
+	"net"
+	"net/http"
 	"os"
-	"sort"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
-	"text/tabwriter"
+	"sync"
 	"time"
-
-	"golang.org/x/sync/errgroup"
 
 	"github.com/allot-dev/allot/examples"
 	"github.com/allot-dev/allot/pkg/allocator"
-	"github.com/allot-dev/allot/pkg/lease"
+	"github.com/allot-dev/allot/pkg/faultproxy"
 	"github.com/allot-dev/allot/pkg/policy"
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+	"github.com/allot-dev/allot/proto/allot/v1/allotv1connect"
 )
 
-// DemoConfig configures the local multi-region run of deploy/multiregion.
+// The quotas and the route the demo drives: Northstar's P-TENANT rules of
+// Atlas (the flood) and Birch (the small customer that must never be
+// denied), on a route no per-user or per-route rule matches, so only the
+// tenant quotas apply.
+const (
+	// AtlasQuota is the global quota Atlas's requests spend.
+	AtlasQuota = "p-tenant-atlas"
+	// BirchQuota is the global quota Birch's requests spend.
+	BirchQuota = "p-tenant-birch"
+	// DemoRoute is the route of every request the demo sends.
+	DemoRoute = "GET /orders"
+)
+
+// Store modes of DemoConfig.Store.
+const (
+	// StoreAuto uses a redis-server per region when one is installed, and
+	// the agents' embedded store otherwise.
+	StoreAuto = ""
+	// StoreRedis starts a redis-server per region (it must be installed).
+	StoreRedis = "redis"
+	// StoreEmbedded starts no Redis: each agent decides on its in-process
+	// store (regionagent -store embedded).
+	StoreEmbedded = "embedded"
+)
+
+// DemoConfig configures the local multi-region run of deploy/multiregion:
+// real allocator processes, and per region a redis-server and a region
+// agent, with Atlas and Birch load offered through the agents' Check API.
 type DemoConfig struct {
-	// Allocators is the number of allocator nodes.
+	// Allocators is the number of allocator nodes (3 tolerates one failure).
 	Allocators int
-	// Regions maps region name to offered requests per second for Quota.
-	Regions map[string]float64
-	// Quota is the leased quota the regions spend (default p-tenant-atlas).
-	Quota string
-	// Window rescales Quota's window (TTL becomes a quarter of it) so a run
-	// takes seconds; 0 keeps the policy's window.
+	// Regions are the regions to start, each with its own store and agent;
+	// they replace the policy's regions.
+	Regions []string
+	// Atlas is Atlas's offered requests per second by region; regions it
+	// does not name offer none. Nil spreads 500/s (3x G per 6 s window) 90%
+	// to the first region and 10% over the others, the reference design's
+	// EU 900 / US 100 demand split.
+	Atlas map[string]float64
+	// Birch is Birch's offered requests per second by region. Nil spreads
+	// 300/s evenly over the regions.
+	Birch map[string]float64
+	// Window rescales the windows of AtlasQuota and BirchQuota (their lease
+	// TTL becomes a quarter of it) so a run takes seconds; 0 keeps the
+	// policy's windows.
 	Window time.Duration
 	// Windows is how many full windows to report before stopping; 0 runs
-	// until ctx ends.
+	// until the context ends.
 	Windows int
-	// Keep keeps the topology running after the last window until ctx ends,
-	// for trying the API by hand.
+	// WANLatency is the one-way delay added to every link between a region's
+	// agent and an allocator, by one fault proxy per link; 0 adds none.
+	// During an election a leader hint may send an agent to an allocator
+	// directly, without the delay, until it fails over again.
+	WANLatency time.Duration
+	// Store picks the regions' store: StoreAuto, StoreRedis or
+	// StoreEmbedded.
+	Store string
+	// MaxInFlight bounds the Check calls in flight per region and tenant;
+	// requests due while it is full are counted as offered and not sent.
+	MaxInFlight int
+	// CallTimeout bounds one Check call.
+	CallTimeout time.Duration
+	// Keep keeps the topology running after the last window, without load,
+	// until the context ends, for trying the API by hand.
 	Keep bool
-	// Dir holds binaries and data; it is removed at the end unless KeepDir.
+	// Dir holds binaries, data and logs. Empty makes a temporary directory,
+	// removed at the end unless KeepDir; a given Dir is never removed.
 	Dir string
-	// KeepDir keeps Dir after the run.
+	// KeepDir keeps the temporary Dir after the run.
 	KeepDir bool
-	// Root is the module root to build binaries from.
+	// Root is the module root the binaries are built from.
 	Root string
-	// Policy is the policy document (default: the embedded Northstar example).
+	// BinDir, when set, holds the allocator, regionagent and allotctl
+	// binaries already built; empty builds them from Root into Dir/bin.
+	BinDir string
+	// Policy is the policy document (YAML or JSON); nil is the embedded
+	// Northstar example. It must have the global quotas AtlasQuota and
+	// BirchQuota, matching tenant=atlas and tenant=birch.
 	Policy []byte
+	// Output receives the processes' output in addition to the log files
+	// under Dir/logs (nil: only the files).
+	Output io.Writer
 }
 
-// RunDemo builds the binaries, starts the allocator cluster, publishes the
-// policy (with Quota's window rescaled), drives the regions' demand and
-// prints a table per window, then cleans up every process and file it made.
-func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) (err error) {
-	if cfg.Quota == "" {
-		cfg.Quota = "p-tenant-atlas"
+// DefaultDemoConfig returns the defaults of deploy/multiregion: 3
+// allocators, regions eu and us, 6 s windows, 5 of them, the default Atlas
+// and Birch load.
+func DefaultDemoConfig() DemoConfig {
+	return DemoConfig{
+		Allocators:  3,
+		Regions:     []string{"eu", "us"},
+		Window:      6 * time.Second,
+		Windows:     5,
+		MaxInFlight: 256,
+		CallTimeout: 5 * time.Second,
 	}
-	if len(cfg.Regions) == 0 {
-		return errors.New("demo: no regions")
-	}
-	doc := cfg.Policy
-	if doc == nil {
-		doc = examples.Northstar
-	}
-	parsed, err := policy.Parse(doc)
-	if err != nil {
-		return fmt.Errorf("policy: %w", err)
-	}
-	rule := parsed.Rule(cfg.Quota)
-	if rule == nil || rule.Kind != policy.KindGlobalQuota {
-		return fmt.Errorf("policy has no global quota %q", cfg.Quota)
-	}
-	if cfg.Window > 0 {
-		rule.Window = cfg.Window
-		rule.Lease.TTL = cfg.Window / 4
-	}
-	var names []string
-	for name := range cfg.Regions {
-		names = append(names, name)
-	}
-	sort.Strings(names)
-	parsed.Regions = names
-	canonical, err := policy.Canonical(parsed)
-	if err != nil {
-		return err
-	}
-	if _, err := policy.Parse(canonical); err != nil {
-		return fmt.Errorf("rescaled policy: %w", err)
-	}
+}
 
-	if cfg.Dir == "" {
-		if cfg.Dir, err = os.MkdirTemp("", "allot-multiregion-"); err != nil {
-			return err
+// Validate says what is wrong with c, naming every bad field, or returns nil.
+func (c DemoConfig) Validate() error {
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	if c.Allocators < 1 || c.Allocators > 9 {
+		bad("Allocators must be in [1, 9], got %d", c.Allocators)
+	}
+	if len(c.Regions) == 0 {
+		bad("Regions: at least one region is required")
+	}
+	for i, r := range c.Regions {
+		if j := slices.Index(c.Regions, r); j < i {
+			bad("Regions: %q appears twice", r)
 		}
 	}
-	if !cfg.KeepDir {
-		defer os.RemoveAll(cfg.Dir)
-	}
-	fmt.Fprintf(out, "building binaries into %s/bin ...\n", cfg.Dir)
-	bins, err := Build(ctx, cfg.Root, cfg.Dir+"/bin", "./cmd/allocator", "./cmd/allotctl")
-	if err != nil {
-		return err
-	}
-	logf, err := os.Create(cfg.Dir + "/allocators.log")
-	if err != nil {
-		return err
-	}
-	defer logf.Close()
-	startCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	allocs, err := StartAllocators(startCtx, AllocatorConfig{Nodes: cfg.Allocators, Bin: bins["./cmd/allocator"], Dir: cfg.Dir + "/data", Output: logf})
-	cancel()
-	if err != nil {
-		return err
-	}
-	defer func() {
-		fmt.Fprintln(out, "stopping allocators ...")
-		err = errors.Join(err, allocs.Close(10*time.Second))
-	}()
-	eps := allocs.Endpoints()
-	fmt.Fprintf(out, "allocator cluster up: %s (logs: %s/allocators.log)\n", strings.Join(eps, ", "), cfg.Dir)
-	fmt.Fprintf(out, "try: %s -addr %s cluster | bound | window %s\n", bins["./cmd/allotctl"], strings.Join(eps, ","), cfg.Quota)
-
-	client, err := allocator.NewClient(eps)
-	if err != nil {
-		return err
-	}
-	op := client.Operator()
-	pub, err := op.PublishPolicy(ctx, &allotv1.PublishPolicyRequest{Document: canonical, ExpectedVersion: 1, Author: "multiregion", Reason: "demo with " + cfg.Quota + " window " + rule.Window.String()})
-	if err != nil {
-		return fmt.Errorf("publish: %w", err)
-	}
-	bnd, err := op.GetBound(ctx, &allotv1.GetBoundRequest{Quota: cfg.Quota})
-	if err != nil {
-		return fmt.Errorf("bound: %w", err)
-	}
-	b := bnd.GetBounds()[0]
-	fmt.Fprintf(out, "policy v%d published; %s: G=%d per %s, chunk %d, TTL %s, stated bound +%d (admitted per window <= %d)\n",
-		pub.GetPolicy().GetVersion(), cfg.Quota, rule.Limit, rule.Window, rule.Lease.Chunk, rule.Lease.TTL, b.GetOvershoot(), b.GetMaxAdmittedPerWindow())
-	fmt.Fprintln(out, "regions are simulated demand spending leased chunks (the region agent arrives with its own issue); Ctrl-C stops")
-
-	windowMs := rule.Window.Milliseconds()
-	g, gctx := errgroup.WithContext(ctx)
-	runCtx, stopRegions := context.WithCancel(gctx)
-	defer stopRegions()
-	regions := make([]*SimRegion, len(names))
-	for i, name := range names {
-		rate := cfg.Regions[name]
-		regions[i] = &SimRegion{
-			// The margin the allocator states in the bound (its default config).
-			Name: name, Quota: cfg.Quota, Rate: rate, WindowMs: windowMs, Client: client, Margin: allocator.DefaultConfig().LeaseMargin,
-			// Renew when a third of a lease is left at the current rate.
-			Sizing: lease.Sizing{MinChunk: 1, MaxChunk: rule.Lease.Chunk, Lead: rule.Lease.TTL / 3, RTT: 20 * time.Millisecond},
-		}
-		r := regions[i]
-		g.Go(func() error { return r.Run(runCtx) })
-	}
-	g.Go(func() error {
-		defer stopRegions()
-		first := lease.WindowIndex(time.Now().UnixMilli(), windowMs) + 1
-		for w, n := first, 0; cfg.Windows == 0 || n < cfg.Windows; w, n = w+1, n+1 {
-			// Report window w once it has ended (plus a little for stragglers).
-			wait := time.Until(time.UnixMilli(lease.WindowEnd(w, windowMs)).Add(200 * time.Millisecond))
-			select {
-			case <-runCtx.Done():
-				return nil
-			case <-time.After(wait):
+	for name, rates := range map[string]map[string]float64{"Atlas": c.Atlas, "Birch": c.Birch} {
+		for r, rate := range rates {
+			if !slices.Contains(c.Regions, r) {
+				bad("%s: region %q is not one of Regions %v", name, r, c.Regions)
 			}
-			if err := reportWindow(runCtx, out, op, cfg.Quota, w, b, regions); err != nil {
+			if !(rate >= 0 && rate <= 100_000) {
+				bad("%s: region %q: rate %v is not in [0, 100000] per second", name, r, rate)
+			}
+		}
+	}
+	if c.Window < 0 || (c.Window > 0 && c.Window < 100*time.Millisecond) {
+		bad("Window must be 0 or at least 100ms, got %s", c.Window)
+	}
+	if c.Windows < 0 {
+		bad("Windows must not be negative, got %d", c.Windows)
+	}
+	if c.WANLatency < 0 || c.WANLatency > 5*time.Second {
+		bad("WANLatency must be in [0, 5s], got %s", c.WANLatency)
+	}
+	switch c.Store {
+	case StoreAuto, StoreRedis, StoreEmbedded:
+	default:
+		bad("Store must be %q, %q or %q, got %q", StoreAuto, StoreRedis, StoreEmbedded, c.Store)
+	}
+	if c.MaxInFlight < 1 {
+		bad("MaxInFlight must be at least 1, got %d", c.MaxInFlight)
+	}
+	if c.CallTimeout <= 0 {
+		bad("CallTimeout must be positive, got %s", c.CallTimeout)
+	}
+	if c.Root == "" && c.BinDir == "" {
+		bad("Root (the module root to build from) or BinDir is required")
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("demo config: %w", errors.Join(errs...))
+	}
+	return nil
+}
+
+// defaultRates spreads total requests per second over regions: first to
+// the first region and the rest evenly over the others (all of it to a
+// lone region).
+func defaultRates(regions []string, total, first float64) map[string]float64 {
+	out := map[string]float64{}
+	if len(regions) == 1 {
+		out[regions[0]] = total
+		return out
+	}
+	out[regions[0]] = total * first
+	for _, r := range regions[1:] {
+		out[r] = total * (1 - first) / float64(len(regions)-1)
+	}
+	return out
+}
+
+// Demo is a running local topology: the allocator cluster, the regions
+// (store and agent each) and the fault proxies of the WAN links. StartDemo
+// makes it, Run drives the load and prints the tables, Close stops
+// everything and removes what it made. RunDemo does all three.
+type Demo struct {
+	cfg DemoConfig
+	out io.Writer
+
+	// Dir holds the binaries (bin), the logs (logs) and the data.
+	Dir       string
+	removeDir bool
+	bins      map[string]string
+	embedded  bool
+	logs      []*os.File
+
+	hc       *http.Client            // the load's, to the agents
+	rules    map[string]*policy.Rule // AtlasQuota and BirchQuota as published
+	version  uint64
+	bound    *allotv1.QuotaBound
+	allocs   *Allocators
+	client   *allocator.Client
+	op       *allocator.OperatorClient
+	regions  []*Region
+	clients  map[string]allotv1connect.AdmissionServiceClient
+	stopWAN  context.CancelFunc
+	wan      sync.WaitGroup
+	closeMu  sync.Mutex
+	closed   bool
+	closeErr error
+}
+
+// RunDemo starts the topology (StartDemo), drives it for cfg.Windows
+// windows or until ctx ends (Run), and stops every process and removes
+// every file it made (Close). It writes its progress and one table per
+// window to out.
+func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
+	d, err := StartDemo(ctx, cfg, out)
+	if err != nil {
+		return err
+	}
+	err = d.Run(ctx)
+	return errors.Join(err, d.Close())
+}
+
+// StartDemo builds the binaries, starts the allocator cluster, publishes the
+// policy (the tenant windows rescaled, the regions replaced), starts every
+// region (Redis, or none with the embedded store, and agent; behind a fault
+// proxy per allocator link when cfg.WANLatency is set) and waits until
+// every agent has the policy. On error it stops what it started.
+func StartDemo(ctx context.Context, cfg DemoConfig, out io.Writer) (*Demo, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.Atlas == nil {
+		cfg.Atlas = defaultRates(cfg.Regions, 500, 0.9)
+	}
+	if cfg.Birch == nil {
+		cfg.Birch = defaultRates(cfg.Regions, 300, 1/float64(len(cfg.Regions)))
+	}
+	doc, rules, err := demoPolicy(cfg)
+	if err != nil {
+		return nil, err
+	}
+	d := &Demo{cfg: cfg, out: out, rules: rules, hc: allocator.NewHTTPClient(), clients: map[string]allotv1connect.AdmissionServiceClient{}}
+	if err := d.start(ctx, doc); err != nil {
+		return nil, errors.Join(err, d.Close())
+	}
+	return d, nil
+}
+
+// start does StartDemo's work; the caller closes d when it fails.
+func (d *Demo) start(ctx context.Context, doc []byte) error {
+	cfg, out := d.cfg, d.out
+	if err := d.makeDir(); err != nil {
+		return err
+	}
+	if err := d.pickStore(); err != nil {
+		return err
+	}
+	var err error
+	if d.bins, err = d.binaries(ctx); err != nil {
+		return err
+	}
+	alog, alogPath, err := d.logFile("allocators.log")
+	if err != nil {
+		return err
+	}
+	startCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	d.allocs, err = StartAllocators(startCtx, AllocatorConfig{
+		Nodes: cfg.Allocators, Bin: d.bins["./cmd/allocator"], Dir: filepath.Join(d.Dir, "allocators"), Output: alog,
+	})
+	if err != nil {
+		return fmt.Errorf("allocators: %w", err)
+	}
+	eps := d.allocs.Endpoints()
+	nodes := "nodes"
+	if len(eps) == 1 {
+		nodes = "node"
+	}
+	fmt.Fprintf(out, "allocator cluster up: %d %s at %s (log: %s)\n", len(eps), nodes, strings.Join(eps, ", "), alogPath)
+	if d.client, err = allocator.NewClient(eps); err != nil {
+		return err
+	}
+	d.op = d.client.Operator()
+	if err := d.publish(startCtx, doc); err != nil {
+		return err
+	}
+
+	wanCtx, stopWAN := context.WithCancel(context.Background())
+	d.stopWAN = stopWAN
+	for i, name := range cfg.Regions {
+		endpoints := eps
+		if cfg.WANLatency > 0 {
+			if endpoints, err = d.startWAN(wanCtx, i, eps); err != nil {
 				return err
 			}
 		}
-		if cfg.Keep {
-			fmt.Fprintln(out, "keep mode: the topology stays up until Ctrl-C")
-			<-runCtx.Done()
+		rlog, rlogPath, err := d.logFile(name + ".log")
+		if err != nil {
+			return err
 		}
-		return nil
-	})
-	return g.Wait()
+		r, err := StartRegion(startCtx, RegionConfig{
+			Name: name, AgentBin: d.bins["./cmd/regionagent"], Dir: filepath.Join(d.Dir, "regions", name),
+			EmbeddedStore: d.embedded, AllocatorEndpoints: endpoints, Output: rlog,
+		})
+		if err != nil {
+			return err
+		}
+		d.regions = append(d.regions, r)
+		d.clients[name] = allotv1connect.NewAdmissionServiceClient(d.hc, "http://"+r.APIAddr)
+		store := "redis " + r.RedisAddr
+		if d.embedded {
+			store = "embedded store"
+		}
+		wan := ""
+		if cfg.WANLatency > 0 {
+			wan = fmt.Sprintf(", +%s each way to the allocators", cfg.WANLatency)
+		}
+		fmt.Fprintf(out, "region %s: agent %s, %s%s (log: %s)\n", name, r.APIAddr, store, wan, rlogPath)
+	}
+	for _, r := range d.regions {
+		if err := r.WaitReady(startCtx); err != nil {
+			return fmt.Errorf("region %s: no policy in force: %w", r.Name, err)
+		}
+	}
+	return nil
 }
 
-func reportWindow(ctx context.Context, out io.Writer, op *allocator.OperatorClient, quota string, w int64, b *allotv1.QuotaBound, regions []*SimRegion) error {
-	led, err := op.GetWindow(ctx, &allotv1.GetWindowRequest{Quota: quota, WindowIndex: w})
+// demoPolicy parses the policy, rescales the tenant quotas' windows and
+// replaces its regions, and returns the canonical document and the two
+// rules as they will be published.
+func demoPolicy(cfg DemoConfig) ([]byte, map[string]*policy.Rule, error) {
+	src := cfg.Policy
+	if src == nil {
+		src = examples.Northstar
+	}
+	parsed, err := policy.Parse(src)
 	if err != nil {
-		if ctx.Err() != nil {
-			return nil
+		return nil, nil, fmt.Errorf("policy: %w", err)
+	}
+	rules := map[string]*policy.Rule{}
+	for _, name := range []string{AtlasQuota, BirchQuota} {
+		r := parsed.Rule(name)
+		if r == nil || r.Kind != policy.KindGlobalQuota || r.Lease == nil {
+			return nil, nil, fmt.Errorf("policy has no global quota %q (the demo drives %s and %s)", name, AtlasQuota, BirchQuota)
 		}
-		return fmt.Errorf("window %d: %w", w, err)
+		if cfg.Window > 0 {
+			r.Window = cfg.Window
+			r.Lease.TTL = cfg.Window / 4
+		}
+		rules[name] = r
 	}
-	granted := map[string]int64{}
-	for _, r := range led.GetRegions() {
-		granted[r.GetRegion()] = r.GetGranted()
+	parsed.Regions = slices.Clone(cfg.Regions)
+	canonical, err := policy.Canonical(parsed)
+	if err != nil {
+		return nil, nil, fmt.Errorf("policy: %w", err)
 	}
-	fmt.Fprintf(out, "\nwindow %d [%s, %s)  G=%d  stated bound +%d\n", w,
-		time.UnixMilli(led.GetWindowStartUnixMs()).Format("15:04:05"), time.UnixMilli(led.GetWindowEndUnixMs()).Format("15:04:05"),
-		led.GetLimit(), b.GetOvershoot())
-	tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "region\tdemand\tgranted\tadmitted\tdenied\tstranded\t")
-	var tot RegionWindowStats
+	if _, err := policy.Parse(canonical); err != nil {
+		return nil, nil, fmt.Errorf("rescaled policy: %w", err)
+	}
+	return canonical, rules, nil
+}
+
+// demoCommands are the packages of the binaries the demo runs.
+var demoCommands = []string{"./cmd/allocator", "./cmd/regionagent", "./cmd/allotctl"}
+
+// binaries builds the demo's binaries into Dir/bin, or finds them in
+// cfg.BinDir, and returns their paths by package.
+func (d *Demo) binaries(ctx context.Context) (map[string]string, error) {
+	if d.cfg.BinDir == "" {
+		fmt.Fprintf(d.out, "building binaries into %s ...\n", filepath.Join(d.Dir, "bin"))
+		return Build(ctx, d.cfg.Root, filepath.Join(d.Dir, "bin"), demoCommands...)
+	}
+	bins := map[string]string{}
+	for _, pkg := range demoCommands {
+		p := filepath.Join(d.cfg.BinDir, filepath.Base(pkg))
+		if _, err := os.Stat(p); err != nil {
+			return nil, fmt.Errorf("binary of %s: %w", pkg, err)
+		}
+		bins[pkg] = p
+	}
+	return bins, nil
+}
+
+// makeDir makes (or checks) the demo's directory.
+func (d *Demo) makeDir() error {
+	if d.cfg.Dir == "" {
+		dir, err := os.MkdirTemp("", "allot-multiregion-")
+		if err != nil {
+			return err
+		}
+		d.Dir, d.removeDir = dir, !d.cfg.KeepDir
+		return nil
+	}
+	d.Dir = d.cfg.Dir
+	for _, sub := range []string{"allocators", "regions"} {
+		if _, err := os.Stat(filepath.Join(d.Dir, sub)); err == nil {
+			return fmt.Errorf("data dir %s holds a previous run (%s/): remove it or pick another -data-dir", d.Dir, sub)
+		}
+	}
+	return os.MkdirAll(d.Dir, 0o755)
+}
+
+// pickStore resolves StoreAuto and says which store the regions use.
+func (d *Demo) pickStore() error {
+	switch d.cfg.Store {
+	case StoreEmbedded:
+		d.embedded = true
+		fmt.Fprintln(d.out, "store: each region's agent decides on its embedded in-process store (no Redis)")
+	case StoreRedis:
+		if _, err := exec.LookPath("redis-server"); err != nil {
+			return fmt.Errorf("store redis: redis-server not found: %w", err)
+		}
+	default:
+		if _, err := exec.LookPath("redis-server"); err != nil {
+			d.embedded = true
+			fmt.Fprintln(d.out, "store: redis-server is not installed, so each region's agent decides on its embedded in-process store instead (regionagent -store embedded)")
+		}
+	}
+	return nil
+}
+
+// logFile creates Dir/logs/name (Close closes it) and returns the writer
+// of the processes' output (the file, and cfg.Output if set) and its path.
+func (d *Demo) logFile(name string) (io.Writer, string, error) {
+	if err := os.MkdirAll(filepath.Join(d.Dir, "logs"), 0o755); err != nil {
+		return nil, "", err
+	}
+	f, err := os.Create(filepath.Join(d.Dir, "logs", name))
+	if err != nil {
+		return nil, "", err
+	}
+	d.logs = append(d.logs, f)
+	if d.cfg.Output != nil {
+		return io.MultiWriter(f, d.cfg.Output), f.Name(), nil
+	}
+	return f, f.Name(), nil
+}
+
+// publish publishes the policy and reads the stated bound of AtlasQuota.
+func (d *Demo) publish(ctx context.Context, doc []byte) error {
+	atlas := d.rules[AtlasQuota]
+	pub, err := d.op.PublishPolicy(ctx, &allotv1.PublishPolicyRequest{
+		Document: doc, ExpectedVersion: 1, Author: "multiregion",
+		Reason: fmt.Sprintf("local demo: tenant windows %s, regions %s", atlas.Window, strings.Join(d.cfg.Regions, ",")),
+	})
+	if err != nil {
+		return fmt.Errorf("publish policy: %w", err)
+	}
+	d.version = pub.GetPolicy().GetVersion()
+	bnd, err := d.op.GetBound(ctx, &allotv1.GetBoundRequest{Quota: AtlasQuota})
+	if err != nil {
+		return fmt.Errorf("bound of %s: %w", AtlasQuota, err)
+	}
+	if len(bnd.GetBounds()) != 1 {
+		return fmt.Errorf("bound of %s: %d bounds in the answer, want 1", AtlasQuota, len(bnd.GetBounds()))
+	}
+	d.bound = bnd.GetBounds()[0]
+	birch := d.rules[BirchQuota]
+	fmt.Fprintf(d.out, "policy v%d published; %s: G=%d per %s, chunk %d, TTL %s, stated bound +%d (admitted per window <= %d); %s: G=%d per %s\n",
+		d.version, AtlasQuota, atlas.Limit, atlas.Window, atlas.Lease.Chunk, atlas.Lease.TTL, d.bound.GetOvershoot(),
+		d.bound.GetMaxAdmittedPerWindow(), BirchQuota, birch.Limit, birch.Window)
+	return nil
+}
+
+// startWAN starts one fault proxy per allocator endpoint for region i, each
+// adding cfg.WANLatency in both directions, and returns their addresses.
+func (d *Demo) startWAN(ctx context.Context, i int, eps []string) ([]string, error) {
+	var addrs []string
+	for j, target := range eps {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, fmt.Errorf("wan proxy: %w", err)
+		}
+		dialer := &net.Dialer{Timeout: 2 * time.Second}
+		p := faultproxy.New(ln, func(ctx context.Context) (net.Conn, error) {
+			return dialer.DialContext(ctx, "tcp", target)
+		}, faultproxy.Config{DelayMin: d.cfg.WANLatency, DelayMax: d.cfg.WANLatency}, uint64(i*100+j+1))
+		d.wan.Add(1)
+		go func() {
+			defer d.wan.Done()
+			_ = p.Run(ctx) // it only fails when the listener does; the agent then reports the link down
+		}()
+		addrs = append(addrs, p.Addr().String())
+	}
+	return addrs, nil
+}
+
+// Processes returns every child process the demo started: allocators,
+// Redis servers and agents.
+func (d *Demo) Processes() []*Process {
+	var ps []*Process
+	if d.allocs != nil {
+		for _, n := range d.allocs.Nodes {
+			if n.Proc != nil {
+				ps = append(ps, n.Proc)
+			}
+		}
+	}
+	for _, r := range d.regions {
+		for _, p := range []*Process{r.Redis, r.Agent} {
+			if p != nil {
+				ps = append(ps, p)
+			}
+		}
+	}
+	return ps
+}
+
+// Embedded reports whether the regions decide on the agents' embedded
+// store (no Redis).
+func (d *Demo) Embedded() bool { return d.embedded }
+
+// Close stops the agents (they hand their unspent tokens back through the
+// WAN proxies), the proxies, the allocators, closes the log files and
+// removes the temporary directory unless it is kept. It is safe to call more
+// than once; later calls return the first call's result.
+func (d *Demo) Close() error {
+	d.closeMu.Lock()
+	defer d.closeMu.Unlock()
+	if d.closed {
+		return d.closeErr
+	}
+	d.closed = true
+	d.hc.CloseIdleConnections()
+	var errs []error
+	for _, r := range d.regions {
+		if err := r.Close(10 * time.Second); err != nil {
+			errs = append(errs, fmt.Errorf("region %s: %w", r.Name, err))
+		}
+	}
+	if d.stopWAN != nil {
+		d.stopWAN()
+		d.wan.Wait()
+	}
+	if d.allocs != nil {
+		if err := d.allocs.Close(10 * time.Second); err != nil {
+			errs = append(errs, fmt.Errorf("allocators: %w", err))
+		}
+	}
+	for _, f := range d.logs {
+		if err := f.Close(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	switch {
+	case d.Dir == "":
+	case d.removeDir:
+		if err := os.RemoveAll(d.Dir); err != nil {
+			errs = append(errs, fmt.Errorf("remove %s: %w", d.Dir, err))
+		}
+	default:
+		fmt.Fprintf(d.out, "kept %s (binaries, data and logs)\n", d.Dir)
+	}
+	d.closeErr = errors.Join(errs...)
+	return d.closeErr
+}
+
+// ratesString formats rates per region in region order, e.g. "eu 450/s,
+// us 50/s".
+func ratesString(regions []string, rates map[string]float64) string {
+	parts := make([]string, 0, len(regions))
 	for _, r := range regions {
-		s := r.Stats(w)
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t\n", r.Name, s.Offered, granted[r.Name], s.Admitted, s.Denied, s.Stranded)
-		tot.Offered += s.Offered
-		tot.Admitted += s.Admitted
-		tot.Denied += s.Denied
-		tot.Stranded += s.Stranded
+		parts = append(parts, fmt.Sprintf("%s %s/s", r, formatRate(rates[r])))
 	}
-	fmt.Fprintf(tw, "total\t%d\t%d\t%d\t%d\t%d\t\n", tot.Offered, led.GetGranted(), tot.Admitted, tot.Denied, tot.Stranded)
-	if err := tw.Flush(); err != nil {
-		return err
-	}
-	verdict := "ok"
-	if tot.Admitted > b.GetMaxAdmittedPerWindow() {
-		verdict = "VIOLATION"
-	}
-	_, err = fmt.Fprintf(out, "admitted %d <= G + bound = %d: %s\n", tot.Admitted, b.GetMaxAdmittedPerWindow(), verdict)
-	return err
+	return strings.Join(parts, ", ")
+}
+
+// formatRate prints a rate to a tenth, without a needless fraction.
+func formatRate(v float64) string {
+	return strconv.FormatFloat(math.Round(v*10)/10, 'f', -1, 64)
 }

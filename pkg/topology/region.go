@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
@@ -20,7 +21,8 @@ import (
 )
 
 // RegionConfig describes one region to start: a redis-server of its own
-// and a regionagent process leasing from the allocator cluster.
+// (or none, with EmbeddedStore) and a regionagent process leasing from the
+// allocator cluster.
 type RegionConfig struct {
 	// Name is the region ("eu"); it must be one of the policy's regions.
 	Name string
@@ -28,10 +30,20 @@ type RegionConfig struct {
 	AgentBin string
 	// RedisBin is the redis-server binary (default: from PATH).
 	RedisBin string
+	// EmbeddedStore starts no Redis: the agent decides on its in-process
+	// store (regionagent -store embedded), for machines without
+	// redis-server.
+	EmbeddedStore bool
 	// Dir holds the region's Redis directory and the agent's data dir.
 	Dir string
 	// Host is the address both listen on (default 127.0.0.1).
 	Host string
+	// Netns, when set, runs Redis and the agent inside that lab host's
+	// network namespace, at fixed ports (each host is a namespace of its
+	// own): Redis on the namespace's loopback (LabRedisPort), reachable only
+	// by the agent, and the agent's APIs on the host's address
+	// (LabAgentAPIPort, LabAgentEnvoyPort). Host is then ignored.
+	Netns *Host
 	// AllocatorEndpoints are the allocator API addresses.
 	AllocatorEndpoints []string
 	// AgentArgs are extra regionagent flags (for example "-lease-margin",
@@ -45,23 +57,36 @@ type RegionConfig struct {
 type Region struct {
 	// Name is the region.
 	Name string
-	// RedisAddr, APIAddr and EnvoyAddr are the Redis, the agent's Connect
-	// API (and /metrics, /readyz) and its Envoy rate limit service.
+	// RedisAddr, APIAddr and EnvoyAddr are the Redis (empty with
+	// RegionConfig.EmbeddedStore), the agent's Connect API (and /metrics,
+	// /readyz) and its Envoy rate limit service.
 	RedisAddr, APIAddr, EnvoyAddr string
 	// DataDir is the agent's data dir (last-known-good policy).
 	DataDir string
 	// Redis and Agent are the running processes (Agent is replaced by
-	// StartAgent).
+	// StartAgent; Redis is nil with RegionConfig.EmbeddedStore).
 	Redis, Agent *Process
 	// Args are the agent's arguments.
 	Args []string
 
-	cfg RegionConfig
+	cfg       RegionConfig
+	redisArgs []string
+	dial      func(ctx context.Context, network, addr string) (net.Conn, error)
 }
 
-// StartRegion starts the region's redis-server, then its agent, and waits
-// until the agent answers /healthz. It does not wait for a policy: call
-// WaitReady for that.
+// The ports of a region in a Lab host (RegionConfig.Netns).
+const (
+	// LabRedisPort is the region's Redis, on the namespace's loopback.
+	LabRedisPort = 6379
+	// LabAgentAPIPort is the agent's Connect API (and /metrics, /readyz).
+	LabAgentAPIPort = 8081
+	// LabAgentEnvoyPort is the agent's Envoy rate limit service.
+	LabAgentEnvoyPort = 8082
+)
+
+// StartRegion starts the region's redis-server (unless EmbeddedStore),
+// then its agent, and waits until the agent answers /healthz. It does not
+// wait for a policy: call WaitReady for that.
 func StartRegion(ctx context.Context, cfg RegionConfig) (*Region, error) {
 	if cfg.Name == "" || cfg.AgentBin == "" || cfg.Dir == "" {
 		return nil, errors.New("region: Name, AgentBin and Dir are required")
@@ -69,48 +94,108 @@ func StartRegion(ctx context.Context, cfg RegionConfig) (*Region, error) {
 	if cfg.Host == "" {
 		cfg.Host = "127.0.0.1"
 	}
-	if cfg.RedisBin == "" {
-		p, err := exec.LookPath("redis-server")
-		if err != nil {
-			return nil, fmt.Errorf("region %s: redis-server not found: %w", cfg.Name, err)
+	r := &Region{Name: cfg.Name, cfg: cfg, DataDir: filepath.Join(cfg.Dir, "agent"), dial: (&net.Dialer{}).DialContext}
+	if h := cfg.Netns; h != nil {
+		r.cfg.Host = "127.0.0.1" // Redis's bind address: the namespace's loopback
+		r.APIAddr = net.JoinHostPort(h.IP, strconv.Itoa(LabAgentAPIPort))
+		r.EnvoyAddr = net.JoinHostPort(h.IP, strconv.Itoa(LabAgentEnvoyPort))
+		r.dial = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			return h.DialContext(ctx, nil, network, addr)
 		}
-		cfg.RedisBin = p
+	} else {
+		var err error
+		for _, addr := range []*string{&r.APIAddr, &r.EnvoyAddr} {
+			if *addr, err = FreePort(cfg.Host); err != nil {
+				return nil, err
+			}
+		}
 	}
-	r := &Region{Name: cfg.Name, cfg: cfg, DataDir: filepath.Join(cfg.Dir, "agent")}
-	var err error
-	for _, addr := range []*string{&r.RedisAddr, &r.APIAddr, &r.EnvoyAddr} {
-		if *addr, err = FreePort(cfg.Host); err != nil {
+	store := []string{"-store", "embedded"}
+	if !cfg.EmbeddedStore {
+		if err := r.startRedis(ctx); err != nil {
 			return nil, err
 		}
-	}
-	redisDir := filepath.Join(cfg.Dir, "redis")
-	if err := os.MkdirAll(redisDir, 0o755); err != nil {
-		return nil, err
-	}
-	_, port, _ := net.SplitHostPort(r.RedisAddr)
-	r.Redis, err = StartProcess(cfg.Name+"-redis", cfg.RedisBin, []string{
-		"--port", port, "--bind", cfg.Host, "--dir", redisDir, "--save", "", "--appendonly", "no", "--daemonize", "no",
-	}, cfg.Output)
-	if err != nil {
-		return nil, err
-	}
-	if err := r.waitRedis(ctx); err != nil {
-		r.Redis.Kill()
-		return nil, err
+		store = []string{"-store", "redis", "-redis", r.RedisAddr}
 	}
 	r.Args = append([]string{
-		"-region", cfg.Name, "-allocators", strings.Join(cfg.AllocatorEndpoints, ","), "-redis", r.RedisAddr,
+		"-region", cfg.Name, "-allocators", strings.Join(cfg.AllocatorEndpoints, ","),
 		"-data-dir", r.DataDir, "-api-addr", r.APIAddr, "-envoy-addr", r.EnvoyAddr,
-	}, cfg.AgentArgs...)
+	}, store...)
+	r.Args = append(r.Args, cfg.AgentArgs...)
 	if err := r.StartAgent(ctx); err != nil {
-		r.Redis.Kill()
+		if r.Redis != nil {
+			r.Redis.Kill()
+		}
 		return nil, err
 	}
 	return r, nil
 }
 
+// startRedis starts the region's redis-server on a free port (a fixed one
+// in a namespace) and waits until it answers.
+func (r *Region) startRedis(ctx context.Context) error {
+	cfg := &r.cfg
+	if cfg.RedisBin == "" {
+		p, err := exec.LookPath("redis-server")
+		if err != nil {
+			return fmt.Errorf("region %s: redis-server not found (RegionConfig.EmbeddedStore runs without it): %w", cfg.Name, err)
+		}
+		cfg.RedisBin = p
+	}
+	if cfg.Netns != nil {
+		r.RedisAddr = net.JoinHostPort(cfg.Host, strconv.Itoa(LabRedisPort))
+	} else {
+		var err error
+		if r.RedisAddr, err = FreePort(cfg.Host); err != nil {
+			return err
+		}
+	}
+	redisDir := filepath.Join(cfg.Dir, "redis")
+	if err := os.MkdirAll(redisDir, 0o755); err != nil {
+		return err
+	}
+	_, port, _ := net.SplitHostPort(r.RedisAddr)
+	r.redisArgs = []string{"--port", port, "--bind", cfg.Host, "--dir", redisDir, "--save", "", "--appendonly", "no", "--daemonize", "no"}
+	return r.runRedis(ctx)
+}
+
+// runRedis starts redis-server with the region's arguments and waits until
+// it answers.
+func (r *Region) runRedis(ctx context.Context) error {
+	p, err := r.start(r.Name+"-redis", r.cfg.RedisBin, r.redisArgs)
+	if err != nil {
+		return err
+	}
+	r.Redis = p
+	if err := r.waitRedis(ctx); err != nil {
+		r.Redis.Kill()
+		r.Redis = nil
+		return err
+	}
+	return nil
+}
+
+// RestartRedis kills the region's redis-server (SIGKILL: everything it held
+// is lost, as in a crash without persistence) and starts it again on the
+// same address, waiting until it answers. The agent's client reconnects.
+func (r *Region) RestartRedis(ctx context.Context) error {
+	if r.Redis == nil {
+		return fmt.Errorf("region %s: no Redis to restart (embedded store)", r.Name)
+	}
+	r.Redis.Kill()
+	return r.runRedis(ctx)
+}
+
+// start starts a process of the region, inside its namespace if it has one.
+func (r *Region) start(name, bin string, args []string) (*Process, error) {
+	if h := r.cfg.Netns; h != nil {
+		return h.StartProcess(name, bin, args, r.cfg.Output)
+	}
+	return StartProcess(name, bin, args, r.cfg.Output)
+}
+
 func (r *Region) waitRedis(ctx context.Context) error {
-	c := redis.NewClient(&redis.Options{Addr: r.RedisAddr, MaxRetries: -1})
+	c := redis.NewClient(&redis.Options{Addr: r.RedisAddr, MaxRetries: -1, Dialer: r.dial})
 	defer c.Close()
 	for {
 		pctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
@@ -134,7 +219,7 @@ func (r *Region) waitRedis(ctx context.Context) error {
 // keeps the last-known-good policy across restarts) and waits until it
 // answers /healthz.
 func (r *Region) StartAgent(ctx context.Context) error {
-	p, err := StartProcess(r.Name+"-agent", r.cfg.AgentBin, r.Args, r.cfg.Output)
+	p, err := r.start(r.Name+"-agent", r.cfg.AgentBin, r.Args)
 	if err != nil {
 		return err
 	}
@@ -146,7 +231,7 @@ func (r *Region) StartAgent(ctx context.Context) error {
 func (r *Region) WaitReady(ctx context.Context) error { return r.waitHTTP(ctx, "/readyz") }
 
 func (r *Region) waitHTTP(ctx context.Context, path string) error {
-	hc := &http.Client{Timeout: 300 * time.Millisecond}
+	hc := &http.Client{Timeout: 300 * time.Millisecond, Transport: &http.Transport{DialContext: r.dial}}
 	defer hc.CloseIdleConnections()
 	for {
 		resp, err := hc.Get("http://" + r.APIAddr + path)
@@ -169,13 +254,17 @@ func (r *Region) waitHTTP(ctx context.Context, path string) error {
 }
 
 // Client returns an AdmissionService client of the agent (Connect over
-// HTTP/1.1 or h2c).
+// h2c), dialling from the region's namespace when it has one.
 func (r *Region) Client() allotv1connect.AdmissionServiceClient {
-	return allotv1connect.NewAdmissionServiceClient(allocator.NewHTTPClient(), "http://"+r.APIAddr)
+	hc := allocator.NewHTTPClient()
+	if t, ok := hc.Transport.(*http.Transport); ok && r.cfg.Netns != nil {
+		t.DialContext = r.dial
+	}
+	return allotv1connect.NewAdmissionServiceClient(hc, "http://"+r.APIAddr)
 }
 
 // Close stops the agent gracefully (SIGTERM: it hands its unspent tokens
-// back to the allocator), then the Redis.
+// back to the allocator), then the Redis, if any.
 func (r *Region) Close(grace time.Duration) error {
 	var err error
 	if r.Agent != nil {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -41,11 +42,8 @@ func TestRegionProcesses(t *testing.T) {
 		t.Fatal(err)
 	}
 	dir := t.TempDir()
-	bins, err := topology.Build(ctx, root, dir+"/bin", "./cmd/allocator", "./cmd/regionagent")
-	if err != nil {
-		t.Fatal(err)
-	}
-	allocs, err := topology.StartAllocators(ctx, topology.AllocatorConfig{Nodes: 1, Bin: bins["./cmd/allocator"], Dir: dir + "/alloc",
+	bins := binDir(t, root)
+	allocs, err := topology.StartAllocators(ctx, topology.AllocatorConfig{Nodes: 1, Bin: filepath.Join(bins, "allocator"), Dir: dir + "/alloc",
 		ExtraArgs: []string{"-log-level", "warn", "-lease-margin", "50ms"}})
 	if err != nil {
 		t.Fatal(err)
@@ -61,7 +59,7 @@ func TestRegionProcesses(t *testing.T) {
 		t.Fatal(err)
 	}
 	r, err := topology.StartRegion(ctx, topology.RegionConfig{
-		Name: "eu", AgentBin: bins["./cmd/regionagent"], Dir: dir + "/eu", AllocatorEndpoints: allocs.Endpoints(),
+		Name: "eu", AgentBin: filepath.Join(bins, "regionagent"), Dir: dir + "/eu", AllocatorEndpoints: allocs.Endpoints(),
 		AgentArgs: []string{"-log-level", "warn", "-lease-margin", "50ms", "-starve-wait", "5s"},
 	})
 	if err != nil {
