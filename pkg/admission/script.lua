@@ -28,11 +28,20 @@
 --   n  renew    KEYS: slots            ARGV: op now member ttl -> {held}
 --
 -- Rule kinds, their state and their arguments (a b c d):
---   1 token bucket    "tokens:stamp"        capacity_m refill_m_per_s cost_m idle_ttl_ms
+--   1 token bucket    "tokens:stamp:expiry" capacity_m refill_m_per_s cost_m idle_ttl_ms
 --   2 fixed window    "index:count"         limit window_ms cost -
 --   3 sliding window  "index:count:prev"    limit window_ms cost -
 --   4 concurrency     sorted set            max_in_flight slot_ttl_ms - -
 --   5 leased pool     sorted set + hash     cost - - -   (keys z, then h)
+--
+-- TTLs: a debit rewrites a string-state key with SET ... KEEPTTL unless its
+-- TTL must grow, because SET ... PX costs Redis about twice as much (it is
+-- rewritten to PXAT for propagation). A window's expiry depends only on its
+-- index, so it is set when the index changes. A bucket must outlive the time
+-- it takes to refill to full; its value carries the expiry last set
+-- (absolute ms, 0 when unknown), and a debit that needs a later one sets
+-- twice the idle TTL, so a draining bucket sets its TTL at most once per idle
+-- TTL and an idle key lives at most two idle TTLs.
 
 local op = ARGV[1]
 local now = tonumber(ARGV[2])
@@ -89,7 +98,8 @@ local function pool_spend(h, ids, rem, exp, want)
     end
   end
   redis.call('HINCRBY', h, 'consumed', want - left)
-  redis.call('PEXPIRE', h, POOL_TTL)
+  -- No PEXPIRE here: the deposit of every grant spent from set both keys to
+  -- outlive it (POOL_TTL is the longest lease), so the hash is still alive.
   return first
 end
 
@@ -136,10 +146,10 @@ if op == 'd' or op == 'r' then
       -- token bucket "tokens:stamp": a = capacity_m, bb = refill_m per s,
       -- c = cost_m, d = idle ttl
       local v = vals[ki - 1]
-      local tok, ts
+      local tok, ts, exp
       if v then
-        local x, y = string.match(v, '^(%-?%d+):(%-?%d+)$')
-        tok, ts = tonumber(x), tonumber(y)
+        local x, y, z = string.match(v, '^(%-?%d+):(%-?%d+):?(%d*)$')
+        tok, ts, exp = tonumber(x), tonumber(y), tonumber(z) or 0
         if not tok then return redis.error_reply('allot: corrupt bucket at ' .. key) end
       end
       local fresh = not tok
@@ -159,11 +169,20 @@ if op == 'd' or op == 'r' then
         end
       end
       if refund then
-        if not fresh then redis.call('SET', key, string.format('%d:%d', math.min(a, tok + c), ts), 'KEEPTTL') end
+        if not fresh then redis.call('SET', key, string.format('%d:%d:%d', math.min(a, tok + c), ts, exp), 'KEEPTTL') end
       elseif tok >= c then
-        write = string.format('%d:%d', tok - c, ts)
         remaining = tok - c
-        if bb > 0 then reset = math.ceil((a - remaining) * 1000 / bb) end
+        local need = now + d
+        if bb > 0 then
+          reset = math.ceil((a - remaining) * 1000 / bb)
+          need = now + reset + SLACK
+        end
+        if fresh or exp < need then
+          exp, d = now + 2 * d, 2 * d
+        else
+          d = false -- the key's TTL already covers the refill: KEEPTTL
+        end
+        write = string.format('%d:%d:%d', remaining, ts, exp)
       else
         ok = 0
         remaining = tok
@@ -210,6 +229,7 @@ if op == 'd' or op == 'r' then
         reset = wend
         if cnt + c <= a then
           write, d = string.format('%d:%d', idx, cnt + c), wend + SLACK
+          if stored == idx then d = false end -- same window, same expiry
           remaining = a - cnt - c
         else
           ok, retry, remaining = 0, wend, math.max(0, a - cnt)
@@ -219,6 +239,7 @@ if op == 'd' or op == 'r' then
         reset = wend
         if est + c <= a then
           write, d = string.format('%d:%d:%d', idx, cnt + c, prev), wend + bb + SLACK
+          if stored == idx then d = false end -- same window, same expiry
           remaining = math.floor(a - est - c)
         else
           ok = 0
@@ -287,7 +308,13 @@ if op == 'd' or op == 'r' then
   out[3] = deny
   if deny == 0 then
     -- every live rule allows: debit them all (and each allowing shadow rule)
-    for j = 1, wn do redis.call('SET', wk[j], wv[j], 'PX', wt[j]) end
+    for j = 1, wn do
+      if wt[j] then
+        redis.call('SET', wk[j], wv[j], 'PX', wt[j])
+      else
+        redis.call('SET', wk[j], wv[j], 'KEEPTTL')
+      end
+    end
     for j = 1, zn do
       redis.call('ZADD', zk[j], zd[j], member)
       redis.call('PEXPIRE', zk[j], zt[j])
