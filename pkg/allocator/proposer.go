@@ -10,8 +10,8 @@ import (
 
 // proposer group-commits concurrent Acquire and Release calls. One
 // dispatcher collects calls into the next batch while the previous batch is
-// in Raft, and proposes the batch (up to fsm.MaxBatch commands as ONE Raft
-// entry) as soon as nothing else is in flight. Only a full batch may overtake
+// in Raft, and proposes the batch (up to fsm.MaxBatch commands or
+// fsm.MaxWants wants as ONE Raft entry) as soon as nothing else is in flight. Only a full batch may overtake
 // and be proposed beside others, up to maxProposalsInFlight. Under load one
 // entry serves many callers, so the allocator's rate is not capped by the
 // rate of Raft entries and each entry's fixed cost (log encoding, BoltDB put
@@ -33,6 +33,16 @@ type proposal struct {
 	ctx  context.Context
 	cmd  fsm.Command
 	done chan proposalResult // buffered: the dispatcher never blocks on it
+}
+
+// weight is what the proposal adds to an entry, in wants: a batch is full at
+// fsm.MaxWants wants, so one entry carries at most twice the wants (and
+// about twice the bytes) of the largest single Acquire, whatever MaxBatch.
+func (pr *proposal) weight() int {
+	if pr.cmd.Acquire != nil {
+		return len(pr.cmd.Acquire.Wants)
+	}
+	return 1
 }
 
 type proposalResult struct {
@@ -95,14 +105,15 @@ func (p *proposer) run() {
 	defer p.wg.Done()
 	var (
 		next     = make([]*proposal, 0, fsm.MaxBatch)
+		wants    int // the wants in next
 		inFlight int
 		finished = make(chan struct{}, maxProposalsInFlight)
 	)
 	for {
-		full := len(next) >= fsm.MaxBatch
+		full := len(next) >= fsm.MaxBatch || wants >= fsm.MaxWants
 		if len(next) > 0 && (inFlight == 0 || full && inFlight < maxProposalsInFlight) {
 			batch := next
-			next = make([]*proposal, 0, fsm.MaxBatch)
+			next, wants = make([]*proposal, 0, fsm.MaxBatch), 0
 			inFlight++
 			go func() {
 				p.commit(batch)
@@ -117,6 +128,7 @@ func (p *proposer) run() {
 		select {
 		case pr := <-in:
 			next = append(next, pr)
+			wants += pr.weight()
 		case <-finished:
 			inFlight--
 		case <-p.stop:

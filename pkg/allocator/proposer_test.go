@@ -1,0 +1,74 @@
+package allocator
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/allot-dev/allot/fsm"
+	"github.com/allot-dev/allot/pkg/policy"
+)
+
+// TestProposerCapsEntriesByWants: concurrent Acquires are group-committed,
+// but an entry stops taking calls at fsm.MaxWants wants, so however many
+// large Acquires queue up, one Raft entry carries less than 2 x MaxWants
+// wants. Grant ids number the wants of an entry ("<index>-<n>"), which
+// shows each entry's size; every Acquire still gets all of its grants.
+func TestProposerCapsEntriesByWants(t *testing.T) {
+	tc := newTestCluster(t, 3)
+	l := tc.leader()
+	publishTest(t, []string{tc.addrs[tc.index(l)]}, templatePolicy, 1)
+	const calls, perCall = 6, 10_000
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	var (
+		wg      sync.WaitGroup
+		mu      sync.Mutex
+		results = map[int]*fsm.AcquireResult{}
+		errs    []error
+	)
+	for c := range calls {
+		wants := make([]fsm.Want, perCall)
+		for i := range wants {
+			wants[i] = fsm.Want{Quota: policy.InstanceName("standard", []string{fmt.Sprintf("c%dt%d", c, i)}), Tokens: 1}
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			res, err := l.Apply(ctx, fsm.Command{Type: fsm.CmdAcquire, Acquire: &fsm.Acquire{Region: "eu", RequestID: fmt.Sprintf("big-%d", c), Wants: wants}})
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				errs = append(errs, err)
+				return
+			}
+			results[c] = res.(*fsm.AcquireResult)
+		}()
+	}
+	wg.Wait()
+	if len(errs) > 0 {
+		t.Fatalf("Acquire failed: %v", errs)
+	}
+	perEntry := map[string]int{}
+	for c, r := range results {
+		if len(r.Grants) != perCall {
+			t.Fatalf("call %d: %d grants, want %d", c, len(r.Grants), perCall)
+		}
+		for _, g := range r.Grants {
+			index, n, ok := strings.Cut(g.GrantID, "-")
+			k, err := strconv.Atoi(n)
+			if !ok || err != nil || g.Tokens != 1 {
+				t.Fatalf("call %d: grant %+v", c, g)
+			}
+			if k >= 2*fsm.MaxWants {
+				t.Fatalf("grant %s: an entry carried more than 2 x %d wants", g.GrantID, fsm.MaxWants)
+			}
+			perEntry[index]++
+		}
+	}
+	t.Logf("%d Acquires of %d wants in %d entries: %v", calls, perCall, len(perEntry), perEntry)
+}
