@@ -2,6 +2,7 @@ package allocator
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -39,7 +40,15 @@ func TestProposerCapsEntriesByWants(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			res, err := l.Apply(ctx, fsm.Command{Type: fsm.CmdAcquire, Acquire: &fsm.Acquire{Region: "eu", RequestID: fmt.Sprintf("big-%d", c), Wants: wants}})
+			cmd := fsm.Command{Type: fsm.CmdAcquire, Acquire: &fsm.Acquire{Region: "eu", RequestID: fmt.Sprintf("big-%d", c), Wants: wants}}
+			res, err := l.Apply(ctx, cmd)
+			// A loaded machine may move the leadership of this fast-timeout
+			// cluster: retry on the new leader with the same request id
+			// (a replay returns the grants first recorded).
+			for try := 0; try < 10 && (errors.Is(err, ErrNotLeader) || errors.Is(err, ErrUnknownOutcome)); try++ {
+				time.Sleep(200 * time.Millisecond)
+				res, err = tc.leader().Apply(ctx, cmd)
+			}
 			mu.Lock()
 			defer mu.Unlock()
 			if err != nil {
