@@ -2,12 +2,12 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"sync"
 	"time"
 
-	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 
 	"github.com/allot-dev/allot/pkg/admission"
@@ -246,22 +246,15 @@ func (a *Agent) ReleaseSlot(ctx context.Context, descriptors []policy.Entry, req
 	if requestID == "" {
 		return 0, fmt.Errorf("request_id: required (the id given to Check, or its decision_id): %w", ErrInvalidRequest)
 	}
-	calls, err := eng.ScriptCalls(&admission.Request{Descriptors: descriptors, RequestID: requestID})
+	// The engine finds the request's slot sets from the descriptors and
+	// removes the request id from each: the store holds the truth, whichever
+	// agent or gateway took the slots.
+	released, err := eng.ReleaseRequest(ctx, &admission.Request{Descriptors: descriptors, RequestID: requestID})
 	if err != nil {
-		return 0, err
-	}
-	keys, member, err := slotKeys(calls)
-	if err != nil {
-		return 0, err
-	}
-	var released int64
-	if len(keys) > 0 {
-		if member == "" {
-			member = requestID
-		}
-		if released, err = a.releaseStoreSlots(ctx, eng, descriptors, requestID, keys, member); err != nil {
+		if errors.Is(err, admission.ErrInvalidRequest) {
 			return 0, err
 		}
+		return 0, fmt.Errorf("release slots of %s: %w: %w", requestID, admission.ErrUnavailable, err)
 	}
 	if d := a.slots.take(requestID); d != nil {
 		for i := range d.Rules {
@@ -274,77 +267,6 @@ func (a *Agent) ReleaseSlot(ctx context.Context, descriptors []policy.Entry, req
 		}
 	}
 	return released, nil
-}
-
-// releaseStoreSlots removes member from the slot sets keys in the store:
-// with one pipeline on Redis, or through the engine on a store given with
-// WithStore.
-func (a *Agent) releaseStoreSlots(ctx context.Context, eng *admission.Engine, descriptors []policy.Entry, requestID string,
-	keys []string, member string) (int64, error) {
-	if a.rdb == nil {
-		n, err := eng.ReleaseRequest(ctx, &admission.Request{Descriptors: descriptors, RequestID: member})
-		if err != nil {
-			return 0, fmt.Errorf("release slots of %s: %w: %w", requestID, admission.ErrUnavailable, err)
-		}
-		return n, nil
-	}
-	pipe := a.rdb.Pipeline()
-	cmds := make([]*redis.IntCmd, len(keys))
-	for i, k := range keys {
-		cmds[i] = pipe.ZRem(ctx, k, member)
-	}
-	if _, err := pipe.Exec(ctx); err != nil {
-		return 0, fmt.Errorf("release slots: %w: %w", admission.ErrUnavailable, err)
-	}
-	var released int64
-	for _, c := range cmds {
-		released += c.Val()
-	}
-	return released, nil
-}
-
-// slotKeys finds the concurrency rules' keys in the script calls Decide
-// would make, from the layout script.lua documents for a decide: ARGV is
-// op, now, id, member, idemTTL, n, ns, then 7 per rule: kind, keyIndex
-// (1-based, into KEYS), a, b, c, d, shadow. TestReleaseSlotFromAnyAgent
-// fails if the layout changes.
-func slotKeys(calls []admission.ScriptCall) ([]string, string, error) {
-	const head, per, kindSlots = 7, 7, 4
-	var keys []string
-	member := ""
-	for _, c := range calls {
-		if len(c.Args) < head {
-			return nil, "", fmt.Errorf("script call: %d args, want at least %d", len(c.Args), head)
-		}
-		if m, ok := c.Args[3].(string); ok {
-			member = m
-		}
-		n, ok := asInt(c.Args[5])
-		if !ok || len(c.Args) != head+per*n {
-			return nil, "", fmt.Errorf("script call: %d args for %d rules, want %d", len(c.Args), n, head+per*n)
-		}
-		for r := 0; r < n; r++ {
-			kind, ok1 := asInt(c.Args[head+per*r])
-			ki, ok2 := asInt(c.Args[head+per*r+1])
-			if !ok1 || !ok2 || ki < 1 || ki > len(c.Keys) {
-				return nil, "", fmt.Errorf("script call: rule %d: kind %v key index %v of %d keys", r, c.Args[head+per*r], c.Args[head+per*r+1], len(c.Keys))
-			}
-			if kind == kindSlots {
-				keys = append(keys, c.Keys[ki-1])
-			}
-		}
-	}
-	return keys, member, nil
-}
-
-func asInt(v any) (int, bool) {
-	switch x := v.(type) {
-	case int:
-		return x, true
-	case int64:
-		return int(x), true
-	}
-	return 0, false
 }
 
 // slotTable remembers, by request id, the decisions holding slots taken by
