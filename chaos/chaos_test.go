@@ -19,6 +19,7 @@ var (
 	seedFlag = flag.Int64("chaos.seed", 0, "seed of the run's random choices (0: from the time; printed either way)")
 	onlyFlag = flag.String("chaos.scenarios", "", "comma-separated scenarios to run instead of all of them (short schedule only)")
 	histFlag = flag.Bool("chaos.history", false, "write the whole history to chaos/out/history.jsonl even when every check passes")
+	kindFlag = flag.String("chaos.regions", RegionAgent, "what runs each region of TestChaos: agent (regionagent + redis-server + load generator) or driver (the chaosregion driver)")
 )
 
 func runSeed(t *testing.T) int64 {
@@ -61,7 +62,18 @@ func newSuite(t *testing.T, cfg Config) *Suite {
 func TestChaos(t *testing.T) {
 	seed := runSeed(t)
 	began := time.Now()
-	s := newSuite(t, DefaultConfig(seed))
+	cfg := DefaultConfig(seed)
+	cfg.RegionKind = *kindFlag
+	if cfg.RegionKind == RegionDriver {
+		// The driver has no starve wait: a clamped Birch would be denied
+		// at every window's turn (docs/chaos.md, findings).
+		for i := range cfg.Quotas {
+			if cfg.Quotas[i].Birch {
+				cfg.Quotas[i].Clamp = false
+			}
+		}
+	}
+	s := newSuite(t, cfg)
 	ctx := context.Background()
 	rng := rand.New(rand.NewPCG(uint64(seed), 2))
 	steps, until := ShortSchedule(), time.Now().Add(time.Hour)
@@ -77,7 +89,7 @@ func TestChaos(t *testing.T) {
 	}
 	if *soakFlag > 0 {
 		// A step takes at least two windows: this many always fill the soak.
-		steps = RandomSchedule(rng, int(*soakFlag/(2*s.cfg.Window))+1)
+		steps = RandomSchedule(rng, int(*soakFlag/(2*s.cfg.Window))+1, s.cfg.RegionKind == RegionAgent)
 		until = time.Now().Add(*soakFlag)
 	}
 	// One calm window first.
@@ -86,16 +98,19 @@ func TestChaos(t *testing.T) {
 	}
 	runErr := s.RunSchedule(ctx, rng, steps, until)
 	h, finErr := s.Finish(ctx)
+	defer func() {
+		// Last, so every failure below is known.
+		if *histFlag || t.Failed() {
+			if err := s.WriteHistory("history.jsonl", h); err != nil {
+				t.Errorf("history: %v", err)
+			}
+		}
+	}()
 	res := check.Run(h, s.CheckParams())
 	report, err := s.Report("report.txt", "allot chaos: "+scheduleName(steps), h, res, time.Since(began))
 	t.Log("\n" + report)
 	if err != nil {
 		t.Errorf("report: %v", err)
-	}
-	if *histFlag || !res.OK() || runErr != nil {
-		if err := s.WriteHistory("history.jsonl", h); err != nil {
-			t.Errorf("history: %v", err)
-		}
 	}
 	if runErr != nil {
 		t.Fatalf("schedule: %v", runErr)
@@ -144,12 +159,18 @@ func scheduleName(steps []Step) string {
 //     the bound the run is held to is the clamp-on one, 0; calm windows
 //     followed by flood windows spend carried-over tokens on top of G;
 //   - late: region ap trusts its wall clock, 500 ms behind, for lease
-//     deadlines: it spends past the allocator's expiry.
+//     deadlines: it keeps grants spendable past the allocator's expiry
+//     (the check agent regions are held to through their Redis expiry)
+//     and spends after it.
+//
+// The regions are drivers: the broken modes are the driver's (the agent
+// has none).
 func TestCheckerCatchesBrokenConfig(t *testing.T) {
 	seed := runSeed(t)
 	began := time.Now()
 	zero := int64(0)
 	cfg := DefaultConfig(seed)
+	cfg.RegionKind = RegionDriver
 	cfg.Regions = []string{"ap", "eu", "us"}
 	cfg.Quotas = []QuotaPlan{
 		{Name: "atlas", Limit: 1000, Chunk: 100, Clamp: true, Demand: map[string]float64{"eu": 250, "us": 250}, Independent: map[string]int64{"us": 1000}},
@@ -185,6 +206,7 @@ func TestCheckerCatchesBrokenConfig(t *testing.T) {
 		{check.CheckUnleased, "atlas", "admissions without any lease"},
 		{check.CheckBound, "noclamp", "clamp off while the bound claims 0"},
 		{check.CheckLateSpend, "late", "deadlines by a skewed wall clock"},
+		{check.CheckDepositLate, "late", "grants kept spendable past the allocator's expiry"},
 	}
 	for _, w := range want {
 		var found *check.Violation

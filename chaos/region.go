@@ -20,14 +20,15 @@ import (
 )
 
 // ErrNeedsAgent is returned by Region methods the region driver cannot
-// honour because they need the real region agent (and its Redis).
+// honour because they need the real region agent and its Redis
+// (AgentRegion): a scenario that gets it is reported as skipped.
 var ErrNeedsAgent = errors.New("needs the region agent")
 
 // Region is the region side of the suite: whatever runs inside a region's
 // network namespace, leases quotas from the allocators, admits requests
 // against them and reports what it did. The suite only talks to regions
-// through this interface, so the region agent can replace the driver
-// (see docs/chaos.md, "Replacing the driver with the region agent").
+// through this interface: AgentRegion (regionagent, redis-server and a load
+// generator) and DriverRegion (the chaosregion driver) implement it.
 type Region interface {
 	// Name is the region as the policy declares it.
 	Name() string
@@ -35,9 +36,12 @@ type Region interface {
 	Start(ctx context.Context, env RegionEnv) error
 	// SetDemand sets the offered requests per second of a quota.
 	SetDemand(ctx context.Context, quota string, perSecond float64) error
-	// SetClockSkew skews the region's wall clock by skew from true time.
+	// SetClockSkew skews the region's clock by skew from true time (an
+	// agent region restarts its agent with the skewed clock).
 	SetClockSkew(ctx context.Context, skew time.Duration) error
-	// Storm fires n concurrent renewals per quota at once.
+	// Storm makes every quota renew at once: the driver fires n concurrent
+	// extra Acquires per quota, an agent region a burst of requests that
+	// drains every pool.
 	Storm(ctx context.Context, n int) error
 	// RestartStore restarts the region's store (Redis), losing its tokens.
 	RestartStore(ctx context.Context) error
@@ -65,6 +69,9 @@ type RegionEnv struct {
 	// Dir is a directory of the region's own; Log receives its processes' output.
 	Dir string
 	Log io.Writer
+	// LogDir keeps files worth reading after the run (an agent region's
+	// lease journal); it outlives Dir.
+	LogDir string
 	// Seed seeds the region's randomness.
 	Seed uint64
 }
@@ -80,7 +87,8 @@ type QuotaLoad struct {
 	// Rate is the offered requests per second; FloodRate, when set,
 	// alternates with it by window.
 	Rate, FloodRate float64
-	// Independent and WallDeadline are the broken modes (see driver.QuotaConfig).
+	// Independent and WallDeadline are the broken modes of region drivers
+	// (see driver.QuotaConfig); agent regions refuse them.
 	Independent  int64
 	WallDeadline bool
 }
@@ -163,10 +171,9 @@ func (d *DriverRegion) Storm(ctx context.Context, n int) error {
 	return d.conn.call(ctx, history.Command{Op: history.OpStorm, N: n})
 }
 
-// RestartStore implements Region. HOOK (issue 5, "restart a region's
-// Redis"): the driver holds its tokens in memory and has no store to
-// restart; the agent-backed Region restarts redis-server here (tokens are
-// lost: under-admission only) and the restart-store scenario then runs.
+// RestartStore implements Region: the driver holds its tokens in memory and
+// has no store to restart (AgentRegion restarts its redis-server), so the
+// restart-store scenario is reported as skipped with drivers.
 func (d *DriverRegion) RestartStore(context.Context) error {
 	return fmt.Errorf("region %s: restart the store: %w", d.name, ErrNeedsAgent)
 }
@@ -192,9 +199,9 @@ func (d *DriverRegion) Stop(ctx context.Context) error {
 	return err
 }
 
-// control is the suite's end of the drivers' control socket: a unix
-// socket path, which reaches every namespace and which no iptables rule
-// touches.
+// control is the suite's end of the region processes' control socket
+// (drivers, load generators): a unix socket path, which reaches every
+// namespace and which no iptables rule touches.
 type control struct {
 	path   string
 	ln     net.Listener
@@ -238,7 +245,7 @@ func (c *control) close() {
 	c.wg.Wait()
 }
 
-// driverConn is one driver's control connection.
+// driverConn is one region process's control connection.
 type driverConn struct {
 	conn net.Conn
 	mu   sync.Mutex
@@ -303,7 +310,7 @@ func (dc *driverConn) call(ctx context.Context, cmd history.Command) error {
 		}
 		return nil
 	case <-dc.done:
-		return fmt.Errorf("%s: the driver went away", cmd.Op)
+		return fmt.Errorf("%s: the region process went away", cmd.Op)
 	case <-ctx.Done():
 		return fmt.Errorf("%s: %w", cmd.Op, ctx.Err())
 	}

@@ -10,6 +10,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
+	"sort"
 	"strings"
 	"sync"
 	"time"
@@ -57,9 +59,12 @@ func (s *Suite) Finish(ctx context.Context) (history.History, error) {
 func (s *Suite) Quotas() []check.Quota { return append([]check.Quota(nil), s.quotas...) }
 
 // CheckParams are the checkers' parameters for this run: a fault span is
-// excused one window past its heal.
+// excused one window past its heal; an unanswered Acquire may take effect
+// up to 10 s after its last attempt (a 5 s proposal timeout, and a request
+// sent during a partition of up to 4 s can reach the allocator seconds
+// after the heal).
 func (s *Suite) CheckParams() check.Params {
-	return check.Params{Quotas: s.Quotas(), FaultGrace: s.cfg.Window, LinearizabilityTimeout: 30 * time.Second, ApplyTimeout: 5 * time.Second}
+	return check.Params{Quotas: s.Quotas(), FaultGrace: s.cfg.Window, LinearizabilityTimeout: 30 * time.Second, ApplyTimeout: 10 * time.Second}
 }
 
 // Report renders the checkers' result with a header describing the run,
@@ -69,8 +74,8 @@ func (s *Suite) Report(name, title string, h history.History, r *check.Result, t
 	fmt.Fprintf(&b, "%s\n", title)
 	fmt.Fprintf(&b, "seed %d; machine: %s; run took %s; true-clock drift vs wall clock at the end %s\n",
 		s.cfg.Seed, machine(), took.Round(time.Second), s.clock.Drift().Round(time.Microsecond))
-	fmt.Fprintf(&b, "topology: %d allocators (+1 spare), regions %v, WAN %s-%s each way, loss %.1f%%; window %s, TTL %s\n",
-		s.cfg.Allocators, s.cfg.Regions, s.cfg.WAN.DelayMin, s.cfg.WAN.DelayMax, s.cfg.WAN.Loss*100, s.cfg.Window, s.cfg.TTL)
+	fmt.Fprintf(&b, "topology: %d allocators (+1 spare), regions %v as %s, WAN %s-%s each way, loss %.1f%%; window %s, TTL %s\n",
+		s.cfg.Allocators, s.cfg.Regions, regionKindText(s.cfg.RegionKind), s.cfg.WAN.DelayMin, s.cfg.WAN.DelayMax, s.cfg.WAN.Loss*100, s.cfg.Window, s.cfg.TTL)
 	for _, q := range s.cfg.Quotas {
 		fmt.Fprintf(&b, "quota %s: G %d, chunk %d, clamp %t, demand %v", q.Name, q.Limit, q.Chunk, q.Clamp, q.Demand)
 		if len(q.Flood) > 0 {
@@ -81,10 +86,14 @@ func (s *Suite) Report(name, title string, h history.History, r *check.Result, t
 		}
 		b.WriteString("\n")
 	}
+	for _, q := range s.cfg.Quotas {
+		b.WriteString(latencyLine(h, q.Name, s.cfg.Window))
+	}
 	b.WriteString("\n")
 	if err := check.Render(&b, "per scenario (windows it touched, by the true clock):", h, r, s.Quotas(), s.cfg.Window); err != nil {
 		return "", err
 	}
+
 	b.WriteString("\nfault timeline:\n")
 	for _, f := range h.Faults {
 		fmt.Fprintf(&b, "  %s  %-18s %-7s %s\n", time.Unix(0, f.At).UTC().Format("15:04:05.000"), f.Scenario, f.Action, f.Detail)
@@ -99,6 +108,56 @@ func (s *Suite) Report(name, title string, h history.History, r *check.Result, t
 		}
 	}
 	return out, nil
+}
+
+// latencyLine summarizes how long quota's decisions took, from request to
+// answer, when the events carry both (agent regions: a request short of
+// tokens waits for a renewal, up to the agent's starve wait, instead of
+// being denied at once): over the whole run, and outside fault windows
+// (a span that touches the region, extended by grace past its end).
+func latencyLine(h history.History, quota string, grace time.Duration) string {
+	var all, calm []time.Duration
+	for _, e := range h.Events {
+		if e.Quota != quota || (e.Kind != history.KindAdmit && e.Kind != history.KindDeny) || e.Call == 0 || e.At < e.Call {
+			continue
+		}
+		d := time.Duration(e.At - e.Call)
+		all = append(all, d)
+		inFault := false
+		for _, sp := range h.Spans {
+			if sp.Skipped == "" && sp.Affects(e.Region) && e.At >= sp.Start && e.Call <= sp.End+int64(grace) {
+				inFault = true
+				break
+			}
+		}
+		if !inFault {
+			calm = append(calm, d)
+		}
+	}
+	if len(all) == 0 {
+		return ""
+	}
+	return fmt.Sprintf("decision latency %s: all %s; outside faults %s\n", quota, latencyStats(all), latencyStats(calm))
+}
+
+func latencyStats(lat []time.Duration) string {
+	if len(lat) == 0 {
+		return "none"
+	}
+	slices.Sort(lat)
+	pct := func(p float64) time.Duration {
+		return lat[min(len(lat)-1, int(p*float64(len(lat))))].Round(time.Millisecond)
+	}
+	slow := len(lat) - sort.Search(len(lat), func(i int) bool { return lat[i] > 200*time.Millisecond })
+	return fmt.Sprintf("%d decisions, p50 %s, p99 %s, max %s, %d (%.1f%%) over 200ms",
+		len(lat), pct(0.5), pct(0.99), lat[len(lat)-1].Round(time.Millisecond), slow, float64(slow)*100/float64(len(lat)))
+}
+
+func regionKindText(kind string) string {
+	if kind == RegionAgent {
+		return "region agents (regionagent + redis-server + load generator)"
+	}
+	return "region drivers"
 }
 
 // machine describes the CPU the run had (nproc and the model name).

@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -58,11 +59,12 @@ func ShortSchedule() []Step {
 
 // RandomSchedule draws n steps from rng: each a random scenario, and with
 // probability 1/3 a second one that touches nothing the first touches.
-// restart-store is left out until the region agent can run it.
-func RandomSchedule(rng *rand.Rand, n int) []Step {
+// restart-store is drawn only when the regions have a store (withStore:
+// agent regions).
+func RandomSchedule(rng *rand.Rand, n int, withStore bool) []Step {
 	var pool []Scenario
 	for _, sc := range Scenarios() {
-		if sc.Name != "restart-store" {
+		if withStore || sc.Name != "restart-store" {
 			pool = append(pool, sc)
 		}
 	}
@@ -202,42 +204,73 @@ func (s *Suite) hostOf(id string) *topology.Host {
 	return nil
 }
 
-// partition drops every packet between h and peers, by iptables rules in
-// h's namespace tagged with tag.
+// partition drops every packet between h and peers, by two iptables rules
+// in h's namespace tagged with tag (a comma-separated address list expands
+// into one rule per peer in one call: under load each iptables call costs
+// a few hundred milliseconds, which would stretch the fault).
 func (s *Suite) partition(ctx context.Context, h *topology.Host, peers []*topology.Host, tag string) error {
+	var ips []string
 	for _, p := range peers {
-		if p == h {
-			continue
+		if p != h {
+			ips = append(ips, p.IP)
 		}
-		for _, rule := range [][]string{
-			{"-I", "INPUT", "-s", p.IP, "-j", "DROP", "-m", "comment", "--comment", tag},
-			{"-I", "OUTPUT", "-d", p.IP, "-j", "DROP", "-m", "comment", "--comment", tag},
-		} {
-			if err := h.IPTables(ctx, rule...); err != nil {
-				return err
-			}
+	}
+	if len(ips) == 0 {
+		return nil
+	}
+	list := strings.Join(ips, ",")
+	for _, rule := range [][]string{
+		{"INPUT", "-s", list, "-j", "DROP", "-m", "comment", "--comment", tag},
+		{"OUTPUT", "-d", list, "-j", "DROP", "-m", "comment", "--comment", tag},
+	} {
+		if err := h.IPTables(ctx, append([]string{"-I"}, rule...)...); err != nil {
+			return err
 		}
+		s.mu.Lock()
+		k := h.NS + "/" + tag
+		s.cuts[k] = append(s.cuts[k], rule)
+		s.mu.Unlock()
 	}
 	return nil
 }
 
-// heal removes the rules partition added to h under tag.
+// heal removes the rules partition added to h under tag: with the specs it
+// inserted them with (-D with an address list deletes every rule it
+// expanded to) or, when partition did not finish, by listing the tagged
+// rules and deleting them by number.
 func (s *Suite) heal(ctx context.Context, h *topology.Host, tag string) error {
-	out, err := h.Run(ctx, "iptables", "-w", "-S")
-	if err != nil {
-		return err
-	}
-	for _, line := range strings.Split(string(out), "\n") {
-		if !strings.HasPrefix(line, "-A ") || !strings.Contains(line, tag) {
-			continue
-		}
-		f := strings.Fields(strings.TrimPrefix(line, "-A "))
-		args := []string{"-D"}
-		for _, x := range f {
-			args = append(args, strings.Trim(x, `"`))
-		}
-		if err := h.IPTables(ctx, args...); err != nil {
+	s.mu.Lock()
+	k := h.NS + "/" + tag
+	rules := s.cuts[k]
+	delete(s.cuts, k)
+	s.mu.Unlock()
+	for _, rule := range rules {
+		if err := h.IPTables(ctx, append([]string{"-D"}, rule...)...); err != nil {
 			return err
+		}
+	}
+	if len(rules) == 2 {
+		return nil // both rules were in and are out
+	}
+	for _, chain := range []string{"INPUT", "OUTPUT"} {
+		out, err := h.Run(ctx, "iptables", "-w", "-L", chain, "--line-numbers", "-n")
+		if err != nil {
+			return err
+		}
+		var nums []int
+		for _, line := range strings.Split(string(out), "\n") {
+			f := strings.Fields(line)
+			if len(f) == 0 || !strings.Contains(line, "/* "+tag+" */") {
+				continue
+			}
+			if n, err := strconv.Atoi(f[0]); err == nil {
+				nums = append(nums, n)
+			}
+		}
+		for i := len(nums) - 1; i >= 0; i-- { // highest first: numbers below stay valid
+			if err := h.IPTables(ctx, "-D", chain, strconv.Itoa(nums[i])); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
@@ -312,7 +345,13 @@ func killLeaderStorm(ctx context.Context, s *Suite, rng *rand.Rand) (history.Spa
 		return history.Span{}, err
 	}
 	n := 3 + rng.IntN(3)
-	start := s.fault("kill-leader-storm", "inject", "renewal storm: %d extra Acquires per quota from every region", n)
+	detail := fmt.Sprintf("renewal storm: %d extra Acquires per quota from every region", n)
+	if len(s.regions) > 0 {
+		if d, ok := s.regions[0].(interface{ StormDetail(n int) string }); ok {
+			detail = d.StormDetail(n)
+		}
+	}
+	start := s.fault("kill-leader-storm", "inject", "%s", detail)
 	var wg sync.WaitGroup
 	for _, r := range s.regions {
 		wg.Add(1)
@@ -399,7 +438,9 @@ func restartAll(ctx context.Context, s *Suite, _ *rand.Rand) (history.Span, erro
 
 // skewRegion moves one region's wall clock 500 ms ahead and another's 500
 // ms behind (one region, random sign, when there is only one) for two
-// windows. Deadlines by the send-time rule must not move.
+// windows. Deadlines by the send-time rule must not move. Agent regions
+// restart their agent with the skewed clock (and again without it at the
+// heal): the restarts are part of the fault window.
 func skewRegion(ctx context.Context, s *Suite, rng *rand.Rand) (history.Span, error) {
 	order := rng.Perm(len(s.cfg.Regions))
 	skews := map[string]time.Duration{s.cfg.Regions[order[0]]: 500 * time.Millisecond}
@@ -408,34 +449,63 @@ func skewRegion(ctx context.Context, s *Suite, rng *rand.Rand) (history.Span, er
 	} else if rng.IntN(2) == 0 {
 		skews[s.cfg.Regions[order[0]]] = -500 * time.Millisecond
 	}
-	var names []string
-	var err error
+	var names, touched []string
 	for _, r := range s.regions {
 		if d, ok := skews[r.Name()]; ok {
 			names = append(names, fmt.Sprintf("%s %+dms", r.Name(), d.Milliseconds()))
-			err = errors.Join(err, r.SetClockSkew(ctx, d))
+			touched = append(touched, r.Name())
 		}
 	}
+	how := "wall clocks skewed"
+	if s.cfg.RegionKind == RegionAgent && s.cfg.NewRegion == nil {
+		how = "agents restarted with their clocks skewed (-clock-offset)"
+	}
+	start := s.fault("skew-region", "inject", "%s: %s, for two windows", how, strings.Join(names, ", "))
+	err := s.setSkews(ctx, skews)
 	if errors.Is(err, ErrNeedsAgent) {
 		s.logf("  skew-region skipped: %v", err)
 		now := s.clock.Now()
 		return history.Span{Start: now, End: now, RecoverFrom: now, Skipped: "skipped: the region cannot skew its clock"}, nil
 	}
-	start := s.fault("skew-region", "inject", "wall clocks skewed: %s, for two windows", strings.Join(names, ", "))
+	s.fault("skew-region", "note", "skews in force after %s", time.Duration(s.clock.Now()-start).Round(time.Millisecond))
 	if err == nil {
 		err = sleepCtx(ctx, 2*s.cfg.Window)
 	}
 	hctx, cancel := healCtx()
 	defer cancel()
-	var touched []string
-	for _, r := range s.regions {
-		if _, ok := skews[r.Name()]; ok {
-			err = errors.Join(err, r.SetClockSkew(hctx, 0))
-			touched = append(touched, r.Name())
-		}
+	for r := range skews {
+		skews[r] = 0
 	}
+	err = errors.Join(err, s.setSkews(hctx, skews))
 	end := s.fault("skew-region", "heal", "skews removed")
 	return history.Span{Start: start, End: end, RecoverFrom: start, Regions: touched}, err
+}
+
+// setSkews sets the clock skews of the named regions, all at once (an agent
+// region restarts its agent for it).
+func (s *Suite) setSkews(ctx context.Context, skews map[string]time.Duration) error {
+	var (
+		wg   sync.WaitGroup
+		mu   sync.Mutex
+		errs []error
+	)
+	for _, r := range s.regions {
+		d, ok := skews[r.Name()]
+		if !ok {
+			continue
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := r.SetClockSkew(ctx, d); err != nil {
+				mu.Lock()
+				errs = append(errs, err)
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
 }
 
 // cutAllocators cuts every allocator from every region for 1.5-2 TTLs:
@@ -572,8 +642,10 @@ func (s *Suite) removeMember(ctx context.Context, n *topology.AllocatorNode) err
 	return nil
 }
 
-// restartStore is the hook for "restart a region's Redis": it needs the
-// region agent, so with the driver it is reported as skipped.
+// restartStore kills one region's Redis (SIGKILL, no persistence: every
+// deposited token is lost) and starts it again on the same address; the
+// region may then only under-admit until its agent renews. Region drivers
+// have no store: with them it is reported as skipped.
 func restartStore(ctx context.Context, s *Suite, rng *rand.Rand) (history.Span, error) {
 	r := s.regions[rng.IntN(len(s.regions))]
 	start := s.clock.Now()

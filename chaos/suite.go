@@ -14,9 +14,9 @@ import (
 	"time"
 
 	"github.com/allot-dev/allot/chaos/check"
-	"github.com/allot-dev/allot/pkg/faultproxy"
 	"github.com/allot-dev/allot/chaos/history"
 	"github.com/allot-dev/allot/pkg/allocator"
+	"github.com/allot-dev/allot/pkg/faultproxy"
 	"github.com/allot-dev/allot/pkg/lease"
 	"github.com/allot-dev/allot/pkg/topology"
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
@@ -78,26 +78,44 @@ type Config struct {
 	OutDir string
 	// Logf prints progress (t.Logf in tests).
 	Logf func(format string, args ...any)
-	// NewRegion makes a region (default: a DriverRegion). The agent-backed
-	// region plugs in here.
+	// RegionKind chooses the regions: RegionAgent (the default: redis-server,
+	// regionagent and a load generator per region) or RegionDriver (the
+	// chaosregion driver, which also has the broken modes the checkers'
+	// own test needs).
+	RegionKind string
+	// NewRegion, when set, makes every region instead (RegionKind is then
+	// only reported).
 	NewRegion func(name string) Region
 }
 
+// The region kinds of Config.RegionKind.
+const (
+	// RegionAgent runs each region as the real thing: redis-server and
+	// regionagent in the region's namespace, with a load generator there
+	// sending requests to the agent's Check API (AgentRegion).
+	RegionAgent = "agent"
+	// RegionDriver runs each region as the chaosregion driver, which leases
+	// and spends in one process (DriverRegion).
+	RegionDriver = "driver"
+)
+
 // DefaultConfig is the short schedule's topology: 3 allocators, regions
-// eu, us and ap each reaching them over a 40-60 ms (each way) WAN with 0.5%
-// loss; leases of 1.5 s in 3 s windows; Atlas floods a 1,000-per-3s quota
-// (clamp on) from every region (430/s offered against 333/s), Birch sends
-// well under its 20,000-per-3s quota (clamp off: see docs/chaos.md on the
-// boundary gap).
+// eu, us and ap (each a region agent with its Redis and a load generator)
+// reaching them over a 40-60 ms (each way) WAN with 0.5% loss; leases of
+// 1.5 s in 3 s windows; Atlas floods a 1,000-per-3s quota (clamp on) from
+// every region (430/s offered against 333/s), Birch sends well under its
+// 20,000-per-3s quota (clamp on too: the agent's starve wait covers the gap
+// at a window's turn, see docs/chaos.md).
 func DefaultConfig(seed int64) Config {
 	return Config{
 		Seed: seed, Window: 3 * time.Second, TTL: 1500 * time.Millisecond,
 		Regions:    []string{"ap", "eu", "us"},
 		Allocators: 3,
+		RegionKind: RegionAgent,
 		WAN:        faultproxy.Config{DelayMin: 40 * time.Millisecond, DelayMax: 60 * time.Millisecond, Loss: 0.005, LossPenalty: 200 * time.Millisecond},
 		Quotas: []QuotaPlan{
 			{Name: "atlas", Limit: 1000, Chunk: 100, Clamp: true, Demand: map[string]float64{"eu": 250, "us": 120, "ap": 60}},
-			{Name: "birch", Limit: 20000, Chunk: 200, Clamp: false, Birch: true, Demand: map[string]float64{"eu": 40, "us": 30, "ap": 20}},
+			{Name: "birch", Limit: 20000, Chunk: 200, Clamp: true, Birch: true, Demand: map[string]float64{"eu": 40, "us": 30, "ap": 20}},
 		},
 	}
 }
@@ -129,6 +147,7 @@ type Suite struct {
 	bg       sync.WaitGroup
 	mu       sync.Mutex
 	closed   bool
+	cuts     map[string][][]string // iptables rules of partitions in force, by namespace/tag
 }
 
 func (s *Suite) logf(format string, args ...any) {
@@ -143,7 +162,14 @@ func Start(ctx context.Context, cfg Config) (s *Suite, err error) {
 	if cfg.Allocators < 1 {
 		cfg.Allocators = 3
 	}
-	s = &Suite{cfg: cfg, clock: history.NewTrueClock(), rec: &history.Recorder{}, regionHosts: map[string]*topology.Host{}, stated: map[string]*allotv1.QuotaBound{}}
+	switch cfg.RegionKind {
+	case "":
+		cfg.RegionKind = RegionAgent
+	case RegionAgent, RegionDriver:
+	default:
+		return nil, fmt.Errorf("chaos: region kind %q: want %s or %s", cfg.RegionKind, RegionAgent, RegionDriver)
+	}
+	s = &Suite{cfg: cfg, clock: history.NewTrueClock(), rec: &history.Recorder{}, regionHosts: map[string]*topology.Host{}, stated: map[string]*allotv1.QuotaBound{}, cuts: map[string][][]string{}}
 	defer func() {
 		if err != nil {
 			err = errors.Join(err, s.Close())
@@ -167,8 +193,12 @@ func Start(ctx context.Context, cfg Config) (s *Suite, err error) {
 	if err != nil {
 		return s, err
 	}
-	s.logf("building allocator and chaosregion ...")
-	if s.bins, err = topology.Build(ctx, root, filepath.Join(s.dir, "bin"), "./cmd/allocator", "./chaos/cmd/chaosregion"); err != nil {
+	pkgs := []string{"./cmd/allocator", "./chaos/cmd/chaosregion"}
+	if cfg.RegionKind == RegionAgent {
+		pkgs = append(pkgs, "./cmd/regionagent")
+	}
+	s.logf("building %s ...", strings.Join(pkgs, ", "))
+	if s.bins, err = topology.Build(ctx, root, filepath.Join(s.dir, "bin"), pkgs...); err != nil {
 		return s, err
 	}
 	if s.lab, err = topology.NewLab(ctx, topology.LabConfig{Prefix: LabPrefix, Subnet: LabSubnet}); err != nil {
@@ -188,7 +218,7 @@ func Start(ctx context.Context, cfg Config) (s *Suite, err error) {
 		}
 		s.regionHosts[r] = h
 	}
-	s.logf("lab up: bridge %s, allocators %s, regions %v", s.lab.Bridge(), hostIPs(s.allocHosts), cfg.Regions)
+	s.logf("lab up: bridge %s, allocators %s, regions %v (%s)", s.lab.Bridge(), hostIPs(s.allocHosts), cfg.Regions, cfg.RegionKind)
 
 	startCtx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
@@ -224,7 +254,13 @@ func Start(ctx context.Context, cfg Config) (s *Suite, err error) {
 
 	s.start = s.clock.Now()
 	newRegion := cfg.NewRegion
-	if newRegion == nil {
+	switch {
+	case newRegion != nil:
+	case cfg.RegionKind == RegionAgent:
+		newRegion = func(name string) Region {
+			return newAgentRegion(name, s.bins["./cmd/regionagent"], s.bins["./chaos/cmd/chaosregion"], s.ctl)
+		}
+	default:
 		newRegion = func(name string) Region { return newDriverRegion(name, s.bins["./chaos/cmd/chaosregion"], s.ctl) }
 	}
 	for i, name := range cfg.Regions {
@@ -232,7 +268,7 @@ func Start(ctx context.Context, cfg Config) (s *Suite, err error) {
 		s.regions = append(s.regions, r)
 		env := RegionEnv{
 			Host: s.regionHosts[name], Allocators: eps, Clock: s.clock, Record: s.rec.Record,
-			Margin: allocator.DefaultConfig().LeaseMargin, Dir: s.dir, Log: s.logw, Seed: uint64(cfg.Seed)*31 + uint64(i),
+			Margin: allocator.DefaultConfig().LeaseMargin, Dir: s.dir, Log: s.logw, LogDir: logDir, Seed: uint64(cfg.Seed)*31 + uint64(i),
 		}
 		for _, q := range cfg.Quotas {
 			env.Quotas = append(env.Quotas, QuotaLoad{

@@ -3,6 +3,7 @@ package check
 import (
 	"fmt"
 	"sort"
+	"strings"
 	"time"
 
 	"github.com/allot-dev/allot/chaos/history"
@@ -11,7 +12,9 @@ import (
 // checkBirch: a well-behaved quota sees no denials outside fault windows. A
 // denial is excused when a fault span that touches its region covers it
 // (extended by grace past the span's end), or when the region had not yet
-// received its first grant of the quota (start-up).
+// received its first grant of the quota (start-up). Every reason counts: a
+// 429 (limited) and a 503 (the limiter could not decide) alike fail the
+// tenant's request; the violation says how many of each.
 func checkBirch(h history.History, quotas map[string]Quota, grace time.Duration) []Violation {
 	first := map[reqKey]int64{} // (region, quota) -> first grant received
 	for _, e := range h.Events {
@@ -28,6 +31,7 @@ func checkBirch(h history.History, quotas map[string]Quota, grace time.Duration)
 	}
 	agg := map[key]*Violation{}
 	counts := map[key]int64{}
+	reasons := map[key]map[string]int64{}
 	for _, e := range h.Events {
 		q, ok := quotas[e.Quota]
 		if e.Kind != history.KindDeny || !ok || !q.Birch {
@@ -41,6 +45,10 @@ func checkBirch(h history.History, quotas map[string]Quota, grace time.Duration)
 		}
 		k := key{e.Region, e.Quota, trueWindow(e.At, q.WindowMs)}
 		counts[k] += e.Tokens
+		if reasons[k] == nil {
+			reasons[k] = map[string]int64{}
+		}
+		reasons[k][e.Reason] += e.Tokens
 		if agg[k] == nil {
 			agg[k] = &Violation{Check: CheckBirch, Quota: e.Quota, Window: k.window, Region: e.Region, At: e.At}
 			agg[k].Detail = fmt.Sprintf("first denial at %s (%s), outside every fault window", fmtTime(e.At), e.Reason)
@@ -48,7 +56,12 @@ func checkBirch(h history.History, quotas map[string]Quota, grace time.Duration)
 	}
 	var out []Violation
 	for k, v := range agg {
-		v.Detail = fmt.Sprintf("%d denials; %s", counts[k], v.Detail)
+		var by []string
+		for r, n := range reasons[k] {
+			by = append(by, fmt.Sprintf("%s %d", r, n))
+		}
+		sort.Strings(by)
+		v.Detail = fmt.Sprintf("%d denials (%s); %s", counts[k], strings.Join(by, ", "), v.Detail)
 		out = append(out, *v)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].At < out[j].At })

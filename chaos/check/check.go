@@ -9,7 +9,9 @@
 //     later ledger read of its window) and no request id granted twice
 //     (replays return the recorded grant; grant ids are unique).
 //   - Leases: no admission after its lease's deadline or the allocator's
-//     expiry, no admission without a lease, no grant overspent.
+//     expiry, no admission without a lease, no grant overspent, no grant
+//     spendable in the region (its deadline, or its chunk's Redis expiry)
+//     past the allocator's expiry.
 //   - Linearizable: the Acquire/Release/GetWindow history of every quota and
 //     window is linearizable against a model of the pool (porcupine), and
 //     windows never reopen.
@@ -57,7 +59,9 @@ type Params struct {
 	// LinearizabilityTimeout bounds porcupine on one window (default 20s).
 	LinearizabilityTimeout time.Duration
 	// ApplyTimeout is how long after its last attempt an unanswered Acquire
-	// may still take effect (the allocator's proposal timeout).
+	// may still take effect: the allocator's proposal timeout, plus how long
+	// the network may hold the request (after a partition heals, TCP's
+	// backed-off retransmissions deliver what was sent during it).
 	ApplyTimeout time.Duration
 }
 
@@ -74,6 +78,7 @@ const (
 	CheckReopened     = "window_reopened"
 	CheckBirch        = "birch_denied"
 	CheckRelease      = "release_rejected"
+	CheckDepositLate  = "deposit_outlives_lease"
 )
 
 // Violation is one broken invariant.
@@ -191,7 +196,9 @@ func Run(h history.History, p Params) *Result {
 	}
 	r.Violations = append(r.Violations, checkBound(h, quotas, windows)...)
 	r.Violations = append(r.Violations, checkGrants(h, quotas, windows, r)...)
-	r.Violations = append(r.Violations, checkLeases(h)...)
+	lv, strands := checkLeases(h)
+	r.Violations = append(r.Violations, lv...)
+	addStrands(windows, quotas, strands)
 	r.Violations = append(r.Violations, checkBirch(h, quotas, p.FaultGrace)...)
 	for _, q := range p.Quotas {
 		lr, vs := checkLinearizable(h, q, p)
@@ -283,6 +290,28 @@ func tally(h history.History, quotas map[string]Quota) map[string][]*Window {
 		sort.Slice(out[name], func(i, j int) bool { return out[name][i].Index < out[name][j].Index })
 	}
 	return out
+}
+
+// addStrands adds estimated strands (see checkLeases) to the windows of
+// regions that report none themselves.
+func addStrands(windows map[string][]*Window, quotas map[string]Quota, strands []history.Event) {
+	for _, e := range strands {
+		if _, ok := quotas[e.Quota]; !ok {
+			continue
+		}
+		for _, w := range windows[e.Quota] {
+			if w.Index != e.Window {
+				continue
+			}
+			w.Stranded += e.Tokens
+			rw := w.Regions[e.Region]
+			if rw == nil {
+				rw = &RegionWindow{}
+				w.Regions[e.Region] = rw
+			}
+			rw.Stranded += e.Tokens
+		}
+	}
 }
 
 // trueWindow is the window holding true instant ns.

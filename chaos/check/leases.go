@@ -20,19 +20,51 @@ type leaseAgg struct {
 }
 
 // checkLeases: no admission after its lease's deadline or the allocator's
-// expiry (by the true clock), none without a lease, no grant overspent.
+// expiry (by the true clock), none without a lease, no grant overspent, and
+// no grant kept spendable past the allocator's expiry.
 //
 // Admissions that name their grant (the driver's) are checked one by one.
-// Admissions that do not (a region agent whose store does not report which
-// chunk it debited) are matched to the region's received grants by
+// Admissions that do not (a region agent: its Redis does not report which
+// chunk a decision debited) are matched to the region's received grants by
 // earliest-deadline-first, which finds a valid assignment whenever one
 // exists: an admission at t may use a grant received before t whose expiry
-// is after t, each grant at most its tokens.
-func checkLeases(h history.History) []Violation {
+// is after t, each grant at most its tokens. A grant whose tokens the
+// region handed back (Release, whatever its outcome) counts only the tokens
+// it kept: a region releases tokens it has taken out of its store (the
+// agent withdraws them atomically first) or never put there. (Agent
+// admissions are stamped when the answer arrives, a little after the store
+// decided; the lease margin between a chunk's Redis expiry and the
+// allocator's expiry absorbs that delay.)
+//
+// An acquire event's Deadline is the moment the region stops spending the
+// grant: the driver's deadline, or, for an agent, an upper bound of the
+// chunk's expiry in Redis (the deposit's end plus the TTL it gave Redis,
+// whose clock is the machine's, on the true clock). The agent's admission
+// script never spends a chunk past its Redis expiry (conformance-tested in
+// pkg/admission), so a Deadline at or before the allocator's expiry, for
+// every grant, means no spend after the lease (deposit_outlives_lease).
+//
+// It also returns the stranded tokens of anonymous admissions' grants as
+// the matching leaves them (expired unspent, per grant): an estimate,
+// exact when the store spends earliest-expiring chunks first, as the
+// agent's script does.
+func checkLeases(h history.History) ([]Violation, []history.Event) {
 	received := map[string]history.Event{}
 	for _, e := range h.Events {
 		if e.Kind == history.KindAcquire && e.Outcome == history.OK && e.Tokens > 0 {
 			received[e.GrantID] = e
+		}
+	}
+	released := map[string]int64{} // grant id -> tokens handed back
+	for _, e := range h.Events {
+		if e.Kind == history.KindRelease && e.Tokens > 0 {
+			released[e.GrantID] += e.Tokens
+		}
+	}
+	var lastAt int64
+	for _, e := range h.Events {
+		if e.At != history.Never {
+			lastAt = max(lastAt, e.At)
 		}
 	}
 	agg := map[leaseKey]*leaseAgg{}
@@ -44,6 +76,12 @@ func checkLeases(h history.History) []Violation {
 			agg[k] = a
 		}
 		a.tokens += tokens
+	}
+	for _, g := range received {
+		if g.Deadline != 0 && g.ExpiresMs != 0 && g.Deadline > g.ExpiresMs*1e6 {
+			add(CheckDepositLate, g, g.Tokens, fmt.Sprintf("grant %s x%d spendable until %s, %.1f ms after the allocator's expiry %s",
+				g.GrantID, g.Tokens, fmtTime(g.Deadline), float64(g.Deadline-g.ExpiresMs*1e6)/1e6, fmtTime(g.ExpiresMs*1e6)))
+		}
 	}
 	spent := map[string]int64{}
 	type rq struct{ region, quota string }
@@ -79,31 +117,49 @@ func checkLeases(h history.History) []Violation {
 	// Acquires) is matched against the grants the allocator's ledgers list
 	// for it, taken as received when they were made.
 	ledger := ledgerGrants(h)
+	var strands []history.Event
 	for k, adm := range anonymous {
 		var gs []history.Event
 		for _, g := range received {
 			if g.Region == k.region && g.Quota == k.quota {
 				g.Tokens -= spent[g.GrantID]
+				g.Tokens -= released[g.GrantID]
 				if g.Tokens > 0 {
 					gs = append(gs, g)
 				}
 			}
 		}
+		fromLedger := false
 		if len(gs) == 0 {
 			for _, g := range ledger[reqKey{k.region, k.quota}] {
 				gs = append(gs, g)
 			}
+			fromLedger = true
 		}
-		for _, e := range unmatched(adm, gs) {
+		miss, left := unmatched(adm, gs)
+		for _, e := range miss {
 			add(CheckUnleased, e, e.Tokens, "no received grant was live for it (earliest-deadline-first matching)")
+		}
+		if fromLedger {
+			continue
+		}
+		for _, g := range left {
+			if g.Tokens > 0 && g.ExpiresMs*1e6 <= lastAt {
+				strands = append(strands, history.Event{Kind: history.KindStrand, Region: g.Region, Quota: g.Quota, At: g.ExpiresMs * 1e6,
+					GrantID: g.GrantID, Tokens: g.Tokens, Window: g.Window, ExpiresMs: g.ExpiresMs})
+			}
 		}
 	}
 	var out []Violation
 	for k, a := range agg {
+		what := "admissions"
+		if k.check == CheckDepositLate {
+			what = "tokens"
+		}
 		out = append(out, Violation{Check: k.check, Quota: k.quota, Window: k.window, Region: k.region, At: a.first.At,
-			Detail: fmt.Sprintf("%d admissions; first: %s", a.tokens, a.why)})
+			Detail: fmt.Sprintf("%d %s; first: %s", a.tokens, what, a.why)})
 	}
-	return out
+	return out, strands
 }
 
 // ledgerGrants collects, per (region, quota), every grant any ledger read
@@ -129,19 +185,24 @@ func ledgerGrants(h history.History) map[reqKey][]history.Event {
 }
 
 // unmatched returns the admissions (split by token) that no grant can
-// cover: grants are intervals [received, expiry) with a capacity, each
-// admission is a point; taking points in time order and giving each to the
-// live grant that expires first is optimal.
-func unmatched(adm []history.Event, grants []history.Event) []history.Event {
+// cover, and the grants with what the admissions left of them: grants are
+// intervals [received, expiry) with a capacity, each admission is a point;
+// taking points in time order and giving each to the live grant that
+// expires first is optimal.
+func unmatched(adm []history.Event, grants []history.Event) ([]history.Event, []*history.Event) {
 	sort.SliceStable(adm, func(i, j int) bool { return adm[i].At < adm[j].At })
 	sort.Slice(grants, func(i, j int) bool { return grants[i].At < grants[j].At })
+	all := make([]*history.Event, len(grants))
+	for i := range grants {
+		g := grants[i]
+		all[i] = &g
+	}
 	live := &byExpiry{}
 	var out []history.Event
 	gi := 0
 	for _, a := range adm {
-		for gi < len(grants) && grants[gi].At <= a.At {
-			g := grants[gi]
-			heap.Push(live, &g)
+		for gi < len(all) && all[gi].At <= a.At {
+			heap.Push(live, all[gi])
 			gi++
 		}
 		need := a.Tokens
@@ -161,7 +222,7 @@ func unmatched(adm []history.Event, grants []history.Event) []history.Event {
 			out = append(out, miss)
 		}
 	}
-	return out
+	return out, all
 }
 
 type byExpiry []*history.Event

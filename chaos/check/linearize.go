@@ -104,6 +104,9 @@ func poolModel(limit int64) porcupine.Model {
 			switch in.kind {
 			case opAcquire:
 				if _, seen := s.lookup(in.id); seen {
+					if out.unknown {
+						return []any{s} // an unanswered re-send of a granted id: replayed
+					}
 					return nil // a second grant for one request id
 				}
 				if out.unknown {
@@ -172,8 +175,9 @@ func poolModel(limit int64) porcupine.Model {
 // checkLinearizable splits q's history by window (each window's pool is an
 // independent object, so the whole history is linearizable iff every window's
 // is) and runs porcupine on each. Acquires and reads carry their window in
-// the response; a Release belongs to its grant's window; an Acquire that was
-// never answered is put into every window it could have reached. It also
+// the response; a Release belongs to its grant's window; an Acquire or a
+// probe that was never answered is put into every window it could have
+// reached (a probe that arrives after its id's retention is a new Acquire). It also
 // checks that windows never reopen: an operation invoked after another
 // returned never reports an older window.
 func checkLinearizable(h history.History, q Quota, p Params) (LinResult, []Violation) {
@@ -210,8 +214,20 @@ func checkLinearizable(h history.History, q Quota, p Params) (LinResult, []Viola
 				}
 			}
 		case history.KindProbe:
-			if e.Outcome == history.OK && e.Replayed {
+			switch {
+			case e.Outcome == history.OK && e.Replayed:
 				parts[e.Window] = append(parts[e.Window], porcupine.Operation{ClientId: cid(e.Region), Input: poolInput{kind: opReplay, id: e.RequestID}, Call: e.Call, Output: poolOutput{tokens: e.Tokens}, Return: e.At})
+			case e.Outcome == history.Unknown:
+				// An unanswered re-send is replayed if it reaches the
+				// allocator within the id's retention, and is a new
+				// Acquire if it arrives later (a partition's TCP
+				// retransmissions deliver it after the heal).
+				in := poolInput{kind: opAcquire, id: e.RequestID, asked: e.Asked}
+				from := trueWindow(e.Call, q.WindowMs)
+				to := trueWindow(e.At+int64(p.ApplyTimeout), q.WindowMs)
+				for w := from; w <= to; w++ {
+					parts[w] = append(parts[w], porcupine.Operation{ClientId: cid(e.Region), Input: in, Call: e.Call, Output: poolOutput{unknown: true}, Return: history.Never})
+				}
 			}
 		case history.KindRelease:
 			in := poolInput{kind: opRelease, tokens: e.Tokens}

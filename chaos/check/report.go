@@ -138,7 +138,7 @@ func Render(w io.Writer, title string, h history.History, r *Result, quotas []Qu
 		}
 		fmt.Fprintf(&b, "porcupine %s: %d windows, %d operations, slowest window %s: %s\n", n, l.Windows, l.Ops, l.Longest.Round(time.Millisecond), verdict)
 	}
-	checks := []string{CheckBound, CheckLostGrant, CheckDoubleGrant, CheckUnverified, CheckLateSpend, CheckUnleased, CheckOverspent, CheckLinearizable, CheckReopened, CheckBirch, CheckRelease}
+	checks := []string{CheckBound, CheckLostGrant, CheckDoubleGrant, CheckUnverified, CheckLateSpend, CheckUnleased, CheckOverspent, CheckLinearizable, CheckReopened, CheckBirch, CheckRelease, CheckDepositLate}
 	var counts []string
 	for _, c := range checks {
 		counts = append(counts, fmt.Sprintf("%s %d", c, r.Count(c)))

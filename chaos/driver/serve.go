@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"sync"
 	"time"
 
 	"github.com/allot-dev/allot/chaos/history"
@@ -32,9 +31,9 @@ func Serve(ctx context.Context, configPath, ctlPath string) error {
 		return err
 	}
 	defer conn.Close()
-	out := newWire(conn)
-	defer out.close()
-	if err := out.send(history.Message{Hello: cfg.Region}); err != nil {
+	out := history.NewWire(conn)
+	defer out.Close()
+	if err := out.Send(history.Message{Hello: cfg.Region}); err != nil {
 		return err
 	}
 	client, err := allocator.NewClient(cfg.Endpoints, allocator.WithHTTPClient(NewHTTPClient()),
@@ -43,7 +42,7 @@ func Serve(ctx context.Context, configPath, ctlPath string) error {
 		return err
 	}
 	d, err := New(cfg, history.TrueClock{Offset: cfg.ClockOffset}, client, func(ev history.Event) {
-		_ = out.send(history.Message{Event: &ev})
+		_ = out.Send(history.Message{Event: &ev})
 	})
 	if err != nil {
 		return err
@@ -86,65 +85,13 @@ func Serve(ctx context.Context, configPath, ctlPath string) error {
 		if c.Op == history.OpStop {
 			cancel()
 			err := <-runErr
-			out.flush()
-			_ = out.send(history.Message{Ack: ack})
-			out.flush()
+			out.Flush()
+			_ = out.Send(history.Message{Ack: ack})
+			out.Flush()
 			return err
 		}
-		if err := out.send(history.Message{Ack: ack}); err != nil {
+		if err := out.Send(history.Message{Ack: ack}); err != nil {
 			return err
 		}
 	}
-}
-
-// wire writes JSON lines, buffered and flushed every 20ms.
-type wire struct {
-	mu   sync.Mutex
-	w    *bufio.Writer
-	enc  *json.Encoder
-	err  error
-	stop chan struct{}
-	done chan struct{}
-}
-
-func newWire(c net.Conn) *wire {
-	w := &wire{w: bufio.NewWriterSize(c, 64<<10), stop: make(chan struct{}), done: make(chan struct{})}
-	w.enc = json.NewEncoder(w.w)
-	go func() {
-		defer close(w.done)
-		t := time.NewTicker(20 * time.Millisecond)
-		defer t.Stop()
-		for {
-			select {
-			case <-w.stop:
-				return
-			case <-t.C:
-				w.flush()
-			}
-		}
-	}()
-	return w
-}
-
-func (w *wire) send(m history.Message) error {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.err == nil {
-		w.err = w.enc.Encode(m)
-	}
-	return w.err
-}
-
-func (w *wire) flush() {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.err == nil {
-		w.err = w.w.Flush()
-	}
-}
-
-func (w *wire) close() {
-	close(w.stop)
-	<-w.done
-	w.flush()
 }

@@ -10,7 +10,8 @@
 // allocator's Unix-millisecond expiries as long as the allocator's wall clock
 // is the machine's (the suite never skews allocator clocks).
 //
-// Events travel from region drivers to the suite as JSON lines (Message).
+// Events travel from region processes (drivers, load generators) to the
+// suite as JSON lines (Message, Wire).
 package history
 
 import (
@@ -70,6 +71,16 @@ const (
 	ReasonCutOff = "cut_off"
 	// ReasonLocalLimit: an Independent region's own per-window limit.
 	ReasonLocalLimit = "local_limit"
+	// ReasonLimited: the region agent answered 429 (the quota's pool is
+	// exhausted for the window, or another rule denied).
+	ReasonLimited = "limited_429"
+	// ReasonUnavailable: the region agent answered 503 (the limiter could
+	// not decide: cut off from the allocator, no renewal within its starve
+	// wait, or its store unreachable).
+	ReasonUnavailable = "unavailable_503"
+	// ReasonNoAnswer: the region agent did not answer the request (nor its
+	// retries with the same request id).
+	ReasonNoAnswer = "no_answer"
 )
 
 // Event is one recorded happening. Fields that do not apply to a Kind are zero.

@@ -128,7 +128,7 @@ func run(ctx context.Context, args []string) error {
 		j := agent.NewLeaseJournal(f)
 		j.Record(agent.LeaseEvent{Kind: agent.LeaseEventStart, At: clock.Now().UnixNano(), Region: cfg.Region,
 			ClockOffsetNs: int64(clockOffset), Pid: os.Getpid()})
-		_ = j // PENDING-HOOK: opts = append(opts, agent.WithLeaseObserver(j.Record))
+		opts = append(opts, agent.WithLeaseObserver(j.Record))
 		defer func() {
 			if err := j.Close(); err != nil {
 				log.Error("lease journal incomplete", zap.String("file", journalPath), zap.Error(err))

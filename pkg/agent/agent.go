@@ -95,6 +95,7 @@ func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) 
 	}
 	a.leases = newLeases(cfg.Lease, cfg.Region, client, o.clock, log, a.m, hex.EncodeToString(idb[:]),
 		newWithdrawer(rdb, cfg.Engine.Namespace), cfg.ShutdownTimeout)
+	a.leases.journal = o.observer
 	a.engOpts = []admission.Option{admission.WithClock(o.clock), admission.WithLogger(log), admission.WithRand(o.rand)}
 	if o.registry != nil {
 		a.engOpts = append(a.engOpts, admission.WithRegisterer(o.registry))

@@ -272,6 +272,7 @@ type options struct {
 	doc      *policy.Document
 	version  uint64
 	store    admission.Store
+	observer LeaseObserver
 }
 
 // WithClock sets the clock of the agent and its engine (monotonic readings

@@ -64,6 +64,11 @@
 //   - Telemetry. Prometheus metrics (allot_agent_* and the engine's
 //     allot_admission_*), and sampled decision logs whose principals are
 //     salted hashes.
+//   - Lease journal. With WithLeaseObserver (regionagent -lease-journal),
+//     every Acquire attempt with its answer, every deposit with the deadline
+//     and the store TTL it used, and every Release is reported as a
+//     LeaseEvent; LeaseJournal writes them as JSON lines. The chaos suite
+//     checks the agent's leases from it.
 //
 // # Why the engine's negative cache is off by default
 //

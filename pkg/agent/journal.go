@@ -5,6 +5,11 @@ import (
 	"errors"
 	"io"
 	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
 )
 
 // The kinds of LeaseEvent.
@@ -177,4 +182,99 @@ func (j *LeaseJournal) Close() error {
 	}
 	j.mu.Unlock()
 	return err
+}
+
+// WithLeaseObserver makes the agent report every lease event to f (for
+// example a LeaseJournal's Record): each Acquire attempt with its answer,
+// each deposit with the deadline and TTL it gave the store, each Release.
+func WithLeaseObserver(f LeaseObserver) Option { return func(o *options) { o.observer = f } }
+
+// refused reports whether an Acquire error means the allocator refused the
+// call, so nothing was granted (anything else may have been applied).
+func refused(err error) bool {
+	switch connect.CodeOf(err) {
+	case connect.CodeNotFound, connect.CodeInvalidArgument, connect.CodeFailedPrecondition, connect.CodePermissionDenied,
+		connect.CodeResourceExhausted:
+		return true
+	}
+	return false
+}
+
+// depositTrace keeps, over a deposit's attempts, the first send and the
+// attempt whose end plus TTL is latest: any attempt may have reached the
+// store (the first wins), so that is the bound of the chunk's store expiry.
+type depositTrace struct {
+	sent, end time.Time
+	ttl       time.Duration
+}
+
+func (d *depositTrace) attempt(sent, end time.Time, ttl time.Duration) {
+	if d.sent.IsZero() {
+		d.sent = sent
+	}
+	if d.end.IsZero() || end.Add(ttl).After(d.end.Add(d.ttl)) {
+		d.end, d.ttl = end, ttl
+	}
+}
+
+// journalAcquire reports one Acquire attempt.
+func (l *leases) journalAcquire(c *acquireCall, sent, at time.Time, resp *allotv1.AcquireResponse, err error) {
+	if l.journal == nil {
+		return
+	}
+	ev := LeaseEvent{Kind: LeaseEventAcquire, At: at.UnixNano(), Sent: sent.UnixNano(), Region: l.region, RequestID: c.req.RequestId,
+		FirstSent: c.sentAt.UnixNano(), Outcome: LeaseOK, Wants: make([]JournalWant, 0, len(c.req.Wants))}
+	for _, w := range c.req.Wants {
+		ev.Wants = append(ev.Wants, JournalWant{Quota: w.Quota, Tokens: w.Tokens, DemandPerSecond: w.DemandPerSecond})
+	}
+	if err == nil {
+		// An answer the agent refuses to use may still have granted.
+		err = validateAcquire(c.req, resp)
+	}
+	switch {
+	case err == nil:
+		ev.LeaderNowMs, ev.Replayed = resp.LeaderNowUnixMs, resp.Replayed
+		ev.Grants = make([]JournalGrant, 0, len(resp.Grants))
+		for _, g := range resp.Grants {
+			ev.Grants = append(ev.Grants, JournalGrant{Quota: g.Quota, GrantID: g.GrantId, Tokens: g.Tokens, ExpiresMs: g.ExpiresUnixMs,
+				WindowEndMs: g.WindowEndUnixMs, Window: g.WindowIndex, TTLMs: g.TtlMs, Exhausted: g.PoolExhausted})
+		}
+	case refused(err):
+		ev.Outcome, ev.Code, ev.Err = LeaseFailed, connect.CodeOf(err).String(), err.Error()
+	default:
+		ev.Outcome, ev.Code, ev.Err = LeaseUnknown, connect.CodeOf(err).String(), err.Error()
+	}
+	l.journal(ev)
+}
+
+// journalDeposit reports a grant's deposit (err: it failed).
+func (l *leases) journalDeposit(g *allotv1.Grant, deadline time.Time, d depositTrace, err error) {
+	if l.journal == nil {
+		return
+	}
+	ev := LeaseEvent{Kind: LeaseEventDeposit, At: d.end.UnixNano(), Sent: d.sent.UnixNano(), Region: l.region, Outcome: LeaseOK,
+		Quota: g.Quota, GrantID: g.GrantId, Tokens: g.Tokens, ExpiresMs: g.ExpiresUnixMs, Deadline: deadline.UnixNano(), TTLMs: d.ttl.Milliseconds()}
+	if err != nil {
+		ev.Outcome, ev.Err = LeaseFailed, err.Error()
+	}
+	l.journal(ev)
+}
+
+// journalRelease reports one Release.
+func (l *leases) journalRelease(quota, grantID string, tokens int64, sent time.Time, resp *allotv1.ReleaseResponse, err error) {
+	if l.journal == nil {
+		return
+	}
+	ev := LeaseEvent{Kind: LeaseEventRelease, At: l.clock.Now().UnixNano(), Sent: sent.UnixNano(), Region: l.region, RequestID: "release-" + grantID,
+		Outcome: LeaseOK, Quota: quota, GrantID: grantID, Tokens: tokens}
+	switch {
+	case err == nil:
+		ev.Returned = resp.GetReturned()
+	case connect.CodeOf(err) == connect.CodeNotFound || connect.CodeOf(err) == connect.CodeInvalidArgument ||
+		connect.CodeOf(err) == connect.CodeFailedPrecondition:
+		ev.Outcome, ev.Code, ev.Err = LeaseFailed, connect.CodeOf(err).String(), err.Error()
+	default:
+		ev.Outcome, ev.Code, ev.Err = LeaseUnknown, connect.CodeOf(err).String(), err.Error()
+	}
+	l.journal(ev)
 }

@@ -13,7 +13,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"connectrpc.com/connect"
 	"go.uber.org/zap"
 
 	"github.com/allot-dev/allot/pkg/admission"
@@ -172,6 +171,7 @@ type leases struct {
 	acquireRTT time.Duration
 	offsetMs   int64 // leader wall clock minus ours (scheduling only)
 	shutdownIn time.Duration
+	journal    LeaseObserver // nil: no lease journal
 }
 
 func newLeases(cfg LeaseConfig, region string, client *allocator.Client, clock admission.Clock, log *zap.Logger,
@@ -822,6 +822,7 @@ func (l *leases) do(ctx context.Context, eng *admission.Engine, c *acquireCall) 
 	resp, err := l.client.Acquire(cctx, c.req)
 	cancel()
 	t1 := l.clock.Now()
+	l.journalAcquire(c, t0, t1, resp, err)
 	rtt := t1.Sub(t0)
 	l.m.acquireCalls.Inc()
 	l.m.acquireWants.Add(float64(len(c.req.Wants)))
@@ -864,10 +865,7 @@ func (l *leases) do(ctx context.Context, eng *admission.Engine, c *acquireCall) 
 
 // failed handles an Acquire that got no answer or was refused.
 func (l *leases) failed(ctx context.Context, c *acquireCall, err error, now time.Time) {
-	code := connect.CodeOf(err)
-	switch code {
-	case connect.CodeNotFound, connect.CodeInvalidArgument, connect.CodeFailedPrecondition, connect.CodePermissionDenied,
-		connect.CodeResourceExhausted:
+	if refused(err) {
 		// Refused: nothing was granted. Leave the named quota (or all of
 		// them) out for a while, and ask for the rest afresh. (The
 		// allocator refuses a new instance of a template that has too many
@@ -1024,10 +1022,13 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 		l.handBack(ctx, g.Quota, g.GrantId, g.Tokens, q)
 	} else {
 		var err error
+		var dep depositTrace
 		for attempt := 0; attempt < 2; attempt++ {
 			dctx, cancel := context.WithTimeout(ctx, min(time.Second, ttl))
+			dsent := l.clock.Now()
 			_, err = eng.DepositChunk(dctx, g.Quota, g.GrantId, g.Tokens, ttl)
 			cancel()
+			dep.attempt(dsent, l.clock.Now(), ttl)
 			if err == nil || ctx.Err() != nil {
 				break
 			}
@@ -1036,6 +1037,7 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 				break
 			}
 		}
+		l.journalDeposit(g, deadline, dep, err)
 		if err != nil {
 			l.storeError("deposit", err)
 			l.m.renewFail.WithLabelValues("deposit").Inc()
@@ -1089,7 +1091,9 @@ func (l *leases) handBack(ctx context.Context, quotaName, grantID string, tokens
 	defer cancel()
 	// One release per grant (the whole remainder), so the grant id names it:
 	// the client's retries of it cannot hand the tokens back twice.
+	sent := l.clock.Now()
 	resp, err := l.client.Release(cctx, &allotv1.ReleaseRequest{Region: l.region, GrantId: grantID, Tokens: tokens, RequestId: "release-" + grantID})
+	l.journalRelease(quotaName, grantID, tokens, sent, resp, err)
 	if err != nil {
 		l.log.Debug("release failed", zap.String("quota", quotaName), zap.String("grant", grantID), zap.Error(err))
 		return
@@ -1135,8 +1139,10 @@ func (l *leases) shutdown(ctx context.Context) error {
 	var errs []error
 	for _, c := range pend {
 		cctx, cancel := context.WithTimeout(ctx, l.cfg.AcquireTimeout)
+		sent := l.clock.Now()
 		resp, err := l.client.Acquire(cctx, c.req)
 		cancel()
+		l.journalAcquire(c, sent, l.clock.Now(), resp, err)
 		if err != nil || validateAcquire(c.req, resp) != nil {
 			continue
 		}

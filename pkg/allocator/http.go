@@ -18,6 +18,12 @@ import (
 // TLS for https://. With HTTP/1.1 also enabled, net/http would use HTTP/1.1
 // for every http:// URL: one connection per concurrent call instead of
 // multiplexed streams on one.
+//
+// A connection silent for a second is pinged and closed when the ping is
+// not answered within a second: a connection a partition left half-dead
+// (its packets dropped, TCP's retransmissions backing off) would otherwise
+// keep taking the calls multiplexed on it after the network heals, each
+// until its attempt timeout.
 func NewHTTPClient() *http.Client {
 	var p http.Protocols
 	p.SetHTTP2(true)
@@ -27,6 +33,7 @@ func NewHTTPClient() *http.Client {
 		MaxIdleConnsPerHost: 64,
 		IdleConnTimeout:     90 * time.Second,
 		DialContext:         (&net.Dialer{Timeout: 2 * time.Second, KeepAlive: 15 * time.Second}).DialContext,
+		HTTP2:               &http.HTTP2Config{SendPingTimeout: time.Second, PingTimeout: time.Second},
 	}}
 }
 

@@ -1,10 +1,10 @@
-// Command chaosregion is the chaos suite's region driver process (see
-// package chaos/driver). The suite starts it inside the region's network
-// namespace:
+// Command chaosregion is the chaos suite's region-side process. The suite
+// starts it inside the region's network namespace in one of two modes:
 //
-//	ip netns exec allotc-eu chaosregion -config eu.json -ctl /tmp/run/ctl.sock
+//	ip netns exec allotc-eu chaosregion -config eu.json -ctl /tmp/run/ctl.sock             # the region driver (package chaos/driver)
+//	ip netns exec allotc-eu chaosregion -mode load -config eu-load.json -ctl /tmp/run/ctl.sock  # the load generator of an agent region (package chaos/loadgen)
 //
-// It connects to the suite's control socket (a path, which no network
+// Either connects to the suite's control socket (a path, which no network
 // partition can cut), streams its events there as JSON lines, and obeys the
 // commands it reads back (demand, skew, storm, stop).
 package main
@@ -18,6 +18,7 @@ import (
 	"syscall"
 
 	"github.com/allot-dev/allot/chaos/driver"
+	"github.com/allot-dev/allot/chaos/loadgen"
 )
 
 func main() {
@@ -32,7 +33,8 @@ func main() {
 
 func run(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("chaosregion", flag.ContinueOnError)
-	config := fs.String("config", "", "driver config (JSON of driver.Config)")
+	mode := fs.String("mode", "driver", "driver (lease and spend on its own) or load (offer requests to a region agent)")
+	config := fs.String("config", "", "config (JSON of driver.Config, or of loadgen.Config with -mode load)")
 	ctl := fs.String("ctl", "", "the suite's control socket (unix path)")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -40,5 +42,11 @@ func run(ctx context.Context, args []string) error {
 	if *config == "" || *ctl == "" {
 		return fmt.Errorf("-config and -ctl are required")
 	}
-	return driver.Serve(ctx, *config, *ctl)
+	switch *mode {
+	case "driver":
+		return driver.Serve(ctx, *config, *ctl)
+	case "load":
+		return loadgen.Serve(ctx, *config, *ctl)
+	}
+	return fmt.Errorf("-mode %q: want driver or load", *mode)
 }

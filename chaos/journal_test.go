@@ -1,0 +1,164 @@
+package chaos
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/allot-dev/allot/chaos/history"
+	"github.com/allot-dev/allot/pkg/agent"
+)
+
+type eventSink struct {
+	mu  sync.Mutex
+	evs []history.Event
+}
+
+func (s *eventSink) record(evs ...history.Event) {
+	s.mu.Lock()
+	s.evs = append(s.evs, evs...)
+	s.mu.Unlock()
+}
+
+func (s *eventSink) all() []history.Event {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]history.Event(nil), s.evs...)
+}
+
+const (
+	tms  = int64(time.Millisecond)
+	tsec = int64(time.Second)
+)
+
+// journalLines is an agent's journal: a process whose clock runs 500 ms
+// ahead answers r1 on its second attempt (atlas 100 tokens deposited,
+// birch none), never hears back on r2, hands back an undeposited grant of
+// r3, and at shutdown withdraws and releases 30 tokens of r1's grant.
+func journalLines() []agent.LeaseEvent {
+	const skew = 500 * tms
+	at := func(ns int64) int64 { return ns + skew } // the agent's clock
+	wants := []agent.JournalWant{{Quota: "atlas", Tokens: 100}, {Quota: "birch", Tokens: 50}}
+	return []agent.LeaseEvent{
+		{Kind: agent.LeaseEventStart, At: at(9 * tsec), Region: "eu", ClockOffsetNs: skew, Pid: 42},
+		{Kind: agent.LeaseEventAcquire, RequestID: "r1", FirstSent: at(10 * tsec), Sent: at(10 * tsec), At: at(10*tsec + 40*tms), Outcome: agent.LeaseUnknown, Err: "deadline exceeded", Wants: wants},
+		{Kind: agent.LeaseEventAcquire, RequestID: "r1", FirstSent: at(10 * tsec), Sent: at(10*tsec + 50*tms), At: at(10*tsec + 150*tms), Outcome: agent.LeaseOK, Wants: wants,
+			LeaderNowMs: 10_100, Replayed: true, Grants: []agent.JournalGrant{
+				{Quota: "atlas", GrantID: "g1", Tokens: 100, ExpiresMs: 11_600, Window: 3, TTLMs: 1500},
+				{Quota: "birch", Tokens: 0, Window: 3, Exhausted: true},
+			}},
+		{Kind: agent.LeaseEventDeposit, Quota: "atlas", GrantID: "g1", Tokens: 100, Sent: at(10*tsec + 151*tms), At: at(10*tsec + 152*tms),
+			Outcome: agent.LeaseOK, ExpiresMs: 11_600, TTLMs: 1000, Deadline: at(11*tsec + 250*tms)},
+		{Kind: agent.LeaseEventAcquire, RequestID: "r2", FirstSent: at(13 * tsec), Sent: at(13 * tsec), At: at(14 * tsec), Outcome: agent.LeaseUnknown, Err: "unavailable",
+			Wants: []agent.JournalWant{{Quota: "atlas", Tokens: 10}}},
+		{Kind: agent.LeaseEventAcquire, RequestID: "r3", FirstSent: at(15 * tsec), Sent: at(15 * tsec), At: at(15*tsec + 80*tms), Outcome: agent.LeaseOK,
+			Wants: []agent.JournalWant{{Quota: "atlas", Tokens: 10}}, LeaderNowMs: 15_040,
+			Grants: []agent.JournalGrant{{Quota: "atlas", GrantID: "g3", Tokens: 10, ExpiresMs: 15_050, Window: 5}}},
+		{Kind: agent.LeaseEventRelease, RequestID: "release-g3", Quota: "atlas", GrantID: "g3", Tokens: 10, Sent: at(15*tsec + 81*tms), At: at(15*tsec + 90*tms), Outcome: agent.LeaseOK, Returned: 10},
+		{Kind: agent.LeaseEventRelease, RequestID: "release-g1", Quota: "atlas", GrantID: "g1", Tokens: 30, Sent: at(16 * tsec), At: at(16*tsec + 50*tms), Outcome: agent.LeaseFailed, Code: "not_found", Err: "window gone"},
+	}
+}
+
+func TestJournalConv(t *testing.T) {
+	sink := &eventSink{}
+	conv := newJournalConv("eu", sink.record)
+	var probed []string
+	conv.probe = func(id string, _ []agent.JournalWant) { probed = append(probed, id) }
+	for _, ev := range journalLines() {
+		b, err := json.Marshal(ev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		conv.line(b)
+	}
+	conv.line([]byte("{not json"))
+	conv.finish()
+	if err := conv.err(); err == nil {
+		t.Error("a malformed line was not reported")
+	}
+	byKey := map[string]history.Event{}
+	for _, e := range conv.emitAll(sink) {
+		byKey[string(e.Kind)+"/"+e.RequestID+"/"+e.Quota+"/"+e.GrantID] = e
+	}
+	tests := []struct {
+		key  string
+		want history.Event
+	}{
+		{"acquire/r1/atlas/g1", history.Event{Kind: history.KindAcquire, Region: "eu", Quota: "atlas", RequestID: "r1", Outcome: history.OK, Asked: 100,
+			Call: 10 * tsec, At: 10*tsec + 150*tms, GrantID: "g1", Tokens: 100, Window: 3, ExpiresMs: 11_600, LeaderNowMs: 10_100, Replayed: true,
+			Deadline: 10*tsec + 152*tms + 1000*tms}},
+		{"acquire/r1/birch/", history.Event{Kind: history.KindAcquire, Region: "eu", Quota: "birch", RequestID: "r1", Outcome: history.OK, Asked: 50,
+			Call: 10 * tsec, At: 10*tsec + 150*tms, Window: 3, LeaderNowMs: 10_100, Replayed: true, Exhausted: true}},
+		{"acquire/r2/atlas/", history.Event{Kind: history.KindAcquire, Region: "eu", Quota: "atlas", RequestID: "r2", Outcome: history.Unknown, Asked: 10,
+			Call: 13 * tsec, At: 14 * tsec, Err: "unavailable"}},
+		{"acquire/r3/atlas/g3", history.Event{Kind: history.KindAcquire, Region: "eu", Quota: "atlas", RequestID: "r3", Outcome: history.OK, Asked: 10,
+			Call: 15 * tsec, At: 15*tsec + 80*tms, GrantID: "g3", Tokens: 10, Window: 5, ExpiresMs: 15_050, LeaderNowMs: 15_040}},
+		{"release//atlas/g3", history.Event{Kind: history.KindRelease, Region: "eu", Quota: "atlas", GrantID: "g3", Tokens: 10, Returned: 10, Window: 5,
+			Call: 15*tsec + 81*tms, At: 15*tsec + 90*tms, Outcome: history.OK}},
+		{"release//atlas/g1", history.Event{Kind: history.KindRelease, Region: "eu", Quota: "atlas", GrantID: "g1", Tokens: 30, Window: 3,
+			Call: 16 * tsec, At: 16*tsec + 50*tms, Outcome: history.Failed, Err: "window gone", Reason: "not_found"}},
+	}
+	for _, tt := range tests {
+		got, ok := byKey[tt.key]
+		if !ok {
+			t.Errorf("%s: not emitted (got %v)", tt.key, byKey)
+			continue
+		}
+		if got.String() != tt.want.String() {
+			t.Errorf("%s:\n got %s\nwant %s", tt.key, got, tt.want)
+		}
+	}
+	if len(byKey) != len(tests) {
+		t.Errorf("%d distinct events, want %d: %v", len(byKey), len(tests), byKey)
+	}
+	if len(probed) != 2 || probed[0] != "r1" || probed[1] != "r3" {
+		t.Errorf("probes offered for %v, want the answered r1 and r3", probed)
+	}
+}
+
+// emitAll returns what the converter emitted so far.
+func (j *journalConv) emitAll(s *eventSink) []history.Event { return s.all() }
+
+func TestJournalTail(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "journal.jsonl")
+	sink := &eventSink{}
+	tail := startJournalTail(path, newJournalConv("eu", sink.record))
+	time.Sleep(2 * journalPoll) // no file yet: nothing happens
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var all []byte
+	for _, ev := range journalLines() {
+		b, err := json.Marshal(ev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		all = append(append(all, b...), '\n')
+	}
+	// Half a line first: the tail must wait for its end.
+	if _, err := f.Write(all[:len(all)/2]); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(3 * journalPoll)
+	if _, err := f.Write(all[len(all)/2:]); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := tail.close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	kinds := map[history.Kind]int{}
+	for _, e := range sink.all() {
+		kinds[e.Kind]++
+	}
+	if kinds[history.KindAcquire] != 4 || kinds[history.KindRelease] != 2 {
+		t.Fatalf("events by kind %v, want 4 acquires and 2 releases", kinds)
+	}
+}

@@ -1,0 +1,107 @@
+package agent_test
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/allot-dev/allot/pkg/agent"
+)
+
+// syncBuffer is a bytes.Buffer safe for the lease manager's goroutines.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) events(t *testing.T) []agent.LeaseEvent {
+	t.Helper()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []agent.LeaseEvent
+	sc := bufio.NewScanner(bytes.NewReader(s.b.Bytes()))
+	for sc.Scan() {
+		var ev agent.LeaseEvent
+		if err := json.Unmarshal(sc.Bytes(), &ev); err != nil {
+			t.Fatalf("journal line %q: %v", sc.Text(), err)
+		}
+		out = append(out, ev)
+	}
+	return out
+}
+
+// TestLeaseJournal: with WithLeaseObserver, the agent journals each Acquire
+// with its grants, each deposit with a store expiry bound (At + TTL) inside
+// the lease, and at shutdown the Release of what it withdrew; times are the
+// agent's clock, which -clock-offset (OffsetClock) moves without moving the
+// deadlines.
+func TestLeaseJournal(t *testing.T) {
+	rdb := sharedRedis(t)
+	fa := startFakeAllocator(t)
+	doc := quotasPolicy(t, "10", "30s", "1h", 0, "closed")
+	fa.publish(doc)
+	cfg := testConfig("eu", fa.addr)
+	cfg.StarveWait = 0
+	var buf syncBuffer
+	j := agent.NewLeaseJournal(&buf)
+	const skew = 2 * time.Second
+	a := newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1), agent.WithLeaseObserver(j.Record), agent.WithClock(agent.OffsetClock{Offset: skew}))
+	mustCheck(t, a, tenant("a")) // starves: the next round asks
+	a.Renew(context.Background())
+	if v := mustCheck(t, a, tenant("a")); !v.Allowed {
+		t.Fatalf("after the renewal: %+v, want allowed", v)
+	}
+	r := runAgent(t, a)
+	if err := r.stop(); err != nil { // shutdown: withdraw and release the rest
+		t.Fatal(err)
+	}
+	if err := j.Close(); err != nil {
+		t.Fatal(err)
+	}
+	evs := buf.events(t)
+	var acq, dep, rel *agent.LeaseEvent
+	for i := range evs {
+		switch e := &evs[i]; e.Kind {
+		case agent.LeaseEventAcquire:
+			acq = e
+		case agent.LeaseEventDeposit:
+			dep = e
+		case agent.LeaseEventRelease:
+			rel = e
+		}
+	}
+	if acq == nil || dep == nil || rel == nil {
+		t.Fatalf("journal %+v: want an acquire, a deposit and a release", evs)
+	}
+	if acq.Outcome != agent.LeaseOK || len(acq.Wants) != 1 || len(acq.Grants) != 1 || acq.Grants[0].Tokens != 10 || acq.FirstSent == 0 {
+		t.Fatalf("acquire %+v: want one answered want of q-a granted 10", acq)
+	}
+	if now := time.Now().UnixNano(); acq.At < now+int64(skew)-int64(time.Minute) {
+		t.Errorf("acquire at %d: not on the agent's clock (%s ahead of %d)", acq.At, skew, now)
+	}
+	g := acq.Grants[0]
+	if dep.Outcome != agent.LeaseOK || dep.GrantID != g.GrantID || dep.Tokens != 10 || dep.ExpiresMs != g.ExpiresMs {
+		t.Fatalf("deposit %+v: want grant %s deposited", dep, g.GrantID)
+	}
+	// On the machine's clock the store expires the chunk at most at
+	// At - skew + TTL: within the allocator's expiry (minus the margin).
+	if bound := dep.At - int64(skew) + dep.TTLMs*int64(time.Millisecond); bound > g.ExpiresMs*int64(time.Millisecond)-int64(cfg.Lease.Margin) {
+		t.Errorf("store expiry bound %d after the allocator's expiry %d ms minus the margin", bound, g.ExpiresMs)
+	}
+	if dep.Deadline-int64(skew) > g.ExpiresMs*int64(time.Millisecond)-int64(cfg.Lease.Margin) {
+		t.Errorf("deadline %d (agent clock) moved with the skew past expiry %d ms - margin", dep.Deadline, g.ExpiresMs)
+	}
+	if rel.GrantID != g.GrantID || rel.Tokens != 9 || rel.Returned != 9 || rel.Outcome != agent.LeaseOK || rel.RequestID != "release-"+g.GrantID {
+		t.Fatalf("release %+v: want the 9 unspent tokens of %s handed back", rel, g.GrantID)
+	}
+}
