@@ -625,6 +625,7 @@ func (s *Suite) nodeCluster(ctx context.Context, n *topology.AllocatorNode) (*al
 	if err != nil {
 		return nil, err
 	}
+	defer c.Close()
 	return c.Operator().GetCluster(ctx, &allotv1.GetClusterRequest{})
 }
 

@@ -31,6 +31,11 @@ type Client struct {
 	preferred string
 }
 
+// Close closes the client's idle connections. A client made for a few
+// calls (a probe, a poll) must be closed: its HTTP/2 connections would
+// otherwise stay open, pinging their server, until they idle out.
+func (c *Client) Close() { c.http.CloseIdleConnections() }
+
 // ClientOption customises a Client.
 type ClientOption func(*Client)
 

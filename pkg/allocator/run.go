@@ -82,6 +82,7 @@ func join(ctx context.Context, cfg Config, via string, log *zap.Logger) error {
 	if err != nil {
 		return err
 	}
+	defer c.Close()
 	req := &allotv1.AddMemberRequest{Id: cfg.NodeID, RaftAddress: cfg.RaftAddr, ApiAddress: cfg.APIAddr}
 	for {
 		cctx, cancel := context.WithTimeout(ctx, 10*time.Second)

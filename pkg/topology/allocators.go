@@ -132,6 +132,7 @@ func (a *Allocators) WaitUp(ctx context.Context, n *AllocatorNode) error {
 	if err != nil {
 		return err
 	}
+	defer c.Close()
 	for {
 		cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 		_, err := c.Operator().GetCluster(cctx, &allotv1.GetClusterRequest{})
@@ -153,14 +154,26 @@ func (a *Allocators) WaitUp(ctx context.Context, n *AllocatorNode) error {
 // WaitLeader waits until a live node says it is the leader, and returns it
 // and the time it first answered so.
 func (a *Allocators) WaitLeader(ctx context.Context) (*AllocatorNode, error) {
+	// One client per node for the whole wait: a client per poll would leave
+	// a connection behind every 20 ms.
+	clients := map[*AllocatorNode]*allocator.Client{}
+	defer func() {
+		for _, c := range clients {
+			c.Close()
+		}
+	}()
 	for {
 		for _, n := range a.Nodes {
 			if n.Proc == nil || n.Proc.Exited() {
 				continue
 			}
-			c, err := allocator.NewClient([]string{n.APIAddr}, allocator.WithAttempts(1))
-			if err != nil {
-				return nil, err
+			c := clients[n]
+			if c == nil {
+				var err error
+				if c, err = allocator.NewClient([]string{n.APIAddr}, allocator.WithAttempts(1)); err != nil {
+					return nil, err
+				}
+				clients[n] = c
 			}
 			cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 			resp, err := c.Operator().GetCluster(cctx, &allotv1.GetClusterRequest{})
