@@ -8,8 +8,11 @@ import (
 	"path/filepath"
 	"time"
 
+	"connectrpc.com/connect"
+
 	"github.com/allot-dev/allot/pkg/allocator"
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+	"github.com/allot-dev/allot/proto/allot/v1/allotv1connect"
 )
 
 // AllocatorNode is one allocator process of the topology.
@@ -154,31 +157,27 @@ func (a *Allocators) WaitUp(ctx context.Context, n *AllocatorNode) error {
 // WaitLeader waits until a live node says it is the leader, and returns it
 // and the time it first answered so.
 func (a *Allocators) WaitLeader(ctx context.Context) (*AllocatorNode, error) {
-	// One client per node for the whole wait: a client per poll would leave
-	// a connection behind every 20 ms.
-	clients := map[*AllocatorNode]*allocator.Client{}
-	defer func() {
-		for _, c := range clients {
-			c.Close()
-		}
-	}()
+	// Every poll asks each node itself over one HTTP client for the whole
+	// wait (a client per poll would leave a connection behind every 20 ms),
+	// without the failover client's leader hints, which could steer the
+	// question for one node to another.
+	hc := allocator.NewHTTPClient()
+	defer hc.CloseIdleConnections()
+	ops := map[*AllocatorNode]allotv1connect.OperatorServiceClient{}
 	for {
 		for _, n := range a.Nodes {
 			if n.Proc == nil || n.Proc.Exited() {
 				continue
 			}
-			c := clients[n]
-			if c == nil {
-				var err error
-				if c, err = allocator.NewClient([]string{n.APIAddr}, allocator.WithAttempts(1)); err != nil {
-					return nil, err
-				}
-				clients[n] = c
+			op := ops[n]
+			if op == nil {
+				op = allotv1connect.NewOperatorServiceClient(hc, "http://"+n.APIAddr)
+				ops[n] = op
 			}
 			cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
-			resp, err := c.Operator().GetCluster(cctx, &allotv1.GetClusterRequest{})
+			resp, err := op.GetCluster(cctx, connect.NewRequest(&allotv1.GetClusterRequest{}))
 			cancel()
-			if err == nil && resp.GetState() == "Leader" {
+			if err == nil && resp.Msg.GetState() == "Leader" && resp.Msg.GetNodeId() == n.ID {
 				return n, nil
 			}
 		}
