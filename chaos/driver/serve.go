@@ -1,10 +1,8 @@
 package driver
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -47,51 +45,25 @@ func Serve(ctx context.Context, configPath, ctlPath string) error {
 	if err != nil {
 		return err
 	}
-	runCtx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	runErr := make(chan error, 1)
-	go func() { runErr <- d.Run(runCtx) }()
-
-	dec := json.NewDecoder(bufio.NewReader(conn))
-	for {
-		var m history.Message
-		if err := dec.Decode(&m); err != nil {
-			cancel() // the suite is gone: stop at once
-			return errors.Join(<-runErr, fmt.Errorf("control socket: %w", err))
-		}
-		if m.Command == nil {
-			continue
-		}
-		c := m.Command
-		var cerr error
-		cctx, ccancel := context.WithTimeout(ctx, 30*time.Second)
+	// Each command has 30 s; a driver answers far sooner unless the
+	// allocators are unreachable.
+	const commandTimeout = 30 * time.Second
+	return history.ServeCommands(ctx, conn, out, d.Run, func(ctx context.Context, c *history.Command) error {
+		cctx, ccancel := context.WithTimeout(ctx, commandTimeout)
+		defer ccancel()
 		switch c.Op {
 		case history.OpDemand:
-			cerr = d.SetDemand(cctx, c.Quota, c.Rate)
+			return d.SetDemand(cctx, c.Quota, c.Rate)
 		case history.OpSkew:
 			d.SetSkew(time.Duration(c.Skew))
+			return nil
 		case history.OpStorm:
-			cerr = d.Storm(cctx, c.N)
-		case history.OpStop:
-			cerr = d.Stop(cctx)
-		default:
-			cerr = fmt.Errorf("unknown op %q", c.Op)
+			return d.Storm(cctx, c.N)
 		}
-		ccancel()
-		ack := &history.Ack{Seq: c.Seq}
-		if cerr != nil {
-			ack.Err = cerr.Error()
-		}
-		if c.Op == history.OpStop {
-			cancel()
-			err := <-runErr
-			out.Flush()
-			_ = out.Send(history.Message{Ack: ack})
-			out.Flush()
-			return err
-		}
-		if err := out.Send(history.Message{Ack: ack}); err != nil {
-			return err
-		}
-	}
+		return fmt.Errorf("unknown op %q", c.Op)
+	}, func(ctx context.Context) error {
+		cctx, ccancel := context.WithTimeout(ctx, commandTimeout)
+		defer ccancel()
+		return d.Stop(cctx)
+	})
 }

@@ -1,10 +1,8 @@
 package loadgen
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -48,54 +46,22 @@ func Serve(ctx context.Context, configPath, ctlPath string) error {
 	if err != nil {
 		return err
 	}
-	runCtx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	runErr := make(chan error, 1)
-	go func() { runErr <- g.Run(runCtx) }()
-
-	dec := json.NewDecoder(bufio.NewReader(conn))
-	for {
-		var m history.Message
-		if err := dec.Decode(&m); err != nil {
-			cancel() // the suite is gone: stop at once
-			return errors.Join(<-runErr, fmt.Errorf("control socket: %w", err))
-		}
-		if m.Command == nil {
-			continue
-		}
-		c := m.Command
-		ack := &history.Ack{Seq: c.Seq}
-		var cerr error
+	return history.ServeCommands(ctx, conn, out, g.Run, func(_ context.Context, c *history.Command) error {
 		switch c.Op {
 		case history.OpDemand:
-			cerr = g.SetDemand(c.Quota, c.Rate)
+			return g.SetDemand(c.Quota, c.Rate)
 		case history.OpStorm:
 			g.Storm(c.N)
-		case history.OpStop:
-			sctx, scancel := context.WithTimeout(ctx, cfg.RetryFor+cfg.CallTimeout+5*time.Second)
-			cerr = g.Stop(sctx)
-			scancel()
-			cancel()
-			err := <-runErr
-			if shed, none := g.Counts(); shed > 0 || none > 0 {
-				fmt.Fprintf(os.Stderr, "loadgen %s: %d requests shed (too many in flight), %d never answered\n", cfg.Region, shed, none)
-			}
-			if cerr != nil {
-				ack.Err = cerr.Error()
-			}
-			out.Flush()
-			_ = out.Send(history.Message{Ack: ack})
-			out.Flush()
-			return err
-		default:
-			cerr = fmt.Errorf("unknown op %q", c.Op)
+			return nil
 		}
-		if cerr != nil {
-			ack.Err = cerr.Error()
+		return fmt.Errorf("unknown op %q", c.Op)
+	}, func(ctx context.Context) error {
+		sctx, scancel := context.WithTimeout(ctx, cfg.RetryFor+cfg.CallTimeout+5*time.Second)
+		defer scancel()
+		err := g.Stop(sctx)
+		if shed, none := g.Counts(); shed > 0 || none > 0 {
+			fmt.Fprintf(os.Stderr, "loadgen %s: %d requests shed (too many in flight), %d never answered\n", cfg.Region, shed, none)
 		}
-		if err := out.Send(history.Message{Ack: ack}); err != nil {
-			cancel()
-			return errors.Join(<-runErr, err)
-		}
-	}
+		return err
+	})
 }
