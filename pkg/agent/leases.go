@@ -1002,6 +1002,7 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 	now := l.clock.Now()
 	storeDelay := l.storeDelay
 	ttl := lease.RedisTTL(deadline, now, storeDelay)
+	depositBound := max(4*storeDelay, minDepositBound)
 	exhausted := g.PoolExhausted
 	if exhausted {
 		q.exhaustedUntil = q.windowEnd
@@ -1024,8 +1025,22 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 		var err error
 		var dep depositTrace
 		for attempt := 0; attempt < 2; attempt++ {
-			dctx, cancel := context.WithTimeout(ctx, min(time.Second, ttl))
+			// The TTL counts from this send: time spent since the
+			// deadline was computed (the lock, an exhausted mark, a
+			// failed attempt) must not push the store's expiry past it.
+			// A deposit is bounded by its own timeout, and one that
+			// succeeds ran in Redis within it: counting the TTL from the
+			// send minus that bound keeps the store's expiry at or before
+			// the deadline however slow this call was (the measured store
+			// delay alone is an average a loaded call can exceed).
 			dsent := l.clock.Now()
+			if ttl = lease.RedisTTL(deadline, dsent, depositBound); ttl < l.cfg.MinUsefulTTL {
+				if attempt == 0 {
+					err = fmt.Errorf("deposit of %s: %w", g.GrantId, errTooLate)
+				}
+				break
+			}
+			dctx, cancel := context.WithTimeout(ctx, depositBound)
 			_, err = eng.DepositChunk(dctx, g.Quota, g.GrantId, g.Tokens, ttl)
 			cancel()
 			dep.attempt(dsent, l.clock.Now(), ttl)
@@ -1033,12 +1048,12 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 				break
 			}
 			now = l.clock.Now()
-			if ttl = lease.RedisTTL(deadline, now, storeDelay); ttl < l.cfg.MinUsefulTTL {
-				break
-			}
 		}
 		l.journalDeposit(g, deadline, dep, err)
-		if err != nil {
+		if errors.Is(err, errTooLate) {
+			l.m.renewFail.WithLabelValues("too_late").Inc()
+			l.handBack(ctx, g.Quota, g.GrantId, g.Tokens, q)
+		} else if err != nil {
 			l.storeError("deposit", err)
 			l.m.renewFail.WithLabelValues("deposit").Inc()
 			l.handBack(ctx, g.Quota, g.GrantId, g.Tokens, q)
@@ -1190,3 +1205,11 @@ func (l *leases) shutdown(ctx context.Context) error {
 	}
 	return nil
 }
+
+// errTooLate: the lease ends too soon after the send for a deposit to be
+// worth it (less than MinUsefulTTL left).
+var errTooLate = errors.New("the lease ends too soon to deposit")
+
+// minDepositBound is the shortest time a deposit may take; the store TTL of a
+// chunk leaves that much of its lease unused.
+const minDepositBound = 50 * time.Millisecond

@@ -68,12 +68,15 @@ func ClampExpiry(nowMs, ttlMs, windowEndMs int64, clamp bool) int64 {
 // before the expiry.
 //
 // A negative margin counts as zero. A lease already expired when stamped
-// yields a deadline at or before sentAt.
+// yields a deadline before sentAt.
 func Deadline(sentAt time.Time, expiresUnixMs, leaderNowUnixMs int64, margin time.Duration) time.Time {
 	if margin < 0 {
 		margin = 0
 	}
-	remaining := msToDuration(satSub(expiresUnixMs, leaderNowUnixMs))
+	// leaderNow is the leader's clock truncated to the millisecond: the
+	// stamp was taken up to 1 ms after it, so the remaining time may be up
+	// to 1 ms shorter than expires-leaderNow. One millisecond comes off.
+	remaining := msToDuration(satSub(expiresUnixMs, leaderNowUnixMs)) - time.Millisecond
 	return sentAt.Add(remaining).Add(-margin)
 }
 
