@@ -2,10 +2,7 @@ package driver
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
-	"net"
-	"os"
 	"time"
 
 	"github.com/allot-dev/allot/chaos/history"
@@ -16,24 +13,16 @@ import (
 // the suite's control socket ctlPath, says hello, streams events, and obeys
 // commands until the suite says stop (or ctx ends, or the suite goes away).
 func Serve(ctx context.Context, configPath, ctlPath string) error {
-	b, err := os.ReadFile(configPath)
-	if err != nil {
+	var cfg Config
+	if err := history.ReadConfig(configPath, &cfg); err != nil {
 		return err
 	}
-	var cfg Config
-	if err := json.Unmarshal(b, &cfg); err != nil {
-		return fmt.Errorf("config %s: %w", configPath, err)
-	}
-	conn, err := net.Dial("unix", ctlPath)
+	conn, out, err := history.DialControl(ctlPath, cfg.Region)
 	if err != nil {
 		return err
 	}
 	defer conn.Close()
-	out := history.NewWire(conn)
 	defer out.Close()
-	if err := out.Send(history.Message{Hello: cfg.Region}); err != nil {
-		return err
-	}
 	client, err := allocator.NewClient(cfg.Endpoints, allocator.WithHTTPClient(NewHTTPClient()),
 		allocator.WithAttempts(4), allocator.WithBackoff(50*time.Millisecond))
 	if err != nil {

@@ -7,6 +7,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
+	"os"
 )
 
 // ServeCommands is the process side of the control socket shared by the
@@ -53,4 +55,32 @@ func ServeCommands(ctx context.Context, conn io.Reader, out *Wire, run func(cont
 			return errors.Join(<-runErr, err)
 		}
 	}
+}
+
+// ReadConfig reads a process's JSON config file into cfg.
+func ReadConfig(path string, cfg any) error {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	if err := json.Unmarshal(b, cfg); err != nil {
+		return fmt.Errorf("config %s: %w", path, err)
+	}
+	return nil
+}
+
+// DialControl dials the suite's control socket ctlPath and says hello as
+// name. The caller closes the wire, then the connection.
+func DialControl(ctlPath, name string) (net.Conn, *Wire, error) {
+	conn, err := net.Dial("unix", ctlPath)
+	if err != nil {
+		return nil, nil, err
+	}
+	out := NewWire(conn)
+	if err := out.Send(Message{Hello: name}); err != nil {
+		out.Close()
+		conn.Close()
+		return nil, nil, err
+	}
+	return conn, out, nil
 }

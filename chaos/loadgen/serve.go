@@ -2,9 +2,7 @@ package loadgen
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
-	"net"
 	"os"
 	"time"
 
@@ -21,24 +19,16 @@ const HelloSuffix = "/load"
 // events, and obeys commands (demand, storm, stop) until the suite says
 // stop, ctx ends or the suite goes away.
 func Serve(ctx context.Context, configPath, ctlPath string) error {
-	b, err := os.ReadFile(configPath)
-	if err != nil {
+	var cfg Config
+	if err := history.ReadConfig(configPath, &cfg); err != nil {
 		return err
 	}
-	var cfg Config
-	if err := json.Unmarshal(b, &cfg); err != nil {
-		return fmt.Errorf("config %s: %w", configPath, err)
-	}
-	conn, err := net.Dial("unix", ctlPath)
+	conn, out, err := history.DialControl(ctlPath, cfg.Region+HelloSuffix)
 	if err != nil {
 		return err
 	}
 	defer conn.Close()
-	out := history.NewWire(conn)
 	defer out.Close()
-	if err := out.Send(history.Message{Hello: cfg.Region + HelloSuffix}); err != nil {
-		return err
-	}
 	client := allotv1connect.NewAdmissionServiceClient(NewHTTPClient(), "http://"+cfg.Agent)
 	g, err := New(cfg, history.TrueClock{Offset: cfg.ClockOffset}, client, func(ev history.Event) {
 		_ = out.Send(history.Message{Event: &ev})
