@@ -3,7 +3,6 @@ package chaos
 import (
 	"bufio"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -167,27 +166,9 @@ func (a *AgentRegion) Start(ctx context.Context, env RegionEnv) error {
 	for _, q := range env.Quotas {
 		cfg.Quotas = append(cfg.Quotas, loadgen.QuotaConfig{Name: q.Quota, WindowMs: q.Window.Milliseconds(), Chunk: q.Chunk, Rate: q.Rate, FloodRate: q.FloodRate})
 	}
-	b, err := json.MarshalIndent(cfg, "", "  ")
-	if err != nil {
-		return err
-	}
-	path := filepath.Join(dir, "load.json")
-	if err := os.WriteFile(path, b, 0o644); err != nil {
-		return err
-	}
-	hello := a.ctl.expect(a.name + loadgen.HelloSuffix)
-	a.load, err = env.Host.StartProcess("chaosload-"+a.name, a.loadBin, []string{"-mode", "load", "-config", path, "-ctl", a.ctl.path}, env.Log)
-	if err != nil {
-		return err
-	}
-	select {
-	case a.conn = <-hello:
-		return nil
-	case <-a.load.Done():
-		return fmt.Errorf("region %s: load generator exited: %s", a.name, a.load.Output())
-	case <-ctx.Done():
-		return fmt.Errorf("region %s: load generator did not say hello: %w", a.name, ctx.Err())
-	}
+	a.load, a.conn, err = a.ctl.start(ctx, env.Host, "chaosload-"+a.name, a.loadBin, []string{"-mode", "load"}, filepath.Join(dir, "load.json"), cfg,
+		a.name+loadgen.HelloSuffix, "region "+a.name+": load generator", env.Log)
+	return err
 }
 
 // SetDemand implements Region.

@@ -133,27 +133,10 @@ func (d *DriverRegion) Start(ctx context.Context, env RegionEnv) error {
 			Sizing: lease.Sizing{MinChunk: 1, MaxChunk: q.Chunk, Lead: q.TTL / 2, RTT: 120 * time.Millisecond},
 		})
 	}
-	b, err := json.MarshalIndent(cfg, "", "  ")
-	if err != nil {
-		return err
-	}
-	path := filepath.Join(env.Dir, d.name+".json")
-	if err := os.WriteFile(path, b, 0o644); err != nil {
-		return err
-	}
-	hello := d.ctl.expect(d.name)
-	d.proc, err = env.Host.StartProcess("chaosregion-"+d.name, d.bin, []string{"-config", path, "-ctl", d.ctl.path}, env.Log)
-	if err != nil {
-		return err
-	}
-	select {
-	case d.conn = <-hello:
-		return nil
-	case <-d.proc.Done():
-		return fmt.Errorf("region %s exited: %s", d.name, d.proc.Output())
-	case <-ctx.Done():
-		return fmt.Errorf("region %s did not say hello: %w", d.name, ctx.Err())
-	}
+	var err error
+	d.proc, d.conn, err = d.ctl.start(ctx, env.Host, "chaosregion-"+d.name, d.bin, nil, filepath.Join(env.Dir, d.name+".json"), cfg,
+		d.name, "region "+d.name, env.Log)
+	return err
 }
 
 // SetDemand implements Region.
@@ -238,6 +221,33 @@ func (c *control) expect(name string) <-chan *driverConn {
 	c.want[name] = ch
 	c.mu.Unlock()
 	return ch
+}
+
+// start writes cfg as JSON to cfgPath, starts bin (as name, with args and
+// -config cfgPath -ctl <socket>) inside host, and waits until it says hello
+// as hello on the control socket. what names the process in errors.
+func (c *control) start(ctx context.Context, host *topology.Host, name, bin string, args []string, cfgPath string, cfg any,
+	hello, what string, log io.Writer) (*topology.Process, *driverConn, error) {
+	b, err := json.MarshalIndent(cfg, "", "  ")
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := os.WriteFile(cfgPath, b, 0o644); err != nil {
+		return nil, nil, err
+	}
+	ch := c.expect(hello)
+	proc, err := host.StartProcess(name, bin, append(args, "-config", cfgPath, "-ctl", c.path), log)
+	if err != nil {
+		return nil, nil, err
+	}
+	select {
+	case conn := <-ch:
+		return proc, conn, nil
+	case <-proc.Done():
+		return proc, nil, fmt.Errorf("%s exited: %s", what, proc.Output())
+	case <-ctx.Done():
+		return proc, nil, fmt.Errorf("%s did not say hello: %w", what, ctx.Err())
+	}
 }
 
 func (c *control) close() {
