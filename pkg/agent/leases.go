@@ -1000,9 +1000,10 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 	l.m.acquireToks.Add(float64(g.Tokens))
 	deadline := lease.Deadline(c.sentAt, g.ExpiresUnixMs, leaderNow, l.cfg.Margin)
 	now := l.clock.Now()
-	storeDelay := l.storeDelay
-	ttl := lease.RedisTTL(deadline, now, storeDelay)
-	depositBound := max(4*storeDelay, minDepositBound)
+	// depositBound is how long a deposit may take (see the loop below);
+	// the store TTL leaves it unused, so the early check counts it too.
+	depositBound := max(4*l.storeDelay, minDepositBound)
+	ttl := lease.RedisTTL(deadline, now, depositBound)
 	exhausted := g.PoolExhausted
 	if exhausted {
 		q.exhaustedUntil = q.windowEnd
