@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"path/filepath"
 	"time"
 
@@ -129,16 +130,21 @@ func (a *Allocators) Endpoints() []string {
 	return out
 }
 
+// nodeOperator is an operator client of node n alone, over hc.
+func nodeOperator(hc *http.Client, n *AllocatorNode) allotv1connect.OperatorServiceClient {
+	return allotv1connect.NewOperatorServiceClient(hc, "http://"+n.APIAddr)
+}
+
 // WaitUp waits until node n answers on its API.
 func (a *Allocators) WaitUp(ctx context.Context, n *AllocatorNode) error {
-	c, err := allocator.NewClient([]string{n.APIAddr}, allocator.WithAttempts(1))
-	if err != nil {
-		return err
-	}
-	defer c.Close()
+	// Asked directly (not through the failover client, whose leader hints
+	// could steer the question to another node).
+	hc := allocator.NewHTTPClient()
+	defer hc.CloseIdleConnections()
+	op := nodeOperator(hc, n)
 	for {
 		cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
-		_, err := c.Operator().GetCluster(cctx, &allotv1.GetClusterRequest{})
+		_, err := op.GetCluster(cctx, connect.NewRequest(&allotv1.GetClusterRequest{}))
 		cancel()
 		if err == nil {
 			return nil
@@ -171,7 +177,7 @@ func (a *Allocators) WaitLeader(ctx context.Context) (*AllocatorNode, error) {
 			}
 			op := ops[n]
 			if op == nil {
-				op = allotv1connect.NewOperatorServiceClient(hc, "http://"+n.APIAddr)
+				op = nodeOperator(hc, n)
 				ops[n] = op
 			}
 			cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
