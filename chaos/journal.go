@@ -101,7 +101,10 @@ func (j *journalConv) handle(ev agent.LeaseEvent) {
 	case agent.LeaseEventDeposit:
 		e, ok := j.pending[ev.GrantID]
 		if !ok || ev.Outcome != agent.LeaseOK {
-			return // a failed deposit is followed by the grant's Release
+			// A failed deposit is followed by the grant's Release (of what
+			// is certainly out of the store), or by nothing when the agent
+			// could not settle it: the grant is then emitted at finish.
+			return
 		}
 		delete(j.pending, ev.GrantID)
 		e.Deadline = j.trueNs(ev.At) + ev.TTLMs*int64(time.Millisecond)

@@ -1,6 +1,11 @@
 package admission
 
-import "errors"
+import (
+	"errors"
+	"net"
+
+	"github.com/redis/go-redis/v9"
+)
 
 // ErrInvalidRequest is wrapped by every error Decide returns for bad input:
 // unknown or malformed descriptors, a bad cost, an oversized request, a
@@ -66,6 +71,32 @@ var ErrSlotLost = errors.New("concurrency slot lost")
 // ErrStoreFull is reported (wrapped in ErrUnavailable) by the embedded store
 // when it holds MemoryConfig.MaxKeys live keys and must not grow.
 var ErrStoreFull = errors.New("store full")
+
+// errBreakerOpen is wrapped in ErrUnavailable when the circuit breaker
+// refused a call without sending it.
+var errBreakerOpen = errors.New("circuit breaker open")
+
+// Unsent reports whether err, returned by a store operation of an Engine
+// (DepositChunk, MarkExhausted, ...), proves the operation never reached the
+// store and so had no effect: bad arguments, an unknown quota, a closed
+// engine, a full queue, an open circuit breaker, a full embedded store, or a
+// connection that could not be made. Any other error leaves the outcome
+// unknown: a call that timed out or whose caller gave up may still be
+// applied later (the engine's batcher sends what it has queued), so a caller
+// must not act as if it had failed (e.g. hand a deposit's tokens back)
+// without first making sure it cannot land.
+func Unsent(err error) bool {
+	if err == nil {
+		return false
+	}
+	for _, e := range []error{ErrBadGrant, ErrUnknownQuota, ErrClosed, ErrOverloaded, errBreakerOpen, ErrStoreFull, redis.ErrPoolTimeout} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	var op *net.OpError
+	return errors.As(err, &op) && op.Op == "dial"
+}
 
 type invalidError struct{ msg string }
 

@@ -125,7 +125,7 @@ func (e *Engine) run(ctx context.Context, o *op) error {
 	refused, err := e.call(ctx, o, e.mono(e.clock.Now()), 0)
 	switch {
 	case refused:
-		return ErrUnavailable
+		return fmt.Errorf("%w: %w", ErrUnavailable, errBreakerOpen)
 	case err != nil:
 		return fmt.Errorf("%w: %w", ErrUnavailable, err)
 	}

@@ -2,8 +2,12 @@ package agent_test
 
 import (
 	"context"
+	"errors"
+	"sync"
 	"testing"
 	"time"
+
+	"connectrpc.com/connect"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -85,5 +89,71 @@ func TestSlowAllocatorWaitIsBounded(t *testing.T) {
 	}
 	if v.Allowed || !v.Unavailable || v.RetryAfter < 1 {
 		t.Fatalf("verdict %+v, want unavailable with a retry hint", v)
+	}
+}
+
+// TestUnsureDepositIsNotHandedBackTwice: a deposit that times out may still
+// land (the store was only slow). The agent must not hand the grant's tokens
+// back while they can still be spent in the store: it withdraws the grant
+// first (tombstoning it, so a late deposit adds nothing) and returns only
+// what is certainly out of the store. Redis is paused for writes right after
+// the grant, longer than both deposit attempts wait.
+func TestUnsureDepositIsNotHandedBackTwice(t *testing.T) {
+	rdb := sharedRedis(t)
+	fa := startFakeAllocator(t)
+	doc := quotasPolicy(t, "10", "30s", "1h", 0, "closed")
+	fa.publish(doc)
+	var (
+		mu      sync.Mutex
+		granted *allotv1.Grant
+	)
+	fa.setHook(func(ctx context.Context, _ *allotv1.AcquireRequest, commit func() (*allotv1.AcquireResponse, error)) (*allotv1.AcquireResponse, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		if granted != nil { // one grant only, so the pool holds nothing else
+			return nil, connect.NewError(connect.CodeUnavailable, errors.New("test: no more grants"))
+		}
+		resp, err := commit()
+		if err != nil || len(resp.Grants) != 1 || resp.Grants[0].Tokens == 0 {
+			return resp, err
+		}
+		if err := rdb.Do(ctx, "CLIENT", "PAUSE", "400", "WRITE").Err(); err != nil {
+			t.Errorf("CLIENT PAUSE: %v", err)
+		}
+		granted = resp.Grants[0]
+		return resp, nil
+	})
+	cfg := testConfig("eu", fa.addr)
+	cfg.StarveWait = 200 * time.Millisecond
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	_, _ = a.Check(ctx, tenant("a")) // starts the demand; its verdict does not matter
+	var g *allotv1.Grant
+	waitFor(t, 5*time.Second, "the grant", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		g = granted
+		return g != nil
+	})
+	released := func() int64 {
+		var n int64
+		for _, r := range fa.releaseLog() {
+			if r.GrantId == g.GrantId {
+				n += r.Tokens
+			}
+		}
+		return n
+	}
+	waitFor(t, 5*time.Second, "the grant's hand-back", func() bool { return released() > 0 })
+	time.Sleep(500 * time.Millisecond) // the pause is over: a late deposit has landed by now
+	ps := poolStats(t, rdb, cfg.Engine.Namespace, doc, "q-a")
+	if got := ps.Available + ps.Consumed + released(); got > g.Tokens {
+		t.Fatalf("grant %s of %d tokens: %d spendable in the store + %d spent + %d handed back = %d: handed back tokens that can still be spent",
+			g.GrantId, g.Tokens, ps.Available, ps.Consumed, released(), got)
+	}
+	if got := ps.Available + ps.Consumed + released(); got != g.Tokens {
+		t.Fatalf("grant %s of %d tokens: %d spendable + %d spent + %d handed back = %d: tokens lost",
+			g.GrantId, g.Tokens, ps.Available, ps.Consumed, released(), got)
 	}
 }

@@ -1019,12 +1019,19 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 	}
 	l.mu.Unlock()
 
+	// The store work and the hand-back of a grant the allocator answered
+	// run to their own bounds even when the agent is stopping: a deposit
+	// whose caller gives up may still land (the engine's batcher sends what
+	// it queued), and the shutdown that follows can only withdraw what this
+	// call knows it deposited.
+	ctx = context.WithoutCancel(ctx)
 	if ttl < l.cfg.MinUsefulTTL {
 		l.m.renewFail.WithLabelValues("too_late").Inc()
 		l.handBack(ctx, g.Quota, g.GrantId, g.Tokens, q)
 	} else {
 		var err error
 		var dep depositTrace
+		unsure := false // an attempt may have reached the store
 		for attempt := 0; attempt < 2; attempt++ {
 			// The TTL counts from this send: time spent since the
 			// deadline was computed (the lock, an exhausted mark, a
@@ -1045,19 +1052,23 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 			_, err = eng.DepositChunk(dctx, g.Quota, g.GrantId, g.Tokens, ttl)
 			cancel()
 			dep.attempt(dsent, l.clock.Now(), ttl)
+			unsure = unsure || (err != nil && !admission.Unsent(err))
 			if err == nil || ctx.Err() != nil {
 				break
 			}
 			now = l.clock.Now()
 		}
 		l.journalDeposit(g, deadline, dep, err)
-		if errors.Is(err, errTooLate) {
-			l.m.renewFail.WithLabelValues("too_late").Inc()
-			l.handBack(ctx, g.Quota, g.GrantId, g.Tokens, q)
-		} else if err != nil {
-			l.storeError("deposit", err)
-			l.m.renewFail.WithLabelValues("deposit").Inc()
-			l.handBack(ctx, g.Quota, g.GrantId, g.Tokens, q)
+		if err != nil {
+			if errors.Is(err, errTooLate) {
+				l.m.renewFail.WithLabelValues("too_late").Inc()
+			} else {
+				l.storeError("deposit", err)
+				l.m.renewFail.WithLabelValues("deposit").Inc()
+			}
+			if n := l.unsureDeposit(ctx, eng, g, deadline, unsure); n > 0 {
+				l.handBack(ctx, g.Quota, g.GrantId, n, q)
+			}
 		} else {
 			l.mu.Lock()
 			q.grants[g.GrantId] = held{tokens: g.Tokens, deadline: deadline}
@@ -1079,6 +1090,41 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 	if exhausted {
 		l.markExhausted(ctx, eng, q)
 	}
+}
+
+// unsureDeposit returns how many of g's tokens certainly are not, and never
+// will be, spendable in the store after a deposit of g failed, so they may be
+// handed back. A deposit no attempt of which reached the store left all of
+// them out. One that may have (unsure: a timeout) is settled by withdrawing
+// g, which also tombstones it so a deposit still on its way adds nothing:
+// the tokens g still held, or all of them when it never landed. When that
+// fails too the tokens stay where they are, unreturned (stranded until the
+// lease ends, never spent twice).
+func (l *leases) unsureDeposit(ctx context.Context, eng *admission.Engine, g *allotv1.Grant, deadline time.Time, unsure bool) int64 {
+	if !unsure {
+		return g.Tokens
+	}
+	z, h, err := eng.PoolKeys(g.Quota)
+	if err != nil { // the pool left the policy: nothing can spend it
+		return g.Tokens
+	}
+	// The tombstone outlasts the lease: a deposit arriving later than that
+	// would break its lease anyway.
+	tomb := deadline.Sub(l.clock.Now()) + time.Second
+	wctx, cancel := context.WithTimeout(ctx, l.cfg.AcquireTimeout)
+	defer cancel()
+	toks, err := l.wd.withdraw(wctx, g.Quota, z, h, []string{g.GrantId}, tomb)
+	if err != nil {
+		l.storeError("withdraw", err)
+		l.m.renewFail.WithLabelValues("deposit_unknown").Inc()
+		l.log.Warn("deposit outcome unknown: its tokens stay leased, unreturned, until the lease ends",
+			zap.String("quota", g.Quota), zap.String("grant", g.GrantId), zap.Int64("tokens", g.Tokens), zap.Error(err))
+		return 0
+	}
+	if toks[0] < 0 {
+		return g.Tokens
+	}
+	return toks[0]
 }
 
 // markExhausted tells the store the pool is exhausted until the window's
@@ -1181,7 +1227,7 @@ func (l *leases) shutdown(ctx context.Context) error {
 		if err != nil { // the pool left the policy: its tokens expire unspent
 			continue
 		}
-		toks, err := l.wd.withdraw(ctx, j.name, z, h, j.grants)
+		toks, err := l.wd.withdraw(ctx, j.name, z, h, j.grants, 0)
 		if err != nil {
 			l.storeError("withdraw", err)
 			errs = append(errs, err)
