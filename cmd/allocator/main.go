@@ -60,6 +60,8 @@ func run(ctx context.Context, args []string) error {
 	fs.DurationVar(&cfg.HeartbeatTimeout, "heartbeat-timeout", cfg.HeartbeatTimeout, "Raft heartbeat timeout")
 	fs.DurationVar(&cfg.ElectionTimeout, "election-timeout", cfg.ElectionTimeout, "Raft election timeout")
 	fs.DurationVar(&cfg.LeaderLeaseTimeout, "leader-lease-timeout", cfg.LeaderLeaseTimeout, "Raft leader lease timeout")
+	fs.DurationVar(&cfg.CommitDelay, "commit-delay", cfg.CommitDelay, "under load, how long the leader may hold a batch of calls for companions (0: never)")
+	fs.IntVar(&cfg.CommitSiblings, "commit-siblings", cfg.CommitSiblings, "calls in the previous Raft entry that count as load for -commit-delay")
 	fs.Uint64Var(&cfg.SnapshotThreshold, "snapshot-threshold", cfg.SnapshotThreshold, "log entries between snapshots")
 	fs.DurationVar(&cfg.LeaseMargin, "lease-margin", cfg.LeaseMargin, "lease deadline margin regions use (feeds the stated bound)")
 	fs.Int64Var(&cfg.MaxDriftPPM, "max-drift-ppm", cfg.MaxDriftPPM, "assumed max clock drift between machines (feeds the stated bound)")

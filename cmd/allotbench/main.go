@@ -41,6 +41,12 @@ Modes (-mode, comma-separated; "all" runs them in this order):
   sdk3            the SDK with 3 rules per decision (tenant, user, route)
   paced           the SDK paced at -rate, or at half of sdk's rate: quote its p99
 
+With -suite agent, the region agent's APIs beside the raw ceiling:
+  raw           (a)  as above
+  connect       (c)  the agent's Check over Connect, HTTP/2 (-connections connections)
+  connect-http1 (c') the same over HTTP/1.1, one keep-alive connection per worker
+  envoy         (d)  the agent's Envoy RLS endpoint over gRPC (-connections connections)
+
 Every mode runs -workers concurrent callers over -keys counters, bounded by
 -requests calls and -duration, after -warmup, and reports decisions/s, latency
 percentiles and Redis CPU microseconds per decision (INFO commandstats and
@@ -57,7 +63,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		fmt.Fprint(stderr, usage)
 		fs.PrintDefaults()
 	}
-	mode := fs.String("mode", "all", "modes to run: all, or a comma-separated list of "+strings.Join(bench.Modes(), ", "))
+	mode := fs.String("mode", "all", "modes to run: all, or a comma-separated list of "+strings.Join(bench.Modes(), ", ")+" (-suite agent: "+strings.Join(bench.AgentModes(), ", ")+")")
 	addr := fs.String("redis", "", `Redis address host:port; "" starts a private redis-server`)
 	fs.IntVar(&cfg.Workers, "workers", cfg.Workers, "concurrent callers")
 	fs.IntVar(&cfg.Keys, "keys", cfg.Keys, "distinct counters the requests spread over")

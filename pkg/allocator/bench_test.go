@@ -2,6 +2,7 @@ package allocator_test
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -114,6 +115,8 @@ type benchCluster struct {
 	addrs   []string
 }
 
+var benchCommitDelay = flag.Duration("bench.commit-delay", 0, "BenchmarkAllocator: the nodes' Config.CommitDelay")
+
 func startBenchCluster(b *testing.B) *benchCluster {
 	b.Helper()
 	dir := b.TempDir()
@@ -127,6 +130,7 @@ func startBenchCluster(b *testing.B) *benchCluster {
 		cfg.NodeID, cfg.RaftAddr, cfg.APIAddr = p.ID, p.RaftAddr, p.APIAddr
 		cfg.DataDir = filepath.Join(dir, p.ID)
 		cfg.Bootstrap, cfg.Peers = true, peers
+		cfg.CommitDelay = *benchCommitDelay
 		n, err := allocator.NewNode(cfg)
 		if err != nil {
 			b.Fatal(err)

@@ -72,6 +72,15 @@ type Config struct {
 	MaxWantsPerCall int
 	// MaxBodyBytes caps request bodies; larger ones get ResourceExhausted.
 	MaxBodyBytes int
+	// CommitDelay is how long the leader may hold a batch of Acquire and
+	// Release calls for companions before proposing it, under load only (see
+	// CommitSiblings): fewer, larger Raft entries (each costs an fsync on
+	// every replica) at the price of up to this much latency. 0 proposes at
+	// once.
+	CommitDelay time.Duration
+	// CommitSiblings is the load that turns CommitDelay on: the previous
+	// entry carried at least this many calls.
+	CommitSiblings int
 	// LeaseMargin is the margin regions subtract from lease deadlines; it feeds
 	// the timing term of the stated bound.
 	LeaseMargin time.Duration
@@ -105,6 +114,8 @@ func DefaultConfig() Config {
 		TrailingLogs:        10240,
 		MaxWantsPerCall:     fsm.MaxWants,
 		MaxBodyBytes:        4 << 20,
+		CommitDelay:         time.Millisecond,
+		CommitSiblings:      8,
 		LeaseMargin:         250 * time.Millisecond,
 		MaxDriftPPM:         200,
 		MaxOneWayDelay:      100 * time.Millisecond,
@@ -135,6 +146,10 @@ func (c Config) Validate() error {
 		return fmt.Errorf("max wants per call must be in [1, %d]: %w", fsm.MaxWants, ErrConfig)
 	case c.MaxBodyBytes <= 0:
 		return fmt.Errorf("max body bytes must be positive: %w", ErrConfig)
+	case c.CommitDelay < 0 || c.CommitDelay > time.Second:
+		return fmt.Errorf("commit delay %s is not in [0, 1s]: %w", c.CommitDelay, ErrConfig)
+	case c.CommitSiblings < 1:
+		return fmt.Errorf("commit siblings %d must be at least 1: %w", c.CommitSiblings, ErrConfig)
 	case c.LeaseMargin < 0 || c.MaxDriftPPM < 0 || c.MaxOneWayDelay < 0 || c.MaxLeaderSkew < 0 || c.StoreReplicationLag < 0:
 		return fmt.Errorf("bound assumptions must not be negative: %w", ErrConfig)
 	}

@@ -45,7 +45,7 @@ func fastConfig(id, api string) Config {
 	return c
 }
 
-func newTestCluster(t testing.TB, n int) *testCluster {
+func newTestCluster(t testing.TB, n int, mutate ...func(*Config)) *testCluster {
 	t.Helper()
 	tc := &testCluster{t: t, clock: &fakeClock{}}
 	var peers []Peer
@@ -73,6 +73,9 @@ func newTestCluster(t testing.TB, n int) *testCluster {
 		cfg := fastConfig(peers[i].ID, peers[i].APIAddr)
 		cfg.Bootstrap = true
 		cfg.Peers = peers
+		for _, m := range mutate {
+			m(&cfg)
+		}
 		tc.nodes = append(tc.nodes, tc.startNode(cfg, tc.trans[i], raft.NewInmemStore(), lns[i]))
 	}
 	t.Cleanup(tc.close)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/allot-dev/allot/fsm"
 )
@@ -20,7 +21,10 @@ import (
 //
 // Measured on the 2-core benchmark machine (64 callers, BenchmarkAllocator):
 // one batch in flight gave ~24 calls per entry and the most calls per second;
-// 16 independent in-flight batches gave ~3 calls per entry and half the rate.
+// 16 independent in-flight batches gave ~3 calls per entry and half the rate;
+// two partial batches in flight (each held for the commit delay) gave ~21
+// calls per entry and less than one. A 1 ms commit delay under load raised
+// calls per entry to ~29 and calls per second by 12-19%.
 type proposer struct {
 	node  *Node
 	queue chan *proposal
@@ -100,26 +104,55 @@ func (p *proposer) propose(ctx context.Context, cmd fsm.Command) (any, error) {
 
 // run is the dispatcher: it gathers the next batch and proposes it when
 // nothing is in flight, or when it is full and fewer than
-// maxProposalsInFlight batches are.
+// maxProposalsInFlight batches are. With a commit delay (Config.CommitDelay)
+// a batch that could go because nothing is in flight waits up to the delay
+// for companions, but only under load: when the previous entry carried at
+// least Config.CommitSiblings calls (PostgreSQL's commit_delay and
+// commit_siblings). A lone caller is never delayed.
 func (p *proposer) run() {
 	defer p.wg.Done()
 	var (
-		next     = make([]*proposal, 0, fsm.MaxBatch)
-		wants    int // the wants in next
-		inFlight int
-		finished = make(chan struct{}, maxProposalsInFlight)
+		next       = make([]*proposal, 0, fsm.MaxBatch)
+		wants      int // the wants in next
+		inFlight   int
+		finished   = make(chan struct{}, maxProposalsInFlight)
+		delay      = p.node.cfg.CommitDelay
+		siblings   = max(p.node.cfg.CommitSiblings, 1)
+		lastBatch  int // calls in the last batch proposed
+		linger     *time.Timer
+		lingerC    <-chan time.Time // armed while next waits for companions
+		lingerDone bool
 	)
+	defer func() {
+		if linger != nil {
+			linger.Stop()
+		}
+	}()
 	for {
 		full := len(next) >= fsm.MaxBatch || wants >= fsm.MaxWants
-		if len(next) > 0 && (inFlight == 0 || full && inFlight < maxProposalsInFlight) {
+		idle := inFlight == 0 && (full || delay <= 0 || lastBatch < siblings || lingerDone)
+		if len(next) > 0 && (idle || full && inFlight < maxProposalsInFlight) {
 			batch := next
 			next, wants = make([]*proposal, 0, fsm.MaxBatch), 0
+			lastBatch, lingerDone = len(batch), false
+			if lingerC != nil {
+				linger.Stop()
+				lingerC = nil
+			}
 			inFlight++
 			go func() {
 				p.commit(batch)
 				finished <- struct{}{}
 			}()
 			continue
+		}
+		if len(next) > 0 && inFlight == 0 && lingerC == nil && !lingerDone {
+			if linger == nil {
+				linger = time.NewTimer(delay)
+			} else {
+				linger.Reset(delay)
+			}
+			lingerC = linger.C
 		}
 		in := p.queue
 		if full {
@@ -131,6 +164,8 @@ func (p *proposer) run() {
 			wants += pr.weight()
 		case <-finished:
 			inFlight--
+		case <-lingerC:
+			lingerC, lingerDone = nil, true
 		case <-p.stop:
 			for _, pr := range next {
 				pr.done <- proposalResult{err: errShuttingDown()}

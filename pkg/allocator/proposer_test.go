@@ -1,9 +1,11 @@
 package allocator
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -80,4 +82,85 @@ func TestProposerCapsEntriesByWants(t *testing.T) {
 		}
 	}
 	t.Logf("%d Acquires of %d wants in %d entries: %v", calls, perCall, len(perEntry), perEntry)
+}
+
+// TestProposerCommitDelay: under load (the previous entry carried at least
+// CommitSiblings calls) the leader holds a batch for up to CommitDelay, so a
+// wave of concurrent calls lands in ONE entry instead of a lone first call
+// followed by the rest.
+func TestProposerCommitDelay(t *testing.T) {
+	tc := newTestCluster(t, 3, func(c *Config) { c.CommitDelay, c.CommitSiblings = 300*time.Millisecond, 2 })
+	publishTest(t, []string{tc.addrs[tc.index(tc.leader())]}, templatePolicy, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	seq := 0
+	// wave sends n Acquires at once and returns the Raft index each landed in.
+	wave := func(n int) []string {
+		l := tc.leader()
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		out := make([]string, n)
+		errs := make([]error, n)
+		for i := range n {
+			seq++
+			cmd := fsm.Command{Type: fsm.CmdAcquire, Acquire: &fsm.Acquire{Region: "eu", RequestID: fmt.Sprintf("w-%d", seq),
+				Wants: []fsm.Want{{Quota: policy.InstanceName("standard", []string{fmt.Sprintf("t%d", seq)}), Tokens: 1}}}}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				res, err := l.Apply(ctx, cmd)
+				if err != nil {
+					errs[i] = err
+					return
+				}
+				g := res.(*fsm.AcquireResult).Grants
+				if len(g) != 1 {
+					errs[i] = fmt.Errorf("%d grants", len(g))
+					return
+				}
+				out[i], _, _ = strings.Cut(g[0].GrantID, "-")
+			}()
+		}
+		close(start)
+		wg.Wait()
+		if err := errors.Join(errs...); err != nil {
+			t.Fatalf("wave of %d: %v", n, err)
+		}
+		return out
+	}
+	// Load first: a wave whose last entry carried at least 2 calls.
+	loaded := false
+	for try := 0; try < 5 && !loaded; try++ {
+		idx := wave(8)
+		last := slices.MaxFunc(idx, func(a, b string) int { return cmpIndex(a, b) })
+		loaded = count(idx, last) >= 2
+	}
+	if !loaded {
+		t.Fatal("no wave of 8 concurrent calls shared an entry")
+	}
+	idx := wave(16)
+	entries := map[string]int{}
+	for _, i := range idx {
+		entries[i]++
+	}
+	if len(entries) != 1 {
+		t.Fatalf("16 concurrent calls under load landed in %d entries %v, want 1 (held for the commit delay)", len(entries), entries)
+	}
+}
+
+func cmpIndex(a, b string) int {
+	x, _ := strconv.ParseUint(a, 10, 64)
+	y, _ := strconv.ParseUint(b, 10, 64)
+	return cmp.Compare(x, y)
+}
+
+func count(xs []string, x string) int {
+	n := 0
+	for _, v := range xs {
+		if v == x {
+			n++
+		}
+	}
+	return n
 }

@@ -30,6 +30,8 @@ import (
 //
 //	raw      (a)  the admission script through go-redis, one EVALSHA per decision
 //	connect  (c)  the agent's Check over Connect (HTTP/2 cleartext, binary protobuf)
+//	connect-http1 (c') the same over HTTP/1.1 keep-alive connections, one per
+//	              concurrent caller: how gateways with a connection pool call it
 //	envoy    (d)  the agent's Envoy RLS endpoint (gRPC ShouldRateLimit)
 //
 // The agent runs in this process on its own listeners, deciding the same
@@ -38,7 +40,7 @@ import (
 // The load generator, the agent and Redis share the machine.
 
 // AgentModes lists the agent suite's modes in the order it runs them.
-func AgentModes() []string { return []string{"raw", "connect", "envoy"} }
+func AgentModes() []string { return []string{"raw", "connect", "connect-http1", "envoy"} }
 
 // AgentSuiteConfig configures the agent suite.
 type AgentSuiteConfig struct {
@@ -161,6 +163,9 @@ func RunAgentSuite(ctx context.Context, client redis.UniversalClient, cfg AgentS
 		<-served
 	}()
 	connectClients := make([]allotv1connect.AdmissionServiceClient, cfg.Connections)
+	h1 := http1Client(cfg.Workers)
+	defer h1.CloseIdleConnections()
+	h1Client := allotv1connect.NewAdmissionServiceClient(h1, "http://"+ln.Addr().String())
 	rlsClients := make([]rlsv3.RateLimitServiceClient, cfg.Connections)
 	for i := range connectClients {
 		hc := h2cClient() // one client, one HTTP/2 connection
@@ -199,6 +204,18 @@ func RunAgentSuite(ctx context.Context, client redis.UniversalClient, cfg AgentS
 				}
 				return nil
 			}
+		case "connect-http1":
+			c.Name = "(c') agent Check, Connect h1"
+			target = func(ctx context.Context, w int, i uint64) error {
+				resp, err := h1Client.Check(ctx, connect.NewRequest(checks[keyOf(w, i, len(checks))]))
+				switch {
+				case err != nil:
+					return err
+				case !resp.Msg.Allowed:
+					return fmt.Errorf("denied by %s", resp.Msg.Rule)
+				}
+				return nil
+			}
 		case "envoy":
 			c.Name = "(d) agent Envoy RLS, gRPC"
 			target = func(ctx context.Context, w int, i uint64) error {
@@ -222,6 +239,14 @@ func RunAgentSuite(ctx context.Context, client redis.UniversalClient, cfg AgentS
 	return figs, nil
 }
 
+// http1Client returns a client speaking only HTTP/1.1 that keeps up to conns
+// connections open to one host.
+func http1Client(conns int) *http.Client {
+	var p http.Protocols
+	p.SetHTTP1(true)
+	return &http.Client{Transport: &http.Transport{Protocols: &p, MaxIdleConnsPerHost: conns, MaxConnsPerHost: conns}}
+}
+
 // h2cClient returns a client speaking only cleartext HTTP/2 (prior
 // knowledge), so callers multiplex on one connection as gRPC's do. (A
 // transport allowing HTTP/1.1 too picks HTTP/1.1 for http:// URLs.)
@@ -231,7 +256,7 @@ func h2cClient() *http.Client {
 	return &http.Client{Transport: &http.Transport{Protocols: &p}}
 }
 
-// SummarizeAgent prints (c) and (d) as fractions of (a); issue 4 targets
+// SummarizeAgent prints (c), (c') and (d) as fractions of (a); issue 4 targets
 // at least 0.5 each.
 func SummarizeAgent(out io.Writer, figs []Figure) {
 	var a float64
@@ -242,7 +267,7 @@ func SummarizeAgent(out io.Writer, figs []Figure) {
 	}
 	fmt.Fprintln(out, "summary:")
 	for _, f := range figs {
-		if a > 0 && (strings.HasPrefix(f.Name, "(c) ") || strings.HasPrefix(f.Name, "(d) ")) {
+		if a > 0 && (strings.HasPrefix(f.Name, "(c) ") || strings.HasPrefix(f.Name, "(c') ") || strings.HasPrefix(f.Name, "(d) ")) {
 			fmt.Fprintf(out, "  %s / (a): %.2f (target >= 0.5)\n", f.Name, f.PerSecond/a)
 		}
 	}
