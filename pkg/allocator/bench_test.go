@@ -115,7 +115,7 @@ type benchCluster struct {
 	addrs   []string
 }
 
-var benchCommitDelay = flag.Duration("bench.commit-delay", 0, "BenchmarkAllocator: the nodes' Config.CommitDelay")
+var benchCommitDelay = flag.Duration("bench.commit-delay", allocator.DefaultConfig().CommitDelay, "BenchmarkAllocator: the nodes' Config.CommitDelay")
 
 func startBenchCluster(b *testing.B) *benchCluster {
 	b.Helper()
