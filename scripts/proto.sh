@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 BUF_VERSION=v1.75.0
 PROTOC_GEN_GO_VERSION=v1.36.12
 PROTOC_GEN_CONNECT_GO_VERSION=v1.19.1
+PROTOC_GEN_GO_GRPC_VERSION=v1.6.2
 
 bin="$(go env GOPATH)/bin"
 export PATH="$bin:$PATH"
@@ -21,6 +22,7 @@ need() { # need TOOL VERSION MODULE
 need buf "$BUF_VERSION" github.com/bufbuild/buf/cmd/buf
 need protoc-gen-go "$PROTOC_GEN_GO_VERSION" google.golang.org/protobuf/cmd/protoc-gen-go
 need protoc-gen-connect-go "$PROTOC_GEN_CONNECT_GO_VERSION" connectrpc.com/connect/cmd/protoc-gen-connect-go
+need protoc-gen-go-grpc "$PROTOC_GEN_GO_GRPC_VERSION" google.golang.org/grpc/cmd/protoc-gen-go-grpc
 
 buf lint
 

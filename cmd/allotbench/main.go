@@ -45,6 +45,8 @@ With -suite agent, the region agent's APIs beside the raw ceiling:
   raw           (a)  as above
   connect       (c)  the agent's Check over Connect, HTTP/2 (-connections connections)
   connect-http1 (c') the same over HTTP/1.1, one keep-alive connection per worker
+  connect-grpc  (c'') the same Connect client with WithGRPC() against the gRPC listener
+  grpc          (c*) Check from a grpc-go client on the gRPC listener
   envoy         (d)  the agent's Envoy RLS endpoint over gRPC (-connections connections)
 
 Every mode runs -workers concurrent callers over -keys counters, bounded by
@@ -134,7 +136,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	bench.Summarize(stdout, figs)
+	if *suite == "agent" {
+		bench.SummarizeAgent(stdout, figs)
+	} else {
+		bench.Summarize(stdout, figs)
+	}
 	return nil
 }
 

@@ -3,7 +3,8 @@
 // the allocator's policy (keeping the last-known-good one in -data-dir), and
 // serves admission decisions over Connect (allot.v1.AdmissionService on
 // -api-addr, with /metrics, /healthz and /readyz) and Envoy's rate limit
-// service (gRPC on -envoy-addr). With -store embedded it decides on an
+// service (gRPC on -envoy-addr, which also serves allot.v1.AdmissionService
+// to gRPC clients: gRPC's own transport is the cheaper one per call). With -store embedded it decides on an
 // in-process store instead of Redis (one agent per region, counters lost on
 // restart, no tokens handed back on shutdown): for trying allot on a machine
 // without redis-server.
@@ -68,7 +69,7 @@ func run(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.DataDir, "data-dir", "", "directory for the last-known-good policy")
 	fs.StringVar(&cfg.PolicyFile, "policy", "", "policy file in force (as version 0) until the allocator's arrives")
 	fs.StringVar(&apiAddr, "api-addr", "127.0.0.1:8081", "Connect API, /metrics, /healthz, /readyz address")
-	fs.StringVar(&envoyAddr, "envoy-addr", "127.0.0.1:8082", "Envoy rate limit service (gRPC) address; empty disables it")
+	fs.StringVar(&envoyAddr, "envoy-addr", "127.0.0.1:8082", "gRPC address: Envoy's rate limit service and allot.v1.AdmissionService; empty disables it")
 	fs.StringVar(&cfg.EnvoyDomain, "envoy-domain", "", "the only Envoy rate limit domain accepted (empty: any)")
 	fs.StringVar(&cfg.Engine.Namespace, "namespace", cfg.Engine.Namespace, "Redis key namespace")
 	fs.StringVar(&cfg.Engine.KeySalt, "key-salt", "", "salt of principal hashes in Redis keys (the same for the whole region)")

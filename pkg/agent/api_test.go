@@ -17,6 +17,7 @@ import (
 
 	"github.com/allot-dev/allot/pkg/agent"
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+	"github.com/allot-dev/allot/proto/allot/v1/allotv1connect"
 )
 
 // apiPolicy: a bucket that never refills (so remaining counts every debit
@@ -73,10 +74,25 @@ func standalone(t testing.TB, mut func(*agent.Config)) (*agent.Agent, *served) {
 	return a, serve(t, a)
 }
 
+// TestConnectBadInputIsRefusedWithoutDebit: on the Connect API and on the
+// same service over the gRPC listener, bad input gets the right code and a
+// message naming the field, and debits nothing.
 func TestConnectBadInputIsRefusedWithoutDebit(t *testing.T) {
-	_, s := standalone(t, nil)
+	for _, api := range []string{"connect", "grpc"} {
+		t.Run(api, func(t *testing.T) {
+			_, s := standalone(t, nil)
+			c := s.connect
+			if api == "grpc" {
+				c = s.grpc
+			}
+			badInput(t, c)
+		})
+	}
+}
+
+func badInput(t *testing.T, c allotv1connect.AdmissionServiceClient) {
 	good := &allotv1.CheckRequest{Entries: entries("tenant", "acme", "user", "u1")}
-	if r := check(t, s.connect, good); !r.Allowed || r.Remaining != 99 || r.Rule != "bucket" {
+	if r := check(t, c, good); !r.Allowed || r.Remaining != 99 || r.Rule != "bucket" {
 		t.Fatalf("first check: %+v, want allowed by bucket with 99 left", r)
 	}
 	many := entries("tenant", "acme")
@@ -104,17 +120,17 @@ func TestConnectBadInputIsRefusedWithoutDebit(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			defer cancel()
-			_, err := s.connect.Check(ctx, connect.NewRequest(tt.give))
+			_, err := c.Check(ctx, connect.NewRequest(tt.give))
 			if connect.CodeOf(err) != tt.wantCode || !strings.Contains(err.Error(), tt.wantMsg) {
 				t.Fatalf("error %v, want %s containing %q", err, tt.wantCode, tt.wantMsg)
 			}
 		})
 	}
-	if r := check(t, s.connect, good); !r.Allowed || r.Remaining != 98 {
+	if r := check(t, c, good); !r.Allowed || r.Remaining != 98 {
 		t.Fatalf("after the bad requests: %+v, want 98 left (nothing debited by them)", r)
 	}
 	ctx := context.Background()
-	if _, err := s.connect.ReleaseSlot(ctx, connect.NewRequest(&allotv1.ReleaseSlotRequest{Entries: good.Entries})); connect.CodeOf(err) != connect.CodeInvalidArgument ||
+	if _, err := c.ReleaseSlot(ctx, connect.NewRequest(&allotv1.ReleaseSlotRequest{Entries: good.Entries})); connect.CodeOf(err) != connect.CodeInvalidArgument ||
 		!strings.Contains(err.Error(), "request_id") {
 		t.Fatalf("ReleaseSlot without request_id: %v, want InvalidArgument naming request_id", err)
 	}

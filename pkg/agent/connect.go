@@ -55,7 +55,12 @@ func (s *AdmissionService) Check(ctx context.Context, req *connect.Request[allot
 		s.a.m.badRequests.WithLabelValues("connect", codeOf(err).String()).Inc()
 		return nil, toConnect(s.a.log, err)
 	}
-	return connect.NewResponse(&allotv1.CheckResponse{
+	return connect.NewResponse(checkResponse(v)), nil
+}
+
+// checkResponse is the wire form of a verdict.
+func checkResponse(v *Verdict) *allotv1.CheckResponse {
+	return &allotv1.CheckResponse{
 		Allowed:           v.Allowed,
 		Rule:              v.Rule,
 		Scope:             string(v.Scope),
@@ -65,7 +70,7 @@ func (s *AdmissionService) Check(ctx context.Context, req *connect.Request[allot
 		PolicyVersion:     v.PolicyVersion,
 		WouldDeny:         v.WouldDeny,
 		Unavailable:       v.Unavailable,
-	}), nil
+	}
 }
 
 func (s *AdmissionService) check(ctx context.Context, m *allotv1.CheckRequest) (*Verdict, error) {
@@ -78,15 +83,20 @@ func (s *AdmissionService) check(ctx context.Context, m *allotv1.CheckRequest) (
 
 // ReleaseSlot implements AdmissionService.ReleaseSlot.
 func (s *AdmissionService) ReleaseSlot(ctx context.Context, req *connect.Request[allotv1.ReleaseSlotRequest]) (*connect.Response[allotv1.ReleaseSlotResponse], error) {
-	es, err := entriesOf(req.Msg.GetEntries())
-	if err == nil {
-		var n int64
-		if n, err = s.a.ReleaseSlot(ctx, es, req.Msg.GetRequestId()); err == nil {
-			return connect.NewResponse(&allotv1.ReleaseSlotResponse{Released: n}), nil
-		}
+	n, err := s.releaseSlot(ctx, req.Msg)
+	if err != nil {
+		s.a.m.badRequests.WithLabelValues("connect", codeOf(err).String()).Inc()
+		return nil, toConnect(s.a.log, err)
 	}
-	s.a.m.badRequests.WithLabelValues("connect", codeOf(err).String()).Inc()
-	return nil, toConnect(s.a.log, err)
+	return connect.NewResponse(&allotv1.ReleaseSlotResponse{Released: n}), nil
+}
+
+func (s *AdmissionService) releaseSlot(ctx context.Context, m *allotv1.ReleaseSlotRequest) (int64, error) {
+	es, err := entriesOf(m.GetEntries())
+	if err != nil {
+		return 0, err
+	}
+	return s.a.ReleaseSlot(ctx, es, m.GetRequestId())
 }
 
 // Mux serves the agent's Connect API, /metrics (when gatherer is set),

@@ -14,6 +14,7 @@ import (
 
 	"github.com/allot-dev/allot/pkg/admission"
 	"github.com/allot-dev/allot/pkg/policy"
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
 )
 
 // RequestIDKey is the descriptor key whose value ShouldRateLimit takes as
@@ -52,7 +53,8 @@ func NewRateLimitService(a *Agent) *RateLimitService { return &RateLimitService{
 // it get goroutines of their own.
 const grpcWorkers = 64
 
-// NewGRPCServer returns a gRPC server with the RLS service registered, and
+// NewGRPCServer returns a gRPC server with the RLS service and
+// allot.v1.AdmissionService (GRPCAdmissionService) registered, and
 // messages over Config.MaxRequestBytes refused with RESOURCE_EXHAUSTED. It
 // is served on its own listener (Envoy's rate limit cluster points at it),
 // which keeps gRPC's native HTTP/2 transport on the hot path.
@@ -65,6 +67,7 @@ func NewGRPCServer(a *Agent, opts ...grpc.ServerOption) *grpc.Server {
 	}, opts...)
 	s := grpc.NewServer(opts...)
 	rlsv3.RegisterRateLimitServiceServer(s, NewRateLimitService(a))
+	allotv1.RegisterAdmissionServiceServer(s, NewGRPCAdmissionService(a))
 	return s
 }
 

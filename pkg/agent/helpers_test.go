@@ -408,8 +408,11 @@ func waitFor(t testing.TB, limit time.Duration, what string, cond func() bool) {
 // served is an agent with its Connect and Envoy APIs on real listeners.
 type served struct {
 	connect allotv1connect.AdmissionServiceClient
-	rls     rlsv3.RateLimitServiceClient
-	addr    string
+	// grpc is a Connect client speaking the gRPC protocol to the gRPC
+	// listener (GRPCAdmissionService).
+	grpc allotv1connect.AdmissionServiceClient
+	rls  rlsv3.RateLimitServiceClient
+	addr string
 }
 
 func serve(t testing.TB, a *agent.Agent) *served {
@@ -450,6 +453,7 @@ func serve(t testing.TB, a *agent.Agent) *served {
 	})
 	return &served{
 		connect: allotv1connect.NewAdmissionServiceClient(hc, "http://"+ln.Addr().String()),
+		grpc:    allotv1connect.NewAdmissionServiceClient(hc, "http://"+gln.Addr().String(), connect.WithGRPC()),
 		rls:     rlsv3.NewRateLimitServiceClient(conn),
 		addr:    ln.Addr().String(),
 	}
