@@ -13,10 +13,11 @@ import (
 // leased pool atomically, so no gateway can spend them after, and returns
 // them per grant: the tokens a live grant held (0 when spent or expired), or
 // -1 for a grant the pool does not hold. With a tombstone TTL (ARGV[1], ms,
-// 0 for none) an absent grant is recorded as live with 0 tokens until then:
-// the script's deposit adds nothing for a grant id the pool holds, so a
-// deposit still on its way cannot land after the withdrawal. (The agent
-// tombstones the grants whose deposit outcome it does not know.)
+// 0 for none) every named grant stays recorded as live with 0 tokens until
+// then: the script's deposit adds nothing for a grant id the pool holds, so
+// no deposit still on its way (a first attempt or a retry) can land after
+// the withdrawal. (The agent tombstones the grants whose deposit outcome it
+// does not know.)
 //
 // It is the agent's only script of its own: pkg/admission has no withdraw
 // operation (the agent needs one to hand tokens back without a double
@@ -37,12 +38,14 @@ for i = 2, #ARGV do
   if exp and exp > now then
     n = tonumber(redis.call('HGET', KEYS[2], 'g:' .. g)) or 0
     total = total + n
-    redis.call('ZREM', KEYS[1], g)
-    redis.call('HDEL', KEYS[2], 'g:' .. g)
+    if tomb == 0 then
+      redis.call('ZREM', KEYS[1], g)
+      redis.call('HDEL', KEYS[2], 'g:' .. g)
+    end
   elseif exp then
     n = 0
   end
-  if n < 0 and tomb > 0 then
+  if tomb > 0 then
     redis.call('ZADD', KEYS[1], now + tomb, g)
     redis.call('HSET', KEYS[2], 'g:' .. g, '0')
     if redis.call('PTTL', KEYS[1]) < tomb then redis.call('PEXPIRE', KEYS[1], tomb) end

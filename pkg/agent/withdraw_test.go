@@ -1,0 +1,99 @@
+package agent
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/allot-dev/allot/internal/redistest"
+	"github.com/allot-dev/allot/pkg/admission"
+	"github.com/allot-dev/allot/pkg/policy"
+)
+
+// TestWithdrawTombstones: a withdrawal with a tombstone TTL leaves every
+// named grant recorded with 0 tokens, whether the pool held it or not, so a
+// deposit of it that arrives afterwards (a late first attempt or a retry)
+// adds nothing. Without a tombstone a withdrawn grant is gone.
+func TestWithdrawTombstones(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	srv, err := redistest.StartServer(ctx)
+	redistest.Require(t, err)
+	t.Cleanup(func() { srv.Close() })
+	rdb := srv.Client()
+	t.Cleanup(func() { rdb.Close() })
+	doc, err := policy.Parse([]byte(`
+name: w
+regions: [eu]
+rules:
+  - name: q
+    scope: tenant
+    match: [{key: tenant, value: a}]
+    kind: global_quota
+    limit: 1000
+    window: 1h
+    lease: {chunk: 10, ttl: 30s}
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := admission.NewRedisStore(rdb, admission.DefaultRedisConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	cfg := admission.DefaultConfig()
+	cfg.Namespace = "wd"
+	eng, err := admission.New(cfg, st, doc, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { eng.Close() })
+	z, h, err := eng.PoolKeys("q")
+	if err != nil {
+		t.Fatal(err)
+	}
+	wd := newWithdrawer(rdb, cfg.Namespace)
+	deposit := func(id string) bool {
+		t.Helper()
+		added, err := eng.DepositChunk(ctx, "q", id, 10, 20*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return added
+	}
+	available := func() int64 {
+		t.Helper()
+		ps, err := eng.PoolStats(ctx, "q")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ps.Available
+	}
+
+	deposit("landed")
+	got, err := wd.withdraw(ctx, "q", z, h, []string{"landed", "absent"}, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got[0] != 10 || got[1] != -1 {
+		t.Fatalf("withdraw = %v, want [10 -1]: the landed grant's tokens, and absent", got)
+	}
+	if deposit("landed") || deposit("absent") {
+		t.Fatal("a deposit after a tombstoning withdrawal added tokens")
+	}
+	if n := available(); n != 0 {
+		t.Fatalf("%d tokens spendable after the withdrawal, want 0", n)
+	}
+
+	deposit("plain")
+	if got, err = wd.withdraw(ctx, "q", z, h, []string{"plain", "never"}, 0); err != nil || got[0] != 10 || got[1] != -1 {
+		t.Fatalf("withdraw without tombstone = %v, %v; want [10 -1]", got, err)
+	}
+	if !deposit("never") {
+		t.Fatal("a withdrawal without tombstone blocked a later deposit of an absent grant")
+	}
+	if n := available(); n != 10 {
+		t.Fatalf("%d tokens spendable, want the 10 of the new deposit", n)
+	}
+}
