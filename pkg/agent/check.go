@@ -86,6 +86,7 @@ func (a *Agent) Check(ctx context.Context, in *Input) (*Verdict, error) {
 	req := &admission.Request{Descriptors: in.Descriptors, Hits: in.Cost, RequestID: in.RequestID}
 	var start, deadline time.Time
 	for {
+		seen := a.leases.Generation()
 		d, err := eng.Decide(ctx, req)
 		if err != nil {
 			return nil, err
@@ -101,7 +102,7 @@ func (a *Agent) Check(ctx context.Context, in *Input) (*Verdict, error) {
 			}
 			return a.finish(d, v, in), nil
 		}
-		state, wait, ch := a.leases.starved(pool)
+		state, wait, ch := a.leases.starved(pool, seen)
 		if start.IsZero() {
 			var others []string
 			for i := range d.Rules {

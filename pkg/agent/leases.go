@@ -104,13 +104,25 @@ type quota struct {
 
 	granted, released, deposits int64
 	notify                      chan struct{}
+	// gen is the leases' change counter; changedAt is its value at q's
+	// last change.
+	gen       *atomic.Uint64
+	changedAt uint64
 }
 
 // changed wakes the requests waiting on q. The caller holds l.mu.
 func (q *quota) changed() {
 	close(q.notify)
 	q.notify = make(chan struct{})
+	q.changedAt = q.gen.Add(1)
 }
+
+// closedChan is returned to a waiter whose pool changed after it looked.
+var closedChan = func() chan struct{} {
+	c := make(chan struct{})
+	close(c)
+	return c
+}()
 
 // template is a quota template of the policy that this region leases: its
 // instances become managed pools when requests for them arrive.
@@ -150,6 +162,10 @@ type acquireCall struct {
 // deadlines that never outlive the lease, and hands unspent tokens back when
 // it stops. See doc.go.
 type leases struct {
+	// gen counts changes of any pool (quota.changed): a request reads it
+	// before deciding, so a deposit that lands between its decision and
+	// its wait wakes it at once (see starved).
+	gen    atomic.Uint64
 	cfg    LeaseConfig
 	region string
 	client *allocator.Client // nil: standalone, always cut off
@@ -262,7 +278,7 @@ func (l *leases) sync(doc *policy.Document, prune bool) {
 // newQuota starts managing pool name (of template tmpl, or a single pool).
 // The caller holds l.mu and sets the spec.
 func (l *leases) newQuota(name, tmpl string, now time.Time) *quota {
-	q := &quota{name: name, tmpl: tmpl, grants: map[string]held{}, notify: make(chan struct{}), nextPoll: now, lastActive: now}
+	q := &quota{name: name, tmpl: tmpl, grants: map[string]held{}, notify: make(chan struct{}), nextPoll: now, lastActive: now, gen: &l.gen}
 	l.quotas[name] = q
 	if t := l.templates[tmpl]; t != nil {
 		t.instances++
@@ -382,7 +398,11 @@ func (l *leases) CutOff() bool {
 // what the pool is waiting for, how long an answer should tell the caller
 // to wait, and a channel closed at the pool's next change. When a renewal
 // is possible it marks the pool for the next round.
-func (l *leases) starved(name string) (poolState, time.Duration, <-chan struct{}) {
+//
+// seen is Generation() read before the request was decided: when the pool
+// changed since, the returned channel is already closed, so the request
+// decides again at once instead of waiting for the next change.
+func (l *leases) starved(name string, seen uint64) (poolState, time.Duration, <-chan struct{}) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	now := l.clock.Now()
@@ -399,8 +419,14 @@ func (l *leases) starved(name string) (poolState, time.Duration, <-chan struct{}
 		return poolCutOff, l.cfg.Tick, nil
 	}
 	q.kicked, q.starving = true, true
+	if q.changedAt > seen {
+		return poolRenewing, 0, closedChan
+	}
 	return poolRenewing, 0, q.notify
 }
+
+// Generation is the count of pool changes so far; see starved.
+func (l *leases) Generation() uint64 { return l.gen.Load() }
 
 // touch marks quotas name for the next round as if starved: a pool that
 // holds less than one request's cost is then asked for at once. Check calls

@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap"
+
 	"github.com/allot-dev/allot/internal/redistest"
 	"github.com/allot-dev/allot/pkg/admission"
 	"github.com/allot-dev/allot/pkg/policy"
@@ -95,5 +97,43 @@ rules:
 	}
 	if n := available(); n != 10 {
 		t.Fatalf("%d tokens spendable, want the 10 of the new deposit", n)
+	}
+}
+
+// TestStarvedSeesChangesSinceTheDecision: a deposit that lands between a
+// request's decision (denied: the pool was empty) and its wait must wake it
+// at once, not at the pool's next change (a lost wakeup that once cost a
+// steady tenant a 503 at a window turn).
+func TestStarvedSeesChangesSinceTheDecision(t *testing.T) {
+	l := newLeases(LeaseConfig{}, "eu", nil, admission.SystemClock{}, zap.NewNop(), newMetrics(), "test", nil, time.Second)
+	l.cutOff = false // as if an allocator answered
+	l.mu.Lock()
+	q := l.newQuota("q", "", time.Now())
+	l.mu.Unlock()
+
+	seen := l.Generation()
+	l.mu.Lock()
+	q.changed() // the deposit lands after the decision read seen
+	l.mu.Unlock()
+	_, _, ch := l.starved("q", seen)
+	select {
+	case <-ch:
+	default:
+		t.Fatal("a change after the decision left the request waiting for the next one")
+	}
+
+	_, _, ch = l.starved("q", l.Generation())
+	select {
+	case <-ch:
+		t.Fatal("no change since the decision, yet the wait ended at once")
+	default:
+	}
+	l.mu.Lock()
+	q.changed()
+	l.mu.Unlock()
+	select {
+	case <-ch:
+	default:
+		t.Fatal("the pool's next change did not wake the waiter")
 	}
 }
