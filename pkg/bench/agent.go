@@ -204,40 +204,13 @@ func RunAgentSuite(ctx context.Context, client redis.UniversalClient, cfg AgentS
 			}
 		case "connect":
 			c.Name = "(c) agent Check, Connect"
-			target = func(ctx context.Context, w int, i uint64) error {
-				resp, err := connectClients[w%len(connectClients)].Check(ctx, connect.NewRequest(checks[keyOf(w, i, len(checks))]))
-				switch {
-				case err != nil:
-					return err
-				case !resp.Msg.Allowed:
-					return fmt.Errorf("denied by %s", resp.Msg.Rule)
-				}
-				return nil
-			}
+			target = checkTarget(checks, func(w int) allotv1connect.AdmissionServiceClient { return connectClients[w%len(connectClients)] })
 		case "connect-http1":
 			c.Name = "(c') agent Check, Connect h1"
-			target = func(ctx context.Context, w int, i uint64) error {
-				resp, err := h1Client.Check(ctx, connect.NewRequest(checks[keyOf(w, i, len(checks))]))
-				switch {
-				case err != nil:
-					return err
-				case !resp.Msg.Allowed:
-					return fmt.Errorf("denied by %s", resp.Msg.Rule)
-				}
-				return nil
-			}
+			target = checkTarget(checks, func(int) allotv1connect.AdmissionServiceClient { return h1Client })
 		case "connect-grpc":
 			c.Name = "(c'') agent Check, Connect gRPC"
-			target = func(ctx context.Context, w int, i uint64) error {
-				resp, err := viaGRPC[w%len(viaGRPC)].Check(ctx, connect.NewRequest(checks[keyOf(w, i, len(checks))]))
-				switch {
-				case err != nil:
-					return err
-				case !resp.Msg.Allowed:
-					return fmt.Errorf("denied by %s", resp.Msg.Rule)
-				}
-				return nil
-			}
+			target = checkTarget(checks, func(w int) allotv1connect.AdmissionServiceClient { return viaGRPC[w%len(viaGRPC)] })
 		case "grpc":
 			c.Name = "(c*) agent Check, grpc-go"
 			target = func(ctx context.Context, w int, i uint64) error {
@@ -271,6 +244,21 @@ func RunAgentSuite(ctx context.Context, client redis.UniversalClient, cfg AgentS
 		fmt.Fprintln(out, f)
 	}
 	return figs, nil
+}
+
+// checkTarget sends Check requests through the Connect client worker w
+// uses; a denial is an error (the suite's requests are always allowed).
+func checkTarget(checks []*allotv1.CheckRequest, client func(w int) allotv1connect.AdmissionServiceClient) Target {
+	return func(ctx context.Context, w int, i uint64) error {
+		resp, err := client(w).Check(ctx, connect.NewRequest(checks[keyOf(w, i, len(checks))]))
+		switch {
+		case err != nil:
+			return err
+		case !resp.Msg.Allowed:
+			return fmt.Errorf("denied by %s", resp.Msg.Rule)
+		}
+		return nil
+	}
 }
 
 // http1Client returns a client speaking only HTTP/1.1 that keeps up to conns

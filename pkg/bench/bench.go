@@ -86,7 +86,9 @@ func (c Config) Validate() error {
 type Result struct {
 	// Name is Config.Name.
 	Name string
-	// Calls and Errors count target calls after the warmup.
+	// Calls counts the target calls that succeeded after the warmup and
+	// Errors those that failed; a failed call is no decision and is not in
+	// the latencies.
 	Calls, Errors int64
 	// Decisions is Calls x OpsPerCall.
 	Decisions int64
@@ -119,6 +121,12 @@ func round(d time.Duration) time.Duration {
 		return d.Round(100 * time.Nanosecond)
 	}
 	return d
+}
+
+// pastDeadline reports whether ctx's deadline is at or before now.
+func pastDeadline(ctx context.Context, now time.Time) bool {
+	d, ok := ctx.Deadline()
+	return ok && !now.Before(d)
 }
 
 // Run drives target as cfg says and returns what it measured. It stops at
@@ -202,8 +210,11 @@ func Run(ctx context.Context, cfg Config, target Target) (Result, error) {
 					measuring.Store(true)
 				}
 				if err != nil {
-					if ctx.Err() != nil {
-						return // a call cut short by the end of the run
+					if ctx.Err() != nil || pastDeadline(ctx, end) {
+						// A call cut short by the end of the run (or refused
+						// by a client that saw the deadline pass before the
+						// context's own timer fired).
+						return
 					}
 					errCounts[w]++
 					errMu.Lock()
@@ -211,6 +222,7 @@ func Run(ctx context.Context, cfg Config, target Target) (Result, error) {
 						firstErr = err
 					}
 					errMu.Unlock()
+					continue // a failed call is no decision
 				}
 				calls[w]++
 				h.record(end.Sub(t))
