@@ -96,6 +96,14 @@ type LeaseConfig struct {
 	// MinUsefulTTL is the shortest deposit worth making; a grant that would
 	// live less in the store is handed back to the allocator instead.
 	MinUsefulTTL time.Duration
+	// DepositTimeout is the shortest bound on one deposit attempt (four
+	// times the measured store delay when larger). A chunk's store TTL
+	// leaves that much of its lease unused, so a deposit that lands within
+	// the bound never outlives its lease; one that takes longer is settled
+	// by withdrawing the grant, and only what is certainly out of the store
+	// is handed back. Raise it where store calls are slow (a loaded
+	// machine); it costs each chunk that much of its life.
+	DepositTimeout time.Duration
 	// AcquireTimeout bounds one Acquire call, failover and retries included.
 	AcquireTimeout time.Duration
 	// IdlePoll is how often a pool without demand is looked at.
@@ -152,6 +160,7 @@ func DefaultLeaseConfig() LeaseConfig {
 		Margin:           250 * time.Millisecond,
 		MinStoreDelay:    time.Millisecond,
 		MinUsefulTTL:     20 * time.Millisecond,
+		DepositTimeout:   50 * time.Millisecond,
 		AcquireTimeout:   2 * time.Second,
 		IdlePoll:         time.Second,
 		BoundaryDelay:    5 * time.Millisecond,
@@ -232,6 +241,9 @@ func (c LeaseConfig) Validate() error {
 	}
 	if c.MinUsefulTTL < time.Millisecond {
 		bad("MinUsefulTTL must be at least 1ms, got %s", c.MinUsefulTTL)
+	}
+	if c.DepositTimeout < time.Millisecond || c.DepositTimeout > 10*time.Second {
+		bad("DepositTimeout must be in [1ms, 10s], got %s", c.DepositTimeout)
 	}
 	if c.AcquireTimeout <= 0 {
 		bad("AcquireTimeout must be positive, got %s", c.AcquireTimeout)

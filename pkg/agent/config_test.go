@@ -36,6 +36,7 @@ func TestConfigValidate(t *testing.T) {
 		{"tick", func(c *agent.Config) { c.Lease.Tick = 0 }, "Tick"},
 		{"lead", func(c *agent.Config) { c.Lease.Lead = -time.Second }, "Lead"},
 		{"margin", func(c *agent.Config) { c.Lease.Margin = -time.Millisecond }, "Margin"},
+		{"deposit timeout", func(c *agent.Config) { c.Lease.DepositTimeout = 0 }, "DepositTimeout"},
 		{"idle poll", func(c *agent.Config) { c.Lease.IdlePoll = time.Millisecond }, "IdlePoll"},
 		{"wants per call", func(c *agent.Config) { c.Lease.MaxWantsPerCall = 0 }, "MaxWantsPerCall"},
 		{"request bytes", func(c *agent.Config) { c.MaxRequestBytes = 10 }, "MaxRequestBytes"},

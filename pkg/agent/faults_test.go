@@ -125,6 +125,7 @@ func TestUnsureDepositIsNotHandedBackTwice(t *testing.T) {
 	})
 	cfg := testConfig("eu", fa.addr)
 	cfg.StarveWait = 200 * time.Millisecond
+	cfg.Lease.DepositTimeout = 50 * time.Millisecond // both attempts end inside the pause
 	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()

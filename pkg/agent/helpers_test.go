@@ -343,6 +343,9 @@ func testConfig(region string, endpoints ...string) agent.Config {
 	cfg.Lease.Tick = 20 * time.Millisecond
 	cfg.Lease.IdlePoll = 200 * time.Millisecond
 	cfg.Lease.Margin = 50 * time.Millisecond
+	// A shared CI machine (and -race) can take over 50 ms for one deposit;
+	// a timed-out deposit is withdrawn, which these tests do not expect.
+	cfg.Lease.DepositTimeout = 500 * time.Millisecond
 	cfg.Lease.AcquireTimeout = time.Second
 	cfg.StarveWait = time.Second
 	cfg.WatchBackoff = 20 * time.Millisecond

@@ -1028,7 +1028,7 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 	now := l.clock.Now()
 	// depositBound is how long a deposit may take (see the loop below);
 	// the store TTL leaves it unused, so the early check counts it too.
-	depositBound := max(4*l.storeDelay, minDepositBound)
+	depositBound := max(4*l.storeDelay, l.cfg.DepositTimeout)
 	ttl := lease.RedisTTL(deadline, now, depositBound)
 	exhausted := g.PoolExhausted
 	if exhausted {
@@ -1282,7 +1282,3 @@ func (l *leases) shutdown(ctx context.Context) error {
 // errTooLate: the lease ends too soon after the send for a deposit to be
 // worth it (less than MinUsefulTTL left).
 var errTooLate = errors.New("the lease ends too soon to deposit")
-
-// minDepositBound is the shortest time a deposit may take; the store TTL of a
-// chunk leaves that much of its lease unused.
-const minDepositBound = 50 * time.Millisecond

@@ -23,8 +23,9 @@ import (
 // one batch in flight gave ~24 calls per entry and the most calls per second;
 // 16 independent in-flight batches gave ~3 calls per entry and half the rate;
 // two partial batches in flight (each held for the commit delay) gave ~21
-// calls per entry and less than one. A 1 ms commit delay under load raised
-// calls per entry to ~29 and calls per second by 12-19%.
+// calls per entry and fewer calls per second than one batch. A 1 ms commit
+// delay under load raised calls per entry to ~29 and calls per second by
+// 12-19%.
 type proposer struct {
 	node  *Node
 	queue chan *proposal
