@@ -116,6 +116,7 @@ func TestIdleInstancesAreForgotten(t *testing.T) {
 	cfg := testConfig("eu", fa.addr)
 	cfg.Lease.IdlePoll = 100 * time.Millisecond
 	cfg.Lease.Margin = 20 * time.Millisecond
+	cfg.Lease.DepositTimeout = 50 * time.Millisecond // the default: a 300 ms lease has no room for more
 	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
 	if v := mustCheck(t, a.Agent, tenant("birch")); !v.Allowed {
 		t.Fatalf("birch: %+v", v)
