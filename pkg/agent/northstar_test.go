@@ -210,6 +210,9 @@ func TestNorthstarScenario(t *testing.T) {
 		case <-time.After(time.Until(from)):
 		}
 		d := time.Until(to)
+		if d <= 0 {
+			return bench.Result{}, fmt.Errorf("%s: the schedule fell %s behind (the machine stalled): its window is over", name, -d)
+		}
 		rate := float64(count) / to.Sub(from).Seconds()
 		return bench.Run(ctx, bench.Config{Name: name, Workers: workers, Rate: rate, Duration: d, Requests: count}, target)
 	}
