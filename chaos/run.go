@@ -67,6 +67,10 @@ func (s *Suite) CheckParams() check.Params {
 	return check.Params{Quotas: s.Quotas(), FaultGrace: s.cfg.Window, LinearizabilityTimeout: 30 * time.Second, ApplyTimeout: 10 * time.Second}
 }
 
+// WallClockStep is how far the machine's wall clock has moved against
+// CLOCK_MONOTONIC since the suite started (positive: ahead).
+func (s *Suite) WallClockStep() time.Duration { return s.clock.Drift() }
+
 // Report renders the checkers' result with a header describing the run,
 // and writes it to OutDir/name.
 func (s *Suite) Report(name, title string, h history.History, r *check.Result, took time.Duration) (string, error) {
