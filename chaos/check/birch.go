@@ -11,8 +11,11 @@ import (
 
 // checkBirch: a well-behaved quota sees no denials outside fault windows. A
 // denial is excused when a fault span that touches its region covers it
-// (extended by grace past the span's end), or when the region had not yet
-// received its first grant of the quota (start-up). Every reason counts: a
+// (extended by grace past the span's end), or when the request was sent
+// before the region received its first grant of the quota (start-up: such a
+// request waits from a cold start, and its wait may span the first window
+// turn, when clamped leases leave a region nothing to spend for a moment).
+// Every reason counts: a
 // 429 (limited) and a 503 (the limiter could not decide) alike fail the
 // tenant's request; the violation says how many of each.
 func checkBirch(h history.History, quotas map[string]Quota, grace time.Duration) []Violation {
@@ -37,7 +40,7 @@ func checkBirch(h history.History, quotas map[string]Quota, grace time.Duration)
 		if e.Kind != history.KindDeny || !ok || !q.Birch {
 			continue
 		}
-		if t, ok := first[reqKey{e.Region, e.Quota}]; !ok || e.At < t {
+		if t, ok := first[reqKey{e.Region, e.Quota}]; !ok || e.At < t || e.Call != 0 && e.Call < t {
 			continue
 		}
 		if excused(h.Spans, e.Region, e.At, grace) {

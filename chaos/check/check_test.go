@@ -360,6 +360,7 @@ func TestLinearizability(t *testing.T) {
 
 func TestBirch(t *testing.T) {
 	birch := Quota{Name: "atlas", Limit: 100, WindowMs: 1000, Birch: true}
+	sentAt := func(e history.Event, call int64) history.Event { e.Call = call; return e }
 	deny := func(region string, at int64) history.Event {
 		return history.Event{Kind: history.KindDeny, Region: region, Quota: "atlas", Tokens: 3, At: at, Reason: history.ReasonCutOff}
 	}
@@ -374,6 +375,8 @@ func TestBirch(t *testing.T) {
 		want int
 	}{
 		{name: "before the first grant (start-up)", deny: deny("eu", 9*sec)},
+		{name: "sent before the first grant, answered after it (start-up)", deny: sentAt(deny("eu", 10*sec+900*ms), 9*sec+900*ms)},
+		{name: "sent after the first grant", deny: sentAt(deny("us", 10*sec+900*ms), 10*sec+100*ms), want: 1},
 		{name: "inside the fault of its region", deny: deny("eu", 21*sec)},
 		{name: "within the grace after the heal", deny: deny("eu", 22*sec+400*ms)},
 		{name: "after the grace", deny: deny("eu", 22*sec+600*ms), want: 1},
