@@ -612,6 +612,9 @@ func (c *cluster) leader() int {
 		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 		resp, err := cl.Operator().GetCluster(ctx, &allotv1.GetClusterRequest{})
 		cancel()
+		// A client left open keeps pinging its connection: a poll every
+		// 10 ms would pile up thousands of them (it starved a race run).
+		cl.Close()
 		if err == nil && resp.GetState() == "Leader" {
 			return i
 		}
@@ -632,6 +635,7 @@ func (c *cluster) publish(doc *policy.Document, expected uint64) {
 	if err != nil {
 		c.t.Fatal(err)
 	}
+	defer cl.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if _, err := cl.Operator().PublishPolicy(ctx, &allotv1.PublishPolicyRequest{
