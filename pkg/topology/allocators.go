@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"path/filepath"
+	"sync"
 	"time"
 
 	"connectrpc.com/connect"
@@ -52,14 +53,38 @@ type Allocators struct {
 	Nodes []*AllocatorNode
 }
 
-// FreePort returns a port on host that was free a moment ago.
+// handedOut remembers the addresses FreePort returned recently: the kernel
+// may give a port it just freed to the next Listen on port 0, and two nodes
+// of one topology once got the same address that way.
+var handedOut = struct {
+	sync.Mutex
+	at map[string]time.Time
+}{at: map[string]time.Time{}}
+
+// FreePort returns a port on host that was free a moment ago and that it did
+// not return in the last minute.
 func FreePort(host string) (string, error) {
-	ln, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
-	if err != nil {
-		return "", err
+	handedOut.Lock()
+	defer handedOut.Unlock()
+	now := time.Now()
+	for addr, at := range handedOut.at {
+		if now.Sub(at) > time.Minute {
+			delete(handedOut.at, addr)
+		}
 	}
-	defer ln.Close()
-	return ln.Addr().String(), nil
+	for range 64 {
+		ln, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
+		if err != nil {
+			return "", err
+		}
+		addr := ln.Addr().String()
+		ln.Close()
+		if _, dup := handedOut.at[addr]; !dup {
+			handedOut.at[addr] = now
+			return addr, nil
+		}
+	}
+	return "", fmt.Errorf("free port on %s: every port the kernel offered was handed out in the last minute", host)
 }
 
 // StartAllocators starts cfg.Nodes allocator processes that bootstrap one
