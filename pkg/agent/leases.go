@@ -1079,7 +1079,7 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 			cancel()
 			dep.attempt(dsent, l.clock.Now(), ttl)
 			unsure = unsure || (err != nil && !admission.Unsent(err))
-			if err == nil || ctx.Err() != nil {
+			if err == nil { // ctx cannot end here: it is WithoutCancel
 				break
 			}
 			now = l.clock.Now()
