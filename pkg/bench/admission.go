@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -108,11 +109,16 @@ type Figure struct {
 	// ServerUsec is the server's whole CPU time (user + sys, from INFO cpu)
 	// per decision, networking included.
 	ServerUsec float64
+	// ProcessUsec is this process's CPU time (user + sys, getrusage) per
+	// decision: the load generator plus, in the agent suite, the agent and
+	// its clients. Like ServerUsec it is steadier than decisions/s when
+	// other work shares the machine.
+	ProcessUsec float64
 }
 
 // String formats the figure on one line.
 func (f Figure) String() string {
-	return fmt.Sprintf("%s  redis cpu/decision: script %.2f us, server %.2f us", f.Result, f.ScriptUsec, f.ServerUsec)
+	return fmt.Sprintf("%s  redis cpu/decision: script %.2f us, server %.2f us; this process %.1f us", f.Result, f.ScriptUsec, f.ServerUsec, f.ProcessUsec)
 }
 
 const onePolicy = `
@@ -298,10 +304,12 @@ func measure(ctx context.Context, client redis.UniversalClient, c Config, target
 	if err != nil {
 		return Figure{}, err
 	}
+	self0 := processCPU()
 	r, err := Run(ctx, c, target)
 	if err != nil {
 		return Figure{}, err
 	}
+	self := processCPU() - self0
 	cpu1, err := serverCPU(ctx, client)
 	if err != nil {
 		return Figure{}, err
@@ -316,8 +324,18 @@ func measure(ctx context.Context, client redis.UniversalClient, c Config, target
 	}
 	if r.Decisions > 0 {
 		f.ServerUsec = (cpu1 - cpu0) * 1e6 / float64(r.Decisions)
+		f.ProcessUsec = self.Seconds() * 1e6 / float64(r.Decisions)
 	}
 	return f, nil
+}
+
+// processCPU is the CPU time (user + sys) this process has used.
+func processCPU() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // info returns the fields of an INFO section.

@@ -35,6 +35,9 @@ import (
 //	connect-grpc (c'') the same Connect client with connect.WithGRPC() against
 //	              the agent's gRPC listener, where grpc-go's transport serves
 //	              AdmissionService (agent.GRPCAdmissionService)
+//	grpc-connect (c°) a grpc-go client against the Connect handler (the
+//	              listener of (c), gRPC protocol over h2c): the Connect server
+//	              with a lighter load generator than connect-go's client
 //	grpc     (c*) AdmissionService.Check from a grpc-go client on that listener
 //	envoy    (d)  the agent's Envoy RLS endpoint (gRPC ShouldRateLimit)
 //
@@ -45,7 +48,7 @@ import (
 
 // AgentModes lists the agent suite's modes in the order it runs them.
 func AgentModes() []string {
-	return []string{"raw", "connect", "connect-http1", "connect-grpc", "grpc", "envoy"}
+	return []string{"raw", "connect", "connect-http1", "connect-grpc", "grpc-connect", "grpc", "envoy"}
 }
 
 // AgentSuiteConfig configures the agent suite.
@@ -175,6 +178,7 @@ func RunAgentSuite(ctx context.Context, client redis.UniversalClient, cfg AgentS
 	rlsClients := make([]rlsv3.RateLimitServiceClient, cfg.Connections)
 	viaGRPC := make([]allotv1connect.AdmissionServiceClient, cfg.Connections)
 	grpcClients := make([]allotv1.AdmissionServiceClient, cfg.Connections)
+	grpcToConnect := make([]allotv1.AdmissionServiceClient, cfg.Connections)
 	for i := range connectClients {
 		hc := h2cClient() // one client, one HTTP/2 connection
 		defer hc.CloseIdleConnections()
@@ -186,6 +190,12 @@ func RunAgentSuite(ctx context.Context, client redis.UniversalClient, cfg AgentS
 		defer conn.Close()
 		rlsClients[i] = rlsv3.NewRateLimitServiceClient(conn)
 		grpcClients[i] = allotv1.NewAdmissionServiceClient(conn)
+		cconn, err := grpc.NewClient(ln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			return nil, err
+		}
+		defer cconn.Close()
+		grpcToConnect[i] = allotv1.NewAdmissionServiceClient(cconn)
 		viaGRPC[i] = allotv1connect.NewAdmissionServiceClient(hc, "http://"+gln.Addr().String(), connect.WithGRPC())
 	}
 
@@ -211,18 +221,12 @@ func RunAgentSuite(ctx context.Context, client redis.UniversalClient, cfg AgentS
 		case "connect-grpc":
 			c.Name = "(c'') agent Check, Connect gRPC"
 			target = checkTarget(checks, func(w int) allotv1connect.AdmissionServiceClient { return viaGRPC[w%len(viaGRPC)] })
+		case "grpc-connect":
+			c.Name = "(c°) agent Check, Connect server, grpc-go client"
+			target = grpcCheckTarget(checks, grpcToConnect)
 		case "grpc":
 			c.Name = "(c*) agent Check, grpc-go"
-			target = func(ctx context.Context, w int, i uint64) error {
-				resp, err := grpcClients[w%len(grpcClients)].Check(ctx, checks[keyOf(w, i, len(checks))])
-				switch {
-				case err != nil:
-					return err
-				case !resp.Allowed:
-					return fmt.Errorf("denied by %s", resp.Rule)
-				}
-				return nil
-			}
+			target = grpcCheckTarget(checks, grpcClients)
 		case "envoy":
 			c.Name = "(d) agent Envoy RLS, gRPC"
 			target = func(ctx context.Context, w int, i uint64) error {
@@ -256,6 +260,21 @@ func checkTarget(checks []*allotv1.CheckRequest, client func(w int) allotv1conne
 			return err
 		case !resp.Msg.Allowed:
 			return fmt.Errorf("denied by %s", resp.Msg.Rule)
+		}
+		return nil
+	}
+}
+
+// grpcCheckTarget sends Check requests through grpc-go client stubs, one
+// per connection; a denial is an error.
+func grpcCheckTarget(checks []*allotv1.CheckRequest, clients []allotv1.AdmissionServiceClient) Target {
+	return func(ctx context.Context, w int, i uint64) error {
+		resp, err := clients[w%len(clients)].Check(ctx, checks[keyOf(w, i, len(checks))])
+		switch {
+		case err != nil:
+			return err
+		case !resp.Allowed:
+			return fmt.Errorf("denied by %s", resp.Rule)
 		}
 		return nil
 	}
