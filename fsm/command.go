@@ -81,6 +81,13 @@ type Want struct {
 	Tokens int64 `json:"tokens"`
 	// DemandPerSecond is the region's observed demand for the quota.
 	DemandPerSecond float64 `json:"demand_per_second"`
+	// Next asks for a pre-grant: tokens of the window after the current
+	// one, which the region may spend from that window's start, so that
+	// a window turn costs it no round trip to the allocator. Only for a
+	// quota with clamp on (with clamp off leases already outlive the
+	// window). Before a window opens a region holds at most ChunkTokens
+	// of it; a pre-grant's TTL runs from the window's start.
+	Next bool `json:"next,omitempty"`
 }
 
 // Acquire asks for chunks of several quotas for one region in one entry.

@@ -20,10 +20,15 @@
 //     quota under contention, at most the region's max-min fair share);
 //     with clamp on it expires at min(now+TTL, window end). A retry with the
 //     same region and request id returns the recorded result, Replayed set,
-//     and grants nothing.
+//     and grants nothing. A want with Next set (clamp on only) is a
+//     pre-grant: tokens of the next window, spendable from its start
+//     (NotBeforeUnixMs), expiring at min(start+TTL, its end), at most
+//     ChunkTokens per region before the window opens. Regions hold tokens
+//     the instant a window turns instead of one round trip later.
 //   - Release returns unspent tokens of a grant to the pool of its window,
-//     if that window is still the current one; afterwards it is a no-op
-//     that returns 0, because the pool it came from is gone.
+//     if that window is the current one (or, for a pre-grant, has not
+//     started); afterwards it is a no-op that returns 0, because the pool
+//     it came from is gone.
 //   - Publish installs a new policy version (current+1 exactly): its specs
 //     replace all quotas. A changed limit applies to the current window
 //     (pool = max(0, new limit - outstanding)); a changed window length
@@ -48,8 +53,8 @@
 // of its own, an instance, with the template's spec ("p-tenant-standard/
 // birch": one pool per tenant from one rule). An instance comes into being
 // on the first Acquire that names it, deterministically, and is forgotten as
-// soon as it holds nothing visible (no current or previous window, no fresh
-// demand report), so idle tenants cost no memory. At most
+// soon as it holds nothing visible (no previous, current or next window, no
+// fresh demand report), so idle tenants cost no memory. At most
 // MaxInstancesPerTemplate are alive per template; an Acquire that would
 // create more fails whole with ErrResourceExhausted, naming the want. Naming
 // an instance of a template the policy lacks, or of a single pool, is
@@ -61,9 +66,9 @@
 //
 // # Memory
 //
-// Per quota the FSM holds its spec, at most two windows (the current one and
-// the previous, kept for reporting) and the demand reports of the last two
-// TTLs. Older windows are collected when their quota is touched and by a
+// Per quota the FSM holds its spec, at most three windows (the current one,
+// the previous, kept for reporting, and the next once a region took a
+// pre-grant of it) and the demand reports of the last two TTLs. Older windows are collected when their quota is touched and by a
 // round-robin sweep of a few quotas per entry, so an entry costs O(quotas it
 // touches), never O(all quotas); until collected they are invisible to every
 // read, result and snapshot. Dead instances of templates are collected the

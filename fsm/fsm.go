@@ -136,12 +136,13 @@ type quota struct {
 	demand  map[string]demand // by region; created lazily
 
 	// A template (spec.TemplateKeys > 0) has no windows: it holds its
-	// instances, by name and in a list ordered by death (instance.go).
-	instances  map[string]*quota
-	head, tail *quota
-	// An instance points to its template and its list neighbours; death is
-	// the first instant it holds nothing visible.
+	// instances, by name and in two lists ordered by death (instance.go).
+	instances map[string]*quota
+	lists     [2]instList
+	// An instance points to its template, its list and its neighbours
+	// there; death is the first instant it holds nothing visible.
 	tmpl       *quota
+	list       uint8
 	prev, next *quota
 	death      int64
 }
@@ -221,8 +222,9 @@ func (q *quota) currentIndex(now int64) int64 {
 }
 
 // visible reports whether window index idx is still part of the logical
-// state at now: the current window and the previous one. Older windows may
-// linger until collected but no result, view or snapshot shows them.
+// state at now: the current window and the previous one (and the next, once
+// pre-granted from). Older windows may linger until collected but no
+// result, view or snapshot shows them.
 func (q *quota) visible(idx, now int64) bool {
 	return idx >= q.currentIndex(now)-1
 }
@@ -389,6 +391,9 @@ func (s *state) acquire(index uint64, base int, now int64, a *Acquire) (*Acquire
 		if !(w.DemandPerSecond >= 0) || math.IsInf(w.DemandPerSecond, 1) {
 			return nil, fmt.Errorf("wants[%d].demand_per_second %v: must be finite and >= 0: %w", i, w.DemandPerSecond, ErrInvalidArgument)
 		}
+		if w.Next && !spec.Clamp {
+			return nil, fmt.Errorf("wants[%d].next: quota %q has clamp off, so its leases already outlive the window: %w", i, w.Quota, ErrInvalidArgument)
+		}
 		if len(spec.Regions) > 0 {
 			if _, ok := slices.BinarySearch(spec.Regions, a.Region); !ok {
 				return nil, fmt.Errorf("region %q: not declared for wants[%d].quota %q: %w", a.Region, i, w.Quota, ErrInvalidArgument)
@@ -428,7 +433,11 @@ func (s *state) acquire(index uint64, base int, now int64, a *Acquire) (*Acquire
 			q = s.newInstance(t, wt.Quota)
 		}
 		s.collect(q, now)
-		w := s.openWindow(q, now)
+		w := s.openWindow(q, q.currentIndex(now))
+		if wt.Next {
+			w = s.openWindow(q, w.index+1)
+		}
+		start := lease.WindowEnd(w.index-1, q.spec.WindowMs)
 		if q.demand == nil {
 			q.demand = map[string]demand{}
 		}
@@ -439,19 +448,32 @@ func (s *state) acquire(index uint64, base int, now int64, a *Acquire) (*Acquire
 			asked = q.spec.ChunkTokens
 		}
 		avail := w.remaining()
-		if q.spec.Strategy == StrategyFairShare {
+		switch {
+		case wt.Next:
+			// Before its window opens a region holds at most one chunk
+			// of it, so pre-grants cannot drain a pool ahead of demand.
+			var held int64
+			if l := w.regions[a.Region]; l != nil {
+				held = l.granted - l.released
+			}
+			avail = min(avail, max(0, q.spec.ChunkTokens-held))
+		case q.spec.Strategy == StrategyFairShare:
 			avail = min(avail, fairCap(q, w, a.Region, now))
 		}
 		n := min(asked, avail)
 		end := lease.WindowEnd(w.index, q.spec.WindowMs)
 		gr := GrantResult{Quota: q.name, Requested: asked, WindowIndex: w.index, WindowEndUnixMs: end}
+		if wt.Next {
+			gr.NotBeforeUnixMs = start
+		}
 		if n > 0 {
 			g := &grant{
 				id:        grantID(index, base+i),
 				region:    a.Region,
 				tokens:    n,
 				grantedAt: now,
-				expires:   lease.ClampExpiry(now, q.spec.TTLMs, end, q.spec.Clamp),
+				// A pre-grant's TTL runs from its window's start.
+				expires: lease.ClampExpiry(max(now, start), q.spec.TTLMs, end, q.spec.Clamp),
 			}
 			w.add(g)
 			s.grants[g.id] = &grantRef{q: q, w: w, g: g}
@@ -463,7 +485,7 @@ func (s *state) acquire(index uint64, base int, now int64, a *Acquire) (*Acquire
 		gr.PoolExhausted = gr.PoolRemaining == 0 || n < asked
 		res.Grants[i] = gr
 		if t != nil {
-			t.touch(q)
+			t.touch(q, now)
 		}
 	}
 	s.record(&idemRecord{key: key, at: now, acquire: res})
@@ -487,17 +509,31 @@ func (w *window) add(g *grant) {
 	l.grants++
 }
 
-// openWindow returns q's window at now, opening it with a full pool on first
-// touch. collect must have run at now first.
-func (s *state) openWindow(q *quota, now int64) *window {
-	idx := q.currentIndex(now)
-	if n := len(q.windows); n > 0 && q.windows[n-1].index == idx {
-		return q.windows[n-1]
+// openWindow returns q's window idx (the current one, or the next for a
+// pre-grant), opening it with a full pool on first touch. collect must have
+// run at now first.
+func (s *state) openWindow(q *quota, idx int64) *window {
+	at := len(q.windows)
+	for at > 0 && q.windows[at-1].index >= idx {
+		if q.windows[at-1].index == idx {
+			return q.windows[at-1]
+		}
+		at--
 	}
 	w := &window{index: idx, limit: q.spec.Limit}
-	q.windows = append(q.windows, w)
+	q.windows = slices.Insert(q.windows, at, w)
 	s.windows++
 	return w
+}
+
+// window returns q's window idx, or nil when it is not open.
+func (q *quota) window(idx int64) *window {
+	for i := len(q.windows) - 1; i >= 0; i-- {
+		if q.windows[i].index == idx {
+			return q.windows[i]
+		}
+	}
+	return nil
 }
 
 // collect drops q's windows older than the previous one and its stale
@@ -621,7 +657,7 @@ func (s *state) release(now int64, r *Release) (*ReleaseResult, error) {
 	q, w := ref.q, ref.w
 	s.collect(q, now)
 	res := &ReleaseResult{GrantID: r.GrantID, NowUnixMs: now}
-	if w.index == q.currentIndex(now) {
+	if w.index >= q.currentIndex(now) { // the current window, or a pre-grant's
 		g.released += r.Tokens
 		w.released += r.Tokens
 		w.regions[g.region].released += r.Tokens
@@ -813,11 +849,14 @@ func (s *state) publish(now int64, p *Publish) (*PublishResult, error) {
 			}
 			pools = nil
 		case q.spec.Limit != spec.Limit:
-			// Only the current window takes the new limit; its pool becomes
-			// max(0, new limit - outstanding). The previous one is history.
+			// Only the current window (and the next, if pre-granted from)
+			// takes the new limit; its pool becomes max(0, new limit -
+			// outstanding). The previous one is history.
 			for _, p := range pools {
-				if n := len(p.windows); n > 0 && p.windows[n-1].index == p.currentIndex(now) {
-					p.windows[n-1].limit = spec.Limit
+				for _, w := range p.windows {
+					if w.index >= p.currentIndex(now) {
+						w.limit = spec.Limit
+					}
 				}
 			}
 		}
@@ -831,7 +870,7 @@ func (s *state) publish(now int64, p *Publish) (*PublishResult, error) {
 				}
 			}
 			if ttlChanged {
-				q.relink(pools)
+				q.relink(pools, now)
 			}
 		}
 		quotas[spec.Name] = q

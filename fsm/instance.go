@@ -22,10 +22,11 @@ import (
 //	death = max(end of the window after its latest window,
 //	            latest demand report + 2 x TTL + 1)
 //
-// An Acquire of an instance opens its current window and records its
-// demand at now, so its death becomes the largest of its template's: the
-// instances of a template, kept in a list in the order of their last
-// Acquire, are in the order of their deaths. Collecting the dead ones is
+// An Acquire of an instance opens its current window (or, for a pre-grant,
+// the next) and records its demand at now, so its death becomes the largest
+// of its template's list (see listPlain): the instances of a template, kept
+// in two lists in the order of their last Acquire, are in the order of their
+// deaths in each. Collecting the dead ones is
 // popping the front of the list; it is invisible (only the live instances
 // reach a result, a read or a snapshot), which makes the number of live
 // instances, the one the cap MaxInstancesPerTemplate counts, the same on a
@@ -53,87 +54,120 @@ func (q *quota) computeDeath() int64 {
 // alive reports whether instance q is part of the logical state at now.
 func (q *quota) alive(now int64) bool { return now < q.death }
 
-// pushBack appends instance i to template t's list.
-func (t *quota) pushBack(i *quota) {
-	i.prev, i.next = t.tail, nil
-	if t.tail != nil {
-		t.tail.next = i
-	} else {
-		t.head = i
+// instList is a doubly linked list of a template's instances in order of
+// death.
+type instList struct{ head, tail *quota }
+
+// A template keeps its instances in two lists, each in order of death:
+// listPlain holds those whose latest window is the one they were last
+// acquired in (death: end of the window after it), listPregranted those
+// that also hold a pre-grant of the next window (death: one window later).
+// Within each list the order of the last Acquire is the order of death, so
+// touching an instance is O(1) and collecting the dead pops list fronts; one
+// list would need a sorted insert, O(instances) per Acquire in the worst
+// case, once pre-grants and plain grants interleave.
+const (
+	listPlain = iota
+	listPregranted
+)
+
+// listOf returns the list instance i belongs in at now.
+func listOf(i *quota, now int64) uint8 {
+	if n := len(i.windows); n > 0 && i.windows[n-1].index > i.currentIndex(now) {
+		return listPregranted
 	}
-	t.tail = i
+	return listPlain
 }
 
-// unlink takes instance i out of template t's list.
+// pushBack appends instance i to template t's list k.
+func (t *quota) pushBack(i *quota, k uint8) {
+	l := &t.lists[k]
+	i.list, i.prev, i.next = k, l.tail, nil
+	if l.tail != nil {
+		l.tail.next = i
+	} else {
+		l.head = i
+	}
+	l.tail = i
+}
+
+// unlink takes instance i out of its list of template t.
 func (t *quota) unlink(i *quota) {
+	l := &t.lists[i.list]
 	if i.prev != nil {
 		i.prev.next = i.next
 	} else {
-		t.head = i.next
+		l.head = i.next
 	}
 	if i.next != nil {
 		i.next.prev = i.prev
 	} else {
-		t.tail = i.prev
+		l.tail = i.prev
 	}
 	i.prev, i.next = nil, nil
 }
 
 // expire forgets template t's instances that are dead at now.
 func (s *state) expire(t *quota, now int64) {
-	for t.head != nil && !t.head.alive(now) {
-		i := t.head
-		t.unlink(i)
-		delete(t.instances, i.name)
-		s.dropWindows(i)
-		s.instances--
+	for k := range t.lists {
+		for t.lists[k].head != nil && !t.lists[k].head.alive(now) {
+			i := t.lists[k].head
+			t.unlink(i)
+			delete(t.instances, i.name)
+			s.dropWindows(i)
+			s.instances--
+		}
 	}
 }
 
 // deadBy counts template t's instances that are dead at now, without
-// forgetting them (they are at the front of the list).
+// forgetting them (they are at the fronts of the lists).
 func (t *quota) deadBy(now int64) int {
 	n := 0
-	for i := t.head; i != nil && !i.alive(now); i = i.next {
-		n++
+	for k := range t.lists {
+		for i := t.lists[k].head; i != nil && !i.alive(now); i = i.next {
+			n++
+		}
 	}
 	return n
 }
 
 // touch records that instance i was acquired at now: its death moves to
-// the largest of its template's, so it goes to the back of the list.
-func (t *quota) touch(i *quota) {
+// the largest of its list, so it goes to the back of that list.
+func (t *quota) touch(i *quota, now int64) {
 	i.death = i.computeDeath()
 	t.unlink(i)
-	t.pushBack(i)
+	t.pushBack(i, listOf(i, now))
 }
 
 // dropInstances forgets every instance of template t.
 func (s *state) dropInstances(t *quota) {
-	for i := t.head; i != nil; i = i.next {
+	for _, i := range t.instanceList() {
 		s.dropWindows(i)
 		s.instances--
 	}
-	t.instances, t.head, t.tail = nil, nil, nil
+	t.instances, t.lists = nil, [2]instList{}
 }
 
-// instanceList returns template t's instances in list order.
+// instanceList returns template t's instances, list by list.
 func (t *quota) instanceList() []*quota {
 	out := make([]*quota, 0, len(t.instances))
-	for i := t.head; i != nil; i = i.next {
-		out = append(out, i)
+	for k := range t.lists {
+		for i := t.lists[k].head; i != nil; i = i.next {
+			out = append(out, i)
+		}
 	}
 	return out
 }
 
-// relink rebuilds template t's list from its instances, sorted by death
+// relink rebuilds template t's lists from its instances, sorted by death
 // (then name, so that the order is the same on every replica), after their
 // deaths were computed afresh.
-func (t *quota) relink(is []*quota) {
+func (t *quota) relink(is []*quota, now int64) {
 	slices.SortFunc(is, func(a, b *quota) int { return cmp.Or(cmp.Compare(a.death, b.death), strings.Compare(a.name, b.name)) })
-	t.head, t.tail = nil, nil
+	t.lists = [2]instList{}
 	for _, i := range is {
-		t.pushBack(i)
+		t.pushBack(i, listOf(i, now))
 	}
 }
 
@@ -237,7 +271,7 @@ func (s *state) newInstance(t *quota, name string) *quota {
 		t.instances = map[string]*quota{}
 	}
 	t.instances[name] = i
-	t.pushBack(i)
+	t.pushBack(i, listPlain)
 	s.instances++
 	return i
 }

@@ -38,6 +38,7 @@ type sentAcquire struct {
 type grantMade struct {
 	id, quota, region string
 	tokens            int64
+	window            int64
 }
 
 var (
@@ -131,12 +132,18 @@ func (m *model) publish(t *rapid.T) {
 			names = propInstances
 		}
 		for _, name := range names {
-			w := m.h.f.CurrentWindow(name, m.stamp)
-			k := windowKey{name, w.Index}
-			if s.Limit < w.Outstanding {
-				m.lowered[k] = true
+			cur := m.h.f.CurrentWindow(name, m.stamp)
+			views := []WindowView{cur}
+			if next, ok := m.h.f.Window(name, cur.Index+1); ok { // pre-granted from
+				views = append(views, next)
 			}
-			m.peak[k] = max(m.peak[k], w.Limit, s.Limit)
+			for _, w := range views {
+				k := windowKey{name, w.Index}
+				if s.Limit < w.Outstanding {
+					m.lowered[k] = true
+				}
+				m.peak[k] = max(m.peak[k], w.Limit, s.Limit)
+			}
 		}
 	}
 	m.h.publish(m.stamp, list...)
@@ -175,6 +182,8 @@ func (m *model) acquire(t *rapid.T) {
 			Quota:           q,
 			Tokens:          rapid.Int64Range(0, maxTokens).Draw(t, "tokens"),
 			DemandPerSecond: float64(rapid.IntRange(0, 200).Draw(t, "demand")) / 4,
+			// A pre-grant, mostly of clamped quotas (otherwise rejected).
+			Next: rapid.IntRange(0, 3).Draw(t, "next?") == 0 && (spec.Clamp || rapid.IntRange(0, 9).Draw(t, "next unclamped?") == 0),
 		})
 	}
 	m.nextID++
@@ -183,18 +192,49 @@ func (m *model) acquire(t *rapid.T) {
 	res := m.h.acquireRes(m.stamp, region, acq.RequestID, wants...)
 	r, ok := res.(*AcquireResult)
 	if !ok {
-		return // an unknown quota; checked by the caller
+		return // an unknown quota or an unclamped pre-grant; checked by the caller
 	}
 	m.requests = append(m.requests, sentAcquire{acq: acq, res: r})
 	after := m.windowsAt(m.stamp)
 	for i, g := range r.Grants {
 		spec, _ := m.spec(g.Quota)
 		b, a := before[g.Quota], after[g.Quota]
+		if wants[i].Next {
+			if !spec.Clamp {
+				t.Fatalf("want %d: pre-grant of unclamped %s accepted", i, g.Quota)
+			}
+			if g.WindowIndex != a.Index+1 || g.NotBeforeUnixMs != a.EndUnixMs {
+				t.Fatalf("want %d: pre-grant of window %d from %d, current window %d ends %d", i, g.WindowIndex, g.NotBeforeUnixMs, a.Index, a.EndUnixMs)
+			}
+			next, _ := m.h.f.Window(g.Quota, g.WindowIndex)
+			if g.Tokens > g.Requested || g.Tokens > spec.ChunkTokens {
+				t.Fatalf("want %d: pre-granted %d, asked %d, chunk %d", i, g.Tokens, g.Requested, spec.ChunkTokens)
+			}
+			var held int64
+			for _, rv := range next.Regions {
+				if rv.Region == region {
+					held = rv.Granted - rv.Released
+				}
+			}
+			if g.Tokens > 0 && held > spec.ChunkTokens {
+				t.Fatalf("want %d: %s holds %d of window %d before it opens, chunk %d", i, region, held, g.WindowIndex, spec.ChunkTokens)
+			}
+			if g.Tokens > 0 {
+				if g.ExpiresUnixMs > g.WindowEndUnixMs || g.ExpiresUnixMs-g.NotBeforeUnixMs > spec.TTLMs || g.ExpiresUnixMs <= g.NotBeforeUnixMs {
+					t.Fatalf("want %d: pre-grant for [%d, %d) expires %d (ttl %d)", i, g.NotBeforeUnixMs, g.WindowEndUnixMs, g.ExpiresUnixMs, spec.TTLMs)
+				}
+				m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: region, tokens: g.Tokens, window: g.WindowIndex})
+			}
+			continue
+		}
+		if g.NotBeforeUnixMs != 0 {
+			t.Fatalf("want %d: a grant of the current window has not_before %d", i, g.NotBeforeUnixMs)
+		}
 		if g.Tokens > b.Remaining || g.Tokens > g.Requested || g.Tokens < 0 {
 			t.Fatalf("want %d: granted %d, pool before %d, asked %d", i, g.Tokens, b.Remaining, g.Requested)
 		}
 		if b.Index == a.Index && a.Remaining != b.Remaining-g.Tokens {
-			t.Fatalf("want %d: pool %d -> %d after granting %d", i, b.Remaining, a.Remaining, g.Tokens)
+			t.Fatalf("want %d: pool %d -> %d after granting %d\nres %+v\nbefore %+v\nafter %+v\nstamp %d now %d", i, b.Remaining, a.Remaining, g.Tokens, r, b, a, m.stamp, m.h.f.Now())
 		}
 		if spec.Strategy == StrategyDemand && g.Tokens != min(g.Requested, b.Remaining) {
 			t.Fatalf("demand strategy granted %d of %d with %d in the pool", g.Tokens, g.Requested, b.Remaining)
@@ -206,7 +246,7 @@ func (m *model) acquire(t *rapid.T) {
 			if g.TTLMs <= 0 || g.TTLMs > spec.TTLMs {
 				t.Fatalf("ttl %d outside (0, %d]", g.TTLMs, spec.TTLMs)
 			}
-			m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: region, tokens: g.Tokens})
+			m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: region, tokens: g.Tokens, window: g.WindowIndex})
 		}
 	}
 }
@@ -242,7 +282,7 @@ func (m *model) retry(t *rapid.T) {
 		m.requests[i] = sentAcquire{acq: sent.acq, res: r}
 		for _, g := range r.Grants {
 			if g.Tokens > 0 {
-				m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: sent.acq.Region, tokens: g.Tokens})
+				m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: sent.acq.Region, tokens: g.Tokens, window: g.WindowIndex})
 			}
 		}
 	}
@@ -258,6 +298,18 @@ func (m *model) release(t *rapid.T) {
 		region = rapid.SampledFrom(propRegions).Draw(t, "region")
 	}
 	tokens := rapid.Int64Range(1, g.tokens).Draw(t, "release tokens")
+	cur := m.h.f.CurrentWindow(g.quota, m.stamp).Index
+	if g.window > cur { // a pre-grant whose window has not started
+		before, _ := m.h.f.Window(g.quota, g.window)
+		res := m.h.releaseRes(m.stamp, region, g.id, tokens)
+		if r, ok := res.(*ReleaseResult); ok && m.h.f.CurrentWindow(g.quota, m.stamp).Index < g.window {
+			after, _ := m.h.f.Window(g.quota, g.window)
+			if r.Returned != tokens || after.Released != before.Released+tokens {
+				t.Fatalf("released %d of pre-grant %s: returned %d, window released %d -> %d", tokens, g.id, r.Returned, before.Released, after.Released)
+			}
+		}
+		return
+	}
 	before := m.h.f.CurrentWindow(g.quota, m.stamp)
 	res := m.h.releaseRes(m.stamp, region, g.id, tokens)
 	r, ok := res.(*ReleaseResult)
@@ -311,7 +363,7 @@ func (m *model) check(t *rapid.T, prevNow int64) {
 	}
 	for _, name := range m.pools() {
 		cur := f.CurrentWindow(name, now)
-		for _, idx := range []int64{cur.Index - 1, cur.Index} {
+		for _, idx := range []int64{cur.Index - 1, cur.Index, cur.Index + 1} {
 			w, ok := f.Window(name, idx)
 			if !ok {
 				continue

@@ -86,14 +86,14 @@ func (f *FSM) Quotas() []QuotaSpec {
 }
 
 // Window returns window index of quota (a single pool or a live instance of
-// a template), as of the state machine's time. Only the current and the
-// previous window are held.
+// a template), as of the state machine's time. Only the previous, the
+// current and (once pre-granted from) the next window are held.
 func (f *FSM) Window(quota string, index int64) (WindowView, bool) {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	s := f.s
 	q, _, err := s.lookupQuota(quota, s.now)
-	if err != nil || q == nil || !q.visible(index, s.now) || index > q.currentIndex(s.now) {
+	if err != nil || q == nil || !q.visible(index, s.now) || index > q.currentIndex(s.now)+1 {
 		return WindowView{}, false
 	}
 	for _, w := range q.windows {
@@ -123,8 +123,8 @@ func (f *FSM) CurrentWindow(name string, nowMs int64) WindowView {
 		q = &quota{name: name, spec: t.spec} // an instance with nothing yet
 	}
 	idx := q.currentIndex(nowMs)
-	if n := len(q.windows); n > 0 && q.windows[n-1].index == idx {
-		return view(q, q.windows[n-1], nowMs)
+	if w := q.window(idx); w != nil {
+		return view(q, w, nowMs)
 	}
 	return view(q, &window{index: idx, limit: q.spec.Limit}, nowMs)
 }

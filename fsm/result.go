@@ -30,6 +30,9 @@ type GrantResult struct {
 	WindowIndex int64 `json:"window_index"`
 	// WindowEndUnixMs is the end of that window (when the pool refills).
 	WindowEndUnixMs int64 `json:"window_end_unix_ms"`
+	// NotBeforeUnixMs is, for a pre-grant (Want.Next), the start of its
+	// window: the region must not spend the tokens before it. 0 otherwise.
+	NotBeforeUnixMs int64 `json:"not_before_unix_ms,omitempty"`
 	// ExpiresUnixMs is the lease expiry on the allocator's clock; 0 when
 	// nothing was granted.
 	ExpiresUnixMs int64 `json:"expires_unix_ms"`
@@ -47,7 +50,8 @@ type ReleaseResult struct {
 	// GrantID echoes the request.
 	GrantID string `json:"grant_id"`
 	// Returned is the tokens credited back: the request's tokens, or 0 when
-	// the grant's window is no longer the current one.
+	// the grant's window has ended (a pre-grant's window that has not
+	// started yet takes them back).
 	Returned int64 `json:"returned"`
 	// PoolRemaining is the grant's window's pool after the release.
 	PoolRemaining int64 `json:"pool_remaining"`

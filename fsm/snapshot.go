@@ -117,7 +117,7 @@ func (s *state) snapshot() *snapshotDoc {
 	}
 	var live []*quota
 	for _, name := range s.templates {
-		for i := s.quotas[name].head; i != nil; i = i.next {
+		for _, i := range s.quotas[name].instanceList() {
 			if i.alive(s.now) {
 				live = append(live, i)
 			}
@@ -418,8 +418,8 @@ func specEqual(a, b QuotaSpec) bool {
 func (s *state) restoreQuota(q *quota, sq snapQuota) error {
 	cur := q.currentIndex(s.now)
 	for i, sw := range sq.Windows {
-		if sw.Index > cur || !q.visible(sw.Index, s.now) {
-			return fmt.Errorf("windows[%d]: index %d is not the current or previous window", i, sw.Index)
+		if sw.Index > cur+1 || !q.visible(sw.Index, s.now) {
+			return fmt.Errorf("windows[%d]: index %d is not the previous, current or next window", i, sw.Index)
 		}
 		if i > 0 && sw.Index <= sq.Windows[i-1].Index {
 			return fmt.Errorf("windows[%d]: out of order", i)
@@ -507,7 +507,7 @@ func (s *state) restoreInstances(dec *json.Decoder, n int) error {
 	}
 	for _, name := range s.templates {
 		t := s.quotas[name]
-		t.relink(t.instanceList())
+		t.relink(t.instanceList(), s.now)
 	}
 	return nil
 }
