@@ -134,7 +134,7 @@ func (s *Server) Acquire(ctx context.Context, req *connect.Request[allotv1.Acqui
 	m := req.Msg
 	cmd := &fsm.Acquire{Region: m.GetRegion(), RequestID: m.GetRequestId(), Wants: make([]fsm.Want, len(m.GetWants()))}
 	for i, w := range m.GetWants() {
-		cmd.Wants[i] = fsm.Want{Quota: w.GetQuota(), Tokens: w.GetTokens(), DemandPerSecond: w.GetDemandPerSecond()}
+		cmd.Wants[i] = fsm.Want{Quota: w.GetQuota(), Tokens: w.GetTokens(), DemandPerSecond: w.GetDemandPerSecond(), Next: w.GetNextWindow()}
 	}
 	out, err := s.node.Apply(ctx, fsm.Command{Type: fsm.CmdAcquire, Acquire: cmd})
 	if err != nil {
@@ -149,6 +149,7 @@ func (s *Server) Acquire(ctx context.Context, req *connect.Request[allotv1.Acqui
 		resp.Grants[i] = &allotv1.Grant{
 			Quota: g.Quota, GrantId: g.GrantID, Tokens: g.Tokens, WindowIndex: g.WindowIndex,
 			WindowEndUnixMs: g.WindowEndUnixMs, ExpiresUnixMs: g.ExpiresUnixMs, TtlMs: g.TTLMs, PoolExhausted: g.PoolExhausted,
+			NotBeforeUnixMs: g.NotBeforeUnixMs,
 		}
 		if !res.Replayed {
 			if g.Tokens > 0 {

@@ -31,8 +31,14 @@ type Want struct {
 	// demand_per_second is the region's measured demand (consumption plus denials
 	// for lack of leased tokens); the fair_share strategy divides by it.
 	DemandPerSecond float64 `protobuf:"fixed64,3,opt,name=demand_per_second,json=demandPerSecond,proto3" json:"demand_per_second,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// next_window asks for a pre-grant: tokens of the window after the current
+	// one, to spend from its start (Grant.not_before_unix_ms), so a region holds
+	// tokens the instant a window turns. Only for quotas with clamp on; at most
+	// one chunk per region before the window opens; the TTL runs from the
+	// window's start.
+	NextWindow    bool `protobuf:"varint,4,opt,name=next_window,json=nextWindow,proto3" json:"next_window,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Want) Reset() {
@@ -84,6 +90,13 @@ func (x *Want) GetDemandPerSecond() float64 {
 		return x.DemandPerSecond
 	}
 	return 0
+}
+
+func (x *Want) GetNextWindow() bool {
+	if x != nil {
+		return x.NextWindow
+	}
+	return false
 }
 
 // AcquireRequest is one batched renewal of one region.
@@ -173,8 +186,13 @@ type Grant struct {
 	TtlMs int64 `protobuf:"varint,7,opt,name=ttl_ms,json=ttlMs,proto3" json:"ttl_ms,omitempty"`
 	// pool_exhausted is true when the pool could not cover what was asked.
 	PoolExhausted bool `protobuf:"varint,8,opt,name=pool_exhausted,json=poolExhausted,proto3" json:"pool_exhausted,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// not_before_unix_ms is, for a pre-grant (Want.next_window), the start of
+	// its window by the leader's clock: regions must not spend it earlier, and
+	// measure that instant from the moment they received the answer, never from
+	// this clock. 0 for a grant of the current window.
+	NotBeforeUnixMs int64 `protobuf:"varint,9,opt,name=not_before_unix_ms,json=notBeforeUnixMs,proto3" json:"not_before_unix_ms,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *Grant) Reset() {
@@ -261,6 +279,13 @@ func (x *Grant) GetPoolExhausted() bool {
 		return x.PoolExhausted
 	}
 	return false
+}
+
+func (x *Grant) GetNotBeforeUnixMs() int64 {
+	if x != nil {
+		return x.NotBeforeUnixMs
+	}
+	return 0
 }
 
 // AcquireResponse answers every want of the request, in order.
@@ -526,16 +551,18 @@ var File_allot_v1_allocator_proto protoreflect.FileDescriptor
 
 const file_allot_v1_allocator_proto_rawDesc = "" +
 	"\n" +
-	"\x18allot/v1/allocator.proto\x12\ballot.v1\"`\n" +
+	"\x18allot/v1/allocator.proto\x12\ballot.v1\"\x81\x01\n" +
 	"\x04Want\x12\x14\n" +
 	"\x05quota\x18\x01 \x01(\tR\x05quota\x12\x16\n" +
 	"\x06tokens\x18\x02 \x01(\x03R\x06tokens\x12*\n" +
-	"\x11demand_per_second\x18\x03 \x01(\x01R\x0fdemandPerSecond\"m\n" +
+	"\x11demand_per_second\x18\x03 \x01(\x01R\x0fdemandPerSecond\x12\x1f\n" +
+	"\vnext_window\x18\x04 \x01(\bR\n" +
+	"nextWindow\"m\n" +
 	"\x0eAcquireRequest\x12\x16\n" +
 	"\x06region\x18\x01 \x01(\tR\x06region\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x02 \x01(\tR\trequestId\x12$\n" +
-	"\x05wants\x18\x03 \x03(\v2\x0e.allot.v1.WantR\x05wants\"\x86\x02\n" +
+	"\x05wants\x18\x03 \x03(\v2\x0e.allot.v1.WantR\x05wants\"\xb3\x02\n" +
 	"\x05Grant\x12\x14\n" +
 	"\x05quota\x18\x01 \x01(\tR\x05quota\x12\x19\n" +
 	"\bgrant_id\x18\x02 \x01(\tR\agrantId\x12\x16\n" +
@@ -544,7 +571,8 @@ const file_allot_v1_allocator_proto_rawDesc = "" +
 	"\x12window_end_unix_ms\x18\x05 \x01(\x03R\x0fwindowEndUnixMs\x12&\n" +
 	"\x0fexpires_unix_ms\x18\x06 \x01(\x03R\rexpiresUnixMs\x12\x15\n" +
 	"\x06ttl_ms\x18\a \x01(\x03R\x05ttlMs\x12%\n" +
-	"\x0epool_exhausted\x18\b \x01(\bR\rpoolExhausted\"\x83\x01\n" +
+	"\x0epool_exhausted\x18\b \x01(\bR\rpoolExhausted\x12+\n" +
+	"\x12not_before_unix_ms\x18\t \x01(\x03R\x0fnotBeforeUnixMs\"\x83\x01\n" +
 	"\x0fAcquireResponse\x12'\n" +
 	"\x06grants\x18\x01 \x03(\v2\x0f.allot.v1.GrantR\x06grants\x12+\n" +
 	"\x12leader_now_unix_ms\x18\x02 \x01(\x03R\x0fleaderNowUnixMs\x12\x1a\n" +
