@@ -30,6 +30,7 @@ var conformance = []struct {
 	{"concurrency: release by request id", testReleaseRequest},
 	{"hierarchy: all or nothing", testHierarchy},
 	{"leased pool: earliest expiry first, expired never spends", testPool},
+	{"leased pool: a pre-grant spends only from its start", testPregrant},
 	{"leased pool: exhausted pool retry", testPoolExhausted},
 	{"quota template: one pool per tenant, in the tenant's slot", testTemplatePools},
 	{"gateway-local chunk: refunded when a tenant rule denies", testLocalChunkRefund},
@@ -403,6 +404,51 @@ func testPool(t *testing.T, b backend) {
 	} {
 		if _, err := h.e.DepositChunk(ctx, tc.quota, tc.id, tc.tokens, tc.ttl); !errors.Is(err, tc.want) {
 			t.Errorf("DepositChunk(%q, %q, %d, %s) = %v, want %v", tc.quota, tc.id, tc.tokens, tc.ttl, err, tc.want)
+		}
+	}
+}
+
+// testPregrant: a pre-grant (tokens of the next window) is held but neither
+// spends nor counts as available before its start; it leaves the current
+// window's exhausted mark alone; from its start it spends like any chunk;
+// one that expires without ever opening is counted as expired.
+func testPregrant(t *testing.T, b backend) {
+	h := newHarness(t, b, parse(t, quotaPolicy), nil)
+	ctx := context.Background()
+	req := []string{"tenant", "acme"}
+	if ok, err := h.e.DepositChunk(ctx, "q-acme", "cur", 2, time.Minute); err != nil || !ok {
+		t.Fatalf("deposit cur: %v %v", ok, err)
+	}
+	if err := h.e.MarkExhausted(ctx, "q-acme", 2*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := h.e.DepositPregrant(ctx, "q-acme", "next", 100, 2*time.Second, 10*time.Second); err != nil || !ok {
+		t.Fatalf("deposit next: %v %v", ok, err)
+	}
+	if ok, err := h.e.DepositPregrant(ctx, "q-acme", "next", 100, 2*time.Second, 10*time.Second); err != nil || ok {
+		t.Fatalf("duplicate pre-grant: added %v, err %v; want not added", ok, err)
+	}
+	if ok, err := h.e.DepositPregrant(ctx, "q-acme", "never", 7, time.Second, 1500*time.Millisecond); err != nil || !ok {
+		t.Fatalf("deposit never: %v %v", ok, err)
+	}
+	wantAllowed(t, h.decide(req...), "spend cur")
+	wantAllowed(t, h.decide(req...), "spend cur")
+	wantDenied(t, h.decide(req...), "only pre-grants left (retry: the exhausted mark)", "q-acme", policy.ScopeTenant, 2)
+	s := h.stats("q-acme")
+	if s.Available != 0 || s.Pending != 107 || s.Chunks != 1 || s.Deposited != 109 || s.Exhausted <= 0 {
+		t.Fatalf("before the start %+v; want 0 available, 107 pending, 1 chunk, still exhausted", s)
+	}
+	// At 2 s "never" has expired unopened (nothing loaded the pool since it
+	// opened at 1 s) and "next" opens.
+	h.clock.Advance(2 * time.Second)
+	wantAllowed(t, h.decide(req...), "spend next at its start")
+	s = h.stats("q-acme")
+	if s.Available != 99 || s.Pending != 0 || s.Chunks != 2 || s.Expired != 7 {
+		t.Fatalf("after the start %+v; want 99 available, none pending, 2 chunks, 7 expired", s)
+	}
+	for _, tc := range []struct{ start, ttl time.Duration }{{0, time.Second}, {time.Second, time.Second}, {2 * time.Second, time.Second}} {
+		if _, err := h.e.DepositPregrant(ctx, "q-acme", "bad", 1, tc.start, tc.ttl); !errors.Is(err, admission.ErrBadGrant) {
+			t.Errorf("DepositPregrant(start %s, ttl %s) = %v, want ErrBadGrant", tc.start, tc.ttl, err)
 		}
 	}
 }

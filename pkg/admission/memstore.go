@@ -333,6 +333,7 @@ type poolView struct {
 	rem   []int64
 	exp   []int64
 	total int64
+	pend  int64 // tokens of pre-grants whose window has not opened
 }
 
 func (x *memExec) poolLoad(z, h string) poolView {
@@ -343,6 +344,7 @@ func (x *memExec) poolLoad(z, h string) poolView {
 			v, _ := x.hget(h, "g:"+g.m)
 			lost += v
 			x.hdel(h, "g:"+g.m)
+			x.hdel(h, "s:"+g.m)
 		}
 		if lost > 0 {
 			x.hincr(h, "expired", lost)
@@ -351,6 +353,15 @@ func (x *memExec) poolLoad(z, h string) poolView {
 	var pv poolView
 	for _, zm := range x.zrange(z) {
 		r, _ := x.hget(h, "g:"+zm.m)
+		// A pre-grant keeps its start in s:<id> until it opens (the script
+		// writes "tokens@start" into g:<id> instead).
+		if st, pre := x.hget(h, "s:"+zm.m); pre {
+			if st > x.now {
+				pv.pend += r
+				continue
+			}
+			x.hdel(h, "s:"+zm.m)
+		}
 		pv.ids = append(pv.ids, zm.m)
 		pv.rem = append(pv.rem, r)
 		pv.exp = append(pv.exp, zm.s)
@@ -424,11 +435,15 @@ func (x *memExec) exec(o *op) {
 	case opDeposit:
 		z, h := o.keys[0], o.keys[1]
 		var added int64
-		if _, dup := x.zscore(z, o.member); o.n1 > 0 && o.n2 > 0 && !dup {
+		if _, dup := x.zscore(z, o.member); o.n1 > 0 && o.n2 > o.n3 && !dup {
 			x.zadd(z, o.member, now+o.n2)
 			x.hset(h, "g:"+o.member, o.n1)
+			if o.n3 > 0 {
+				x.hset(h, "s:"+o.member, now+o.n3)
+			} else {
+				x.hdel(h, "exh")
+			}
 			x.hincr(h, "deposited", o.n1)
-			x.hdel(h, "exh")
 			x.pexpire(z, scriptPoolTTL)
 			x.pexpire(h, scriptPoolTTL)
 			added = 1
@@ -445,7 +460,7 @@ func (x *memExec) exec(o *op) {
 		} else {
 			exh = 0
 		}
-		o.out = []int64{pv.total, get("consumed"), get("starved"), get("deposited"), get("expired"), int64(len(pv.ids)), exh}
+		o.out = []int64{pv.total, get("consumed"), get("starved"), get("deposited"), get("expired"), int64(len(pv.ids)), exh, pv.pend}
 	case opExhaust:
 		h := o.keys[1]
 		x.hset(h, "exh", now+o.n1)

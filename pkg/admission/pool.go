@@ -31,8 +31,11 @@ type PoolStats struct {
 	Deposited int64
 	// Expired counts the tokens that expired unspent: stranded capacity.
 	Expired int64
-	// Chunks is the number of unexpired grants.
+	// Chunks is the number of unexpired grants whose window has opened.
 	Chunks int
+	// Pending is the tokens of pre-grants (DepositPregrant) whose window
+	// has not opened yet: held, but not spendable nor in Available.
+	Pending int64
 	// Exhausted is how long the pool is still marked exhausted (see
 	// MarkExhausted); 0 when not.
 	Exhausted time.Duration
@@ -96,6 +99,23 @@ func (e *Engine) PoolKeys(quota string) (z, h string, err error) {
 // same grant id again while it is live adds nothing, so the agent may retry.
 // It reports whether the grant was added.
 func (e *Engine) DepositChunk(ctx context.Context, quota, grantID string, tokens int64, ttl time.Duration) (bool, error) {
+	return e.deposit(ctx, quota, grantID, tokens, 0, ttl)
+}
+
+// DepositPregrant puts a pre-grant (tokens of the next window) into quota's
+// regional pool: it spends only from start after its arrival (the agent
+// measures start from when it received the grant, so the chunk never opens
+// before its window does; arriving later only opens it later) until ttl
+// after its arrival, and until then counts in PoolStats.Pending, not in
+// Available. start must be shorter than ttl.
+func (e *Engine) DepositPregrant(ctx context.Context, quota, grantID string, tokens int64, start, ttl time.Duration) (bool, error) {
+	if start < time.Millisecond || start >= ttl {
+		return false, fmt.Errorf("start: %s is not in [1ms, ttl %s): %w", start, ttl, ErrBadGrant)
+	}
+	return e.deposit(ctx, quota, grantID, tokens, start, ttl)
+}
+
+func (e *Engine) deposit(ctx context.Context, quota, grantID string, tokens int64, start, ttl time.Duration) (bool, error) {
 	z, h, _, err := e.pool(quota)
 	if err != nil {
 		return false, err
@@ -109,7 +129,7 @@ func (e *Engine) DepositChunk(ctx context.Context, quota, grantID string, tokens
 		return false, fmt.Errorf("ttl: %s is not in [1ms, %s]: %w", ttl, policy.MaxWindow, ErrBadGrant)
 	}
 	o := &op{code: opDeposit, now: e.storeNow(e.clock.Now()), keys: []string{z, h},
-		member: grantID, n1: tokens, n2: ttl.Milliseconds()}
+		member: grantID, n1: tokens, n2: ttl.Milliseconds(), n3: start.Milliseconds()}
 	if err := e.run(ctx, o); err != nil {
 		return false, fmt.Errorf("deposit %s: %w", quota, err)
 	}
@@ -128,7 +148,7 @@ func (e *Engine) PoolStats(ctx context.Context, quota string) (PoolStats, error)
 	if err := e.run(ctx, o); err != nil {
 		return PoolStats{}, fmt.Errorf("pool stats %s: %w", quota, err)
 	}
-	if len(o.out) != 7 {
+	if len(o.out) != 8 {
 		return PoolStats{}, fmt.Errorf("pool stats %s: %w: malformed reply", quota, ErrUnavailable)
 	}
 	ps := PoolStats{
@@ -138,6 +158,7 @@ func (e *Engine) PoolStats(ctx context.Context, quota string) (PoolStats, error)
 		Deposited: o.out[3],
 		Expired:   o.out[4],
 		Chunks:    int(o.out[5]),
+		Pending:   o.out[7],
 		Exhausted: time.Duration(o.out[6]) * time.Millisecond,
 	}
 	if sp.chunk != nil {
@@ -148,7 +169,8 @@ func (e *Engine) PoolStats(ctx context.Context, quota string) (PoolStats, error)
 
 // MarkExhausted records that quota's global pool has nothing left to grant
 // for d (typically until the window ends), so requests the pool cannot serve
-// get Retry-After up to d rather than a short hint. A deposit clears it.
+// get Retry-After up to d rather than a short hint. A deposit clears it (a
+// pre-grant, which is for the next window, does not).
 func (e *Engine) MarkExhausted(ctx context.Context, quota string, d time.Duration) error {
 	z, h, _, err := e.pool(quota)
 	if err != nil {

@@ -20,9 +20,10 @@
 --               {replay, id, firstDeny, then per rule: ok remaining retry reset}.
 --   r  refund   same layout as d: gives back what a decide debited
 --   t  take     KEYS: pool z, pool h   ARGV: op now want -> {taken, ttl, retry}
---   p  deposit  KEYS: pool z, pool h   ARGV: op now grant tokens ttl -> {added, available}
+--   p  deposit  KEYS: pool z, pool h   ARGV: op now grant tokens ttl start
+--               -> {added, available}   (start: ms until a pre-grant opens, 0 now)
 --   s  stats    KEYS: pool z, pool h   ARGV: op now
---               -> {available, consumed, starved, deposited, expired, chunks, exhausted}
+--               -> {available, consumed, starved, deposited, expired, chunks, exhausted, pending}
 --   e  exhaust  KEYS: pool z, pool h   ARGV: op now ms -> {1}
 --   x  release  KEYS: slots            ARGV: op now member -> {released}
 --   n  renew    KEYS: slots            ARGV: op now member ttl -> {held}
@@ -57,29 +58,45 @@ local EMPTY_RETRY = 1000    -- ms hint when a pool is empty but not exhausted
 local function fmt(v) return string.format('%d', v) end
 
 -- Leased pools: z is a sorted set of grant ids scored by expiry (ms); h holds
--- each grant's remaining tokens as field g:<id> and the counters.
+-- each grant's remaining tokens as field g:<id> and the counters. A
+-- pre-grant (deposited before its window opens) holds "tokens@start" until
+-- the first load at or after start rewrites it to plain tokens: before that
+-- it neither spends nor counts as available.
+local function grant_value(h, g)
+  local v = redis.call('HGET', h, 'g:' .. g)
+  local r = tonumber(v)
+  if r or not v then return r or 0, 0 end
+  local tk, st = string.match(v, '^(%d+)@(%d+)$')
+  return tonumber(tk) or 0, tonumber(st) or 0
+end
+
 local function pool_load(z, h)
   local gone = redis.call('ZRANGEBYSCORE', z, '-inf', now)
   if #gone > 0 then
     local lost = 0
     for _, g in ipairs(gone) do
-      lost = lost + (tonumber(redis.call('HGET', h, 'g:' .. g)) or 0)
+      lost = lost + grant_value(h, g)
       redis.call('HDEL', h, 'g:' .. g)
     end
     redis.call('ZREMRANGEBYSCORE', z, '-inf', now)
     if lost > 0 then redis.call('HINCRBY', h, 'expired', lost) end
   end
   local live = redis.call('ZRANGE', z, 0, -1, 'WITHSCORES')
-  local ids, rem, exp, total = {}, {}, {}, 0
+  local ids, rem, exp, total, pend = {}, {}, {}, 0, 0
   for j = 1, #live, 2 do
     local g = live[j]
-    local r = tonumber(redis.call('HGET', h, 'g:' .. g)) or 0
-    ids[#ids + 1] = g
-    rem[#rem + 1] = r
-    exp[#exp + 1] = tonumber(live[j + 1])
-    total = total + r
+    local r, st = grant_value(h, g)
+    if st > now then
+      pend = pend + r
+    else
+      if st > 0 then redis.call('HSET', h, 'g:' .. g, fmt(r)) end
+      ids[#ids + 1] = g
+      rem[#rem + 1] = r
+      exp[#exp + 1] = tonumber(live[j + 1])
+      total = total + r
+    end
   end
-  return ids, rem, exp, total
+  return ids, rem, exp, total, pend
 end
 
 -- pool_spend debits want tokens from the earliest-expiring grants first and
@@ -343,13 +360,18 @@ if op == 't' then
 end
 
 if op == 'p' then
-  local grant, tokens, ttl = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+  local grant, tokens, ttl, start = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]) or 0
   local added = 0
-  if tokens > 0 and ttl > 0 and not redis.call('ZSCORE', KEYS[1], grant) then
+  if tokens > 0 and ttl > start and not redis.call('ZSCORE', KEYS[1], grant) then
     redis.call('ZADD', KEYS[1], now + ttl, grant)
-    redis.call('HSET', KEYS[2], 'g:' .. grant, fmt(tokens))
+    if start > 0 then
+      -- A pre-grant: the exhausted mark is about the current window; leave it.
+      redis.call('HSET', KEYS[2], 'g:' .. grant, fmt(tokens) .. '@' .. fmt(now + start))
+    else
+      redis.call('HSET', KEYS[2], 'g:' .. grant, fmt(tokens))
+      redis.call('HDEL', KEYS[2], 'exh')
+    end
     redis.call('HINCRBY', KEYS[2], 'deposited', tokens)
-    redis.call('HDEL', KEYS[2], 'exh')
     -- Both keys outlive every grant, so expired grants are always pruned
     -- (and counted) by the script, never dropped silently by Redis.
     redis.call('PEXPIRE', KEYS[1], POOL_TTL)
@@ -361,11 +383,11 @@ if op == 'p' then
 end
 
 if op == 's' then
-  local ids, _, _, total = pool_load(KEYS[1], KEYS[2])
+  local ids, _, _, total, pend = pool_load(KEYS[1], KEYS[2])
   local v = redis.call('HMGET', KEYS[2], 'consumed', 'starved', 'deposited', 'expired', 'exh')
   local exh = tonumber(v[5]) or 0
   if exh > now then exh = exh - now else exh = 0 end
-  return {total, tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0, tonumber(v[4]) or 0, #ids, exh}
+  return {total, tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0, tonumber(v[4]) or 0, #ids, exh, pend}
 end
 
 if op == 'e' then

@@ -79,6 +79,7 @@ type op struct {
 	rules   []ruleArg
 	strKeys int           // decide, refund: keys[1:1+strKeys] hold string state (one MGET)
 	n1, n2  int64         // take: want; deposit: tokens, ttl; exhaust: ms; renew: ttl
+	n3      int64         // deposit: ms until a pre-grant's window opens (0: now)
 	timeout time.Duration // the caller stops waiting after it; 0: only ctx
 
 	out   []int64 // decide: replay, firstDeny, then 4 per rule; others: the script's array
@@ -116,7 +117,7 @@ func (o *op) args() []any {
 	case opTake, opExhaust:
 		return []any{opName(o.code), o.now, o.n1}
 	case opDeposit:
-		return []any{opName(o.code), o.now, o.member, o.n1, o.n2}
+		return []any{opName(o.code), o.now, o.member, o.n1, o.n2, o.n3}
 	case opStats:
 		return []any{opName(o.code), o.now}
 	case opRelease:

@@ -23,8 +23,8 @@ import (
 // operation (the agent needs one to hand tokens back without a double
 // spend). It works on admission's pool layout: a sorted set of grant ids
 // scored by expiry (ms, Redis TIME) and a hash with each grant's remaining
-// tokens as g:<id>; withdrawn tokens are counted in the hash's "withdrawn"
-// field.
+// tokens as g:<id> ("tokens@start" for a pre-grant not open yet); withdrawn
+// tokens are counted in the hash's "withdrawn" field.
 const withdrawScript = `
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -36,7 +36,8 @@ for i = 2, #ARGV do
   local n = -1
   local exp = tonumber(redis.call('ZSCORE', KEYS[1], g))
   if exp and exp > now then
-    n = tonumber(redis.call('HGET', KEYS[2], 'g:' .. g)) or 0
+    local v = redis.call('HGET', KEYS[2], 'g:' .. g)
+    n = tonumber(v) or tonumber(string.match(v or '', '^(%d+)@')) or 0
     total = total + n
     if tomb == 0 then
       redis.call('ZREM', KEYS[1], g)
