@@ -78,6 +78,7 @@ func run(ctx context.Context, args []string) error {
 	fs.DurationVar(&cfg.Engine.NegativeCacheTTL, "negative-cache", cfg.Engine.NegativeCacheTTL, "negative cache ceiling (0: off, see package agent)")
 	fs.DurationVar(&cfg.Lease.Tick, "lease-tick", cfg.Lease.Tick, "lease manager tick")
 	fs.DurationVar(&cfg.Lease.Lead, "lease-lead", cfg.Lease.Lead, "renew this long before a pool runs dry at its demand")
+	fs.DurationVar(&cfg.Lease.PregrantLead, "pregrant-lead", cfg.Lease.PregrantLead, "how long before a window ends a clamped pool with demand takes a chunk of the next window; 0 turns pre-grants off")
 	fs.DurationVar(&cfg.Lease.DepositTimeout, "deposit-timeout", cfg.Lease.DepositTimeout, "shortest bound on one deposit into Redis; a chunk's TTL leaves this much of its lease unused")
 	fs.DurationVar(&cfg.Lease.Margin, "lease-margin", cfg.Lease.Margin, "margin subtracted from lease deadlines (match the allocator's)")
 	fs.Int64Var(&cfg.Lease.MinChunk, "min-chunk", cfg.Lease.MinChunk, "smallest chunk asked for")

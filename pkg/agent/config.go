@@ -111,6 +111,12 @@ type LeaseConfig struct {
 	// BoundaryDelay is how long after a window's estimated end the pools
 	// with demand are renewed from the new window.
 	BoundaryDelay time.Duration
+	// PregrantLead is how long before a window's estimated end a pool with
+	// demand and clamp on asks for a chunk of the next window (a pre-grant,
+	// spendable from that window's start), so the region holds tokens the
+	// moment the window turns instead of an Acquire round trip and a tick
+	// later. At most a quarter of the window; 0 turns pre-grants off.
+	PregrantLead time.Duration
 	// ExhaustedRecheck is how often an exhausted pool with starved demand is
 	// asked for again (another region may have handed tokens back).
 	ExhaustedRecheck time.Duration
@@ -164,6 +170,7 @@ func DefaultLeaseConfig() LeaseConfig {
 		AcquireTimeout:   2 * time.Second,
 		IdlePoll:         time.Second,
 		BoundaryDelay:    5 * time.Millisecond,
+		PregrantLead:     time.Second,
 		ExhaustedRecheck: time.Second,
 		DemandHalfLife:   time.Second,
 		MaxWantsPerCall:  16_384, // the allocator's default: one Acquire per tick
@@ -253,6 +260,9 @@ func (c LeaseConfig) Validate() error {
 	}
 	if c.BoundaryDelay < 0 {
 		bad("BoundaryDelay must not be negative, got %s", c.BoundaryDelay)
+	}
+	if c.PregrantLead < 0 || c.PregrantLead > time.Minute {
+		bad("PregrantLead must be in [0, 1m], got %s", c.PregrantLead)
 	}
 	if c.ExhaustedRecheck <= 0 {
 		bad("ExhaustedRecheck must be positive, got %s", c.ExhaustedRecheck)

@@ -237,23 +237,11 @@ func (fa *fakeAllocator) Acquire(ctx context.Context, req *connect.Request[allot
 	hook := fa.hook
 	fa.mu.Unlock()
 	commit := func() (*allotv1.AcquireResponse, error) {
-		cmd := &fsm.Acquire{Region: m.GetRegion(), RequestID: m.GetRequestId()}
-		for _, w := range m.GetWants() {
-			cmd.Wants = append(cmd.Wants, fsm.Want{Quota: w.GetQuota(), Tokens: w.GetTokens(), DemandPerSecond: w.GetDemandPerSecond()})
-		}
-		out, err := fa.apply(fsm.Command{Type: fsm.CmdAcquire, Acquire: cmd})
+		out, err := fa.apply(fsm.Command{Type: fsm.CmdAcquire, Acquire: allocator.AcquireCommand(m)})
 		if err != nil {
 			return nil, toConnectErr(err)
 		}
-		res := out.(*fsm.AcquireResult)
-		resp := &allotv1.AcquireResponse{LeaderNowUnixMs: res.NowUnixMs, Replayed: res.Replayed}
-		for _, g := range res.Grants {
-			resp.Grants = append(resp.Grants, &allotv1.Grant{
-				Quota: g.Quota, GrantId: g.GrantID, Tokens: g.Tokens, WindowIndex: g.WindowIndex,
-				WindowEndUnixMs: g.WindowEndUnixMs, ExpiresUnixMs: g.ExpiresUnixMs, TtlMs: g.TTLMs, PoolExhausted: g.PoolExhausted,
-			})
-		}
-		return resp, nil
+		return allocator.AcquireAnswer(out.(*fsm.AcquireResult)), nil
 	}
 	var resp *allotv1.AcquireResponse
 	var err error

@@ -89,6 +89,8 @@ type quota struct {
 
 	nextPoll   time.Time
 	boundaryAt time.Time // poll right after the current window's estimated end
+	pregrantAt time.Time // poll then to ask for a chunk of the next window
+	pregranted int64     // the window a pre-grant was last asked for
 	kicked     bool      // look at the pool at the next tick
 	starving   bool      // a request found the pool short since the last plan
 
@@ -153,6 +155,7 @@ func wantBytes(name string) int { return len(name) + 32 }
 type acquireCall struct {
 	req    *allotv1.AcquireRequest
 	sentAt time.Time // monotonic, before the first send
+	recvAt time.Time // monotonic, when the answer arrived
 	maxTTL time.Duration
 }
 
@@ -580,10 +583,11 @@ func (l *leases) poll(ctx context.Context, eng *admission.Engine) []polled {
 	}
 	var jobs []job
 	for name, q := range l.quotas {
-		due := q.kicked || !now.Before(q.nextPoll) || (!q.boundaryAt.IsZero() && !now.Before(q.boundaryAt))
+		due := q.kicked || !now.Before(q.nextPoll) || (!q.boundaryAt.IsZero() && !now.Before(q.boundaryAt)) ||
+			(!q.pregrantAt.IsZero() && !now.Before(q.pregrantAt))
 		if due {
 			q.kicked = false
-			q.boundaryAt = time.Time{}
+			q.boundaryAt, q.pregrantAt = time.Time{}, time.Time{}
 			jobs = append(jobs, job{name, q})
 		}
 	}
@@ -683,9 +687,43 @@ func (l *leases) observe(q *quota, ps admission.PoolStats, at time.Time) {
 }
 
 // plan decides, from a fresh reading, whether q needs tokens now and returns
-// the want, and whether a fallback allowance must be deposited. It schedules
+// the want (a renewal from the current window, else a pre-grant of the
+// next), and whether a fallback allowance must be deposited. It schedules
 // q's next look. The caller holds l.mu.
 func (l *leases) plan(q *quota, now time.Time) (*allotv1.Want, bool) {
+	w, fallback := l.planRenewal(q, now)
+	if w == nil && !fallback {
+		w = l.pregrant(q, now)
+	}
+	return w, fallback
+}
+
+// pregrant returns the want of a chunk of q's next window when it is time to
+// ask for one (PregrantLead before the current window's estimated end),
+// and otherwise schedules the look that will. Only pools with clamp on and
+// demand take pre-grants: with clamp on every token they hold expires when
+// the window turns. The caller holds l.mu.
+func (l *leases) pregrant(q *quota, now time.Time) *allotv1.Want {
+	lead := min(l.cfg.PregrantLead, q.spec.Window/4)
+	if lead <= 0 || !q.spec.Clamp || q.demand < minDemand || q.inflight || l.cutOff || now.Before(q.quarantine) {
+		return nil
+	}
+	w := q.spec.Window.Milliseconds()
+	next := lease.WindowIndex(now.UnixMilli()+l.offsetMs, w) + 1
+	if q.pregranted >= next {
+		return nil // asked for this turn already
+	}
+	if at := l.windowEndEstimate(q, now).Add(-lead); now.Before(at) {
+		q.pregrantAt = at
+		return nil
+	}
+	q.pregranted = next
+	tokens := min(l.sizing(q).Chunk(q.demand), q.spec.Limit)
+	return &allotv1.Want{Quota: q.name, Tokens: tokens, DemandPerSecond: sanitizeRate(q.demand), NextWindow: true}
+}
+
+// planRenewal is plan's renewal from the current window.
+func (l *leases) planRenewal(q *quota, now time.Time) (*allotv1.Want, bool) {
 	q.nextPoll = now.Add(l.pollInterval(q))
 	starving := q.starving
 	q.starving = false
@@ -710,10 +748,11 @@ func (l *leases) plan(q *quota, now time.Time) (*allotv1.Want, bool) {
 	if now.Before(q.exhaustedUntil) && (!starving || now.Before(q.recheckAt)) {
 		return nil, false
 	}
-	// Too close to the window's end for a grant to be worth depositing:
-	// ask right after the window turns.
+	// Too close to the window's end for a grant to be worth depositing (a
+	// chunk's store TTL ends the margin and a deposit's bound before the
+	// window does, see grant): ask right after the window turns.
 	end := l.windowEndEstimate(q, now)
-	if end.Sub(now) < l.cfg.Margin+l.acquireRTT+l.storeDelay+l.cfg.MinUsefulTTL {
+	if end.Sub(now) < l.cfg.Margin+l.acquireRTT+l.depositBound()+l.cfg.MinUsefulTTL {
 		q.boundaryAt = end.Add(l.cfg.BoundaryDelay)
 		return nil, false
 	}
@@ -848,6 +887,7 @@ func (l *leases) do(ctx context.Context, eng *admission.Engine, c *acquireCall) 
 	resp, err := l.client.Acquire(cctx, c.req)
 	cancel()
 	t1 := l.clock.Now()
+	c.recvAt = t1
 	l.journalAcquire(c, t0, t1, resp, err)
 	rtt := t1.Sub(t0)
 	l.m.acquireCalls.Inc()
@@ -993,6 +1033,10 @@ func validateAcquire(req *allotv1.AcquireRequest, resp *allotv1.AcquireResponse)
 			return fmt.Errorf("grants[%d]: ttl_ms %d is not expires %d - leader now %d: %w", i, g.TtlMs, g.ExpiresUnixMs, resp.LeaderNowUnixMs, ErrMalformedGrant)
 		case g.WindowEndUnixMs < resp.LeaderNowUnixMs && g.Tokens > 0:
 			return fmt.Errorf("grants[%d]: window ended at %d before leader now %d: %w", i, g.WindowEndUnixMs, resp.LeaderNowUnixMs, ErrMalformedGrant)
+		case !w.NextWindow && g.NotBeforeUnixMs != 0:
+			return fmt.Errorf("grants[%d].not_before_unix_ms %d: no pre-grant was asked for: %w", i, g.NotBeforeUnixMs, ErrMalformedGrant)
+		case g.NotBeforeUnixMs != 0 && g.Tokens > 0 && (g.NotBeforeUnixMs <= resp.LeaderNowUnixMs || g.NotBeforeUnixMs >= g.WindowEndUnixMs || g.ExpiresUnixMs <= g.NotBeforeUnixMs):
+			return fmt.Errorf("grants[%d]: pre-grant for [%d, %d) expiring %d at leader now %d: %w", i, g.NotBeforeUnixMs, g.WindowEndUnixMs, g.ExpiresUnixMs, resp.LeaderNowUnixMs, ErrMalformedGrant)
 		}
 	}
 	return nil
@@ -1010,11 +1054,28 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 		return
 	}
 	q.inflight = false
-	q.windowEnd = c.sentAt.Add(time.Duration(g.WindowEndUnixMs-leaderNow) * time.Millisecond)
+	// A pre-grant is of the next window: it spends from that window's start
+	// (opens) and says nothing about the current window's end or pool.
+	pre := g.NotBeforeUnixMs > 0
+	var opens time.Time
+	if pre {
+		opens = lease.NotBefore(c.recvAt, g.NotBeforeUnixMs, leaderNow)
+		if ce := l.log.Check(zap.DebugLevel, "pre-grant"); ce != nil {
+			ce.Write(zap.String("quota", g.Quota), zap.String("grant", g.GrantId), zap.Int64("tokens", g.Tokens),
+				zap.Duration("opens_in", opens.Sub(l.clock.Now())), zap.Int64("not_before_unix_ms", g.NotBeforeUnixMs))
+		}
+	} else {
+		q.windowEnd = c.sentAt.Add(time.Duration(g.WindowEndUnixMs-leaderNow) * time.Millisecond)
+	}
 	if g.Tokens > 0 {
 		// The clamped expiry must fit the policy (garbage guard): never
-		// trust a lease longer than the quota's TTL.
-		if g.TtlMs > q.spec.TTL.Milliseconds() {
+		// trust a lease longer than the quota's TTL (a pre-grant's TTL
+		// runs from its window's start).
+		life := g.TtlMs
+		if pre {
+			life = g.ExpiresUnixMs - g.NotBeforeUnixMs
+		}
+		if life > q.spec.TTL.Milliseconds() {
 			l.mu.Unlock()
 			l.m.renewFail.WithLabelValues("malformed").Inc()
 			l.log.Warn("grant longer than the policy's TTL refused", zap.String("quota", g.Quota), zap.Int64("ttl_ms", g.TtlMs))
@@ -1028,9 +1089,9 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 	now := l.clock.Now()
 	// depositBound is how long a deposit may take (see the loop below);
 	// the store TTL leaves it unused, so the early check counts it too.
-	depositBound := max(4*l.storeDelay, l.cfg.DepositTimeout)
+	depositBound := l.depositBound()
 	ttl := lease.RedisTTL(deadline, now, depositBound)
-	exhausted := g.PoolExhausted
+	exhausted := g.PoolExhausted && !pre
 	if exhausted {
 		q.exhaustedUntil = q.windowEnd
 		q.recheckAt = now.Add(l.cfg.ExhaustedRecheck)
@@ -1057,7 +1118,8 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 	} else {
 		var err error
 		var dep depositTrace
-		unsure := false // an attempt may have reached the store
+		var storeOpens time.Time // by when, at the latest, the store opens a pre-grant
+		unsure := false          // an attempt may have reached the store
 		for attempt := 0; attempt < 2; attempt++ {
 			// The TTL counts from this send: time spent since the
 			// deadline was computed (the lock, an exhausted mark, a
@@ -1075,9 +1137,24 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 				break
 			}
 			dctx, cancel := context.WithTimeout(ctx, depositBound)
-			_, err = eng.DepositChunk(dctx, g.Quota, g.GrantId, g.Tokens, ttl)
+			if start := opens.Sub(dsent); start > 0 {
+				// Rounded up to the store's milliseconds: never earlier.
+				start = (start + time.Millisecond - 1).Truncate(time.Millisecond)
+				if start >= ttl {
+					cancel()
+					err = fmt.Errorf("pre-grant %s opens after its deadline: %w", g.GrantId, errTooLate)
+					break
+				}
+				_, err = eng.DepositPregrant(dctx, g.Quota, g.GrantId, g.Tokens, start, ttl)
+			} else {
+				_, err = eng.DepositChunk(dctx, g.Quota, g.GrantId, g.Tokens, ttl)
+			}
 			cancel()
-			dep.attempt(dsent, l.clock.Now(), ttl)
+			done := l.clock.Now()
+			dep.attempt(dsent, done, ttl)
+			// The store counts the start from the deposit's arrival, at
+			// the latest when its answer came back.
+			storeOpens = opens.Add(done.Sub(dsent) + time.Millisecond)
 			unsure = unsure || (err != nil && !admission.Unsent(err))
 			if err == nil { // ctx cannot end here: it is WithoutCancel
 				break
@@ -1111,11 +1188,29 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 			q.nextPoll = now.Add(l.cfg.Tick)
 			q.changed()
 			l.mu.Unlock()
+			if wait := storeOpens.Sub(l.clock.Now()); pre && wait > 0 {
+				// Requests starved at the turn wait for a change of the
+				// pool: the opening of its pre-grant in the store is one.
+				time.AfterFunc(wait, func() {
+					l.mu.Lock()
+					defer l.mu.Unlock()
+					if l.quotas[q.name] == q {
+						q.nextPoll = l.clock.Now()
+						q.changed()
+					}
+				})
+			}
 		}
 	}
 	if exhausted {
 		l.markExhausted(ctx, eng, q)
 	}
+}
+
+// depositBound is how long one deposit attempt may take: a chunk's store
+// TTL leaves it unused. The caller holds l.mu.
+func (l *leases) depositBound() time.Duration {
+	return max(4*l.storeDelay, l.cfg.DepositTimeout)
 }
 
 // unsureDeposit returns how many of g's tokens certainly are not, and never

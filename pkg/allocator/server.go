@@ -131,12 +131,7 @@ func (s *Server) Acquire(ctx context.Context, req *connect.Request[allotv1.Acqui
 		}
 		return resp, nil
 	}
-	m := req.Msg
-	cmd := &fsm.Acquire{Region: m.GetRegion(), RequestID: m.GetRequestId(), Wants: make([]fsm.Want, len(m.GetWants()))}
-	for i, w := range m.GetWants() {
-		cmd.Wants[i] = fsm.Want{Quota: w.GetQuota(), Tokens: w.GetTokens(), DemandPerSecond: w.GetDemandPerSecond(), Next: w.GetNextWindow()}
-	}
-	out, err := s.node.Apply(ctx, fsm.Command{Type: fsm.CmdAcquire, Acquire: cmd})
+	out, err := s.node.Apply(ctx, fsm.Command{Type: fsm.CmdAcquire, Acquire: AcquireCommand(req.Msg)})
 	if err != nil {
 		return nil, s.toConnect(method, err)
 	}
@@ -144,13 +139,8 @@ func (s *Server) Acquire(ctx context.Context, req *connect.Request[allotv1.Acqui
 	if !ok {
 		return nil, s.toConnect(method, fmt.Errorf("acquire: unexpected result %T", out))
 	}
-	resp := &allotv1.AcquireResponse{LeaderNowUnixMs: res.NowUnixMs, Replayed: res.Replayed, Grants: make([]*allotv1.Grant, len(res.Grants))}
-	for i, g := range res.Grants {
-		resp.Grants[i] = &allotv1.Grant{
-			Quota: g.Quota, GrantId: g.GrantID, Tokens: g.Tokens, WindowIndex: g.WindowIndex,
-			WindowEndUnixMs: g.WindowEndUnixMs, ExpiresUnixMs: g.ExpiresUnixMs, TtlMs: g.TTLMs, PoolExhausted: g.PoolExhausted,
-			NotBeforeUnixMs: g.NotBeforeUnixMs,
-		}
+	resp := AcquireAnswer(res)
+	for _, g := range res.Grants {
 		if !res.Replayed {
 			if g.Tokens > 0 {
 				s.metrics.Grants.Inc()
@@ -163,6 +153,28 @@ func (s *Server) Acquire(ctx context.Context, req *connect.Request[allotv1.Acqui
 	}
 	s.metrics.Requests.WithLabelValues(method, "ok").Inc()
 	return connect.NewResponse(resp), nil
+}
+
+// AcquireCommand is the state machine's command for an Acquire request.
+func AcquireCommand(m *allotv1.AcquireRequest) *fsm.Acquire {
+	cmd := &fsm.Acquire{Region: m.GetRegion(), RequestID: m.GetRequestId(), Wants: make([]fsm.Want, len(m.GetWants()))}
+	for i, w := range m.GetWants() {
+		cmd.Wants[i] = fsm.Want{Quota: w.GetQuota(), Tokens: w.GetTokens(), DemandPerSecond: w.GetDemandPerSecond(), Next: w.GetNextWindow()}
+	}
+	return cmd
+}
+
+// AcquireAnswer is the API's answer for the state machine's result.
+func AcquireAnswer(res *fsm.AcquireResult) *allotv1.AcquireResponse {
+	resp := &allotv1.AcquireResponse{LeaderNowUnixMs: res.NowUnixMs, Replayed: res.Replayed, Grants: make([]*allotv1.Grant, len(res.Grants))}
+	for i, g := range res.Grants {
+		resp.Grants[i] = &allotv1.Grant{
+			Quota: g.Quota, GrantId: g.GrantID, Tokens: g.Tokens, WindowIndex: g.WindowIndex,
+			WindowEndUnixMs: g.WindowEndUnixMs, ExpiresUnixMs: g.ExpiresUnixMs, TtlMs: g.TTLMs, PoolExhausted: g.PoolExhausted,
+			NotBeforeUnixMs: g.NotBeforeUnixMs,
+		}
+	}
+	return resp
 }
 
 // Release implements AllocatorService.Release.

@@ -80,6 +80,32 @@ func Deadline(sentAt time.Time, expiresUnixMs, leaderNowUnixMs int64, margin tim
 	return sentAt.Add(remaining).Add(-margin)
 }
 
+// NotBefore returns the instant, on the caller's monotonic clock, before
+// which the region must not spend a pre-grant (tokens of the window after
+// the current one):
+//
+//	notBefore = receivedAt + (notBeforeUnixMs - leaderNowUnixMs) + 1 ms
+//
+// receivedAt is the caller's clock reading taken when the Acquire's answer
+// ARRIVED; notBeforeUnixMs (the window's start) and leaderNowUnixMs are
+// read from the allocator's clock. It mirrors Deadline: only an interval of
+// the leader's clock is added to a reading of the caller's, so no offset
+// between the clocks appears, and by causality the answer arrived after the
+// leader stamped leaderNow, so in real time the region starts spending no
+// earlier than the leader's clock reaches the window's start. The 1 ms covers
+// the drift over a pre-grant's lead (a second or so). No margin is added:
+// the lease margin already ends every chunk of the previous window that
+// early (Deadline), which keeps the two windows' spending apart in real time
+// even across a leader change, as long as the leaders' clocks differ by less
+// than the margin.
+func NotBefore(receivedAt time.Time, notBeforeUnixMs, leaderNowUnixMs int64) time.Time {
+	d := msToDuration(satSub(notBeforeUnixMs, leaderNowUnixMs))
+	if d < math.MaxInt64-time.Millisecond {
+		d += time.Millisecond
+	}
+	return receivedAt.Add(d)
+}
+
 // RedisTTL returns the relative TTL with which a chunk leased until deadline
 // may be deposited in the regional store at now, given the measured delay
 // storeDelay between the agent and the store: deadline-now-storeDelay,

@@ -260,3 +260,28 @@ func TestChunkWithinBounds(t *testing.T) {
 		}
 	})
 }
+
+// TestNotBeforeNeverBeforeStart: whatever the offset between the clocks and
+// the delays on the way out and back, a pre-grant's local not-before is at
+// or after the instant the leader's clock reaches the window's start.
+func TestNotBeforeNeverBeforeStart(t *testing.T) {
+	base := time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC)
+	rapid.Check(t, func(t *rapid.T) {
+		offset := time.Duration(rapid.Int64Range(-3_600_000, 3_600_000).Draw(t, "offset ms")) * time.Millisecond // leader = region + offset
+		sent := base.Add(time.Duration(rapid.Int64Range(0, 1_000_000).Draw(t, "sent us")) * time.Microsecond)
+		out := time.Duration(rapid.Int64Range(0, 500_000).Draw(t, "out us")) * time.Microsecond
+		back := time.Duration(rapid.Int64Range(0, 500_000).Draw(t, "back us")) * time.Microsecond
+		lead := rapid.Int64Range(0, 60_000).Draw(t, "lead ms")
+		stamp := sent.Add(out)                          // real time the leader stamped
+		leaderNow := stamp.Add(offset).UnixMilli()      // truncated, as the FSM stores it
+		start := leaderNow + lead                       // the window start, leader's clock
+		startReal := time.UnixMilli(start).Add(-offset) // when the leader's clock reads start
+		received := stamp.Add(back)
+		if nb := NotBefore(received, start, leaderNow); nb.Before(startReal) {
+			t.Fatalf("not-before %s is %s before the start", nb, startReal.Sub(nb))
+		}
+	})
+	if got := NotBefore(time.UnixMilli(1000), 5000, 4000); !got.Equal(time.UnixMilli(2001)) {
+		t.Fatalf("NotBefore = %v, want 1 s after receipt + 1 ms", got)
+	}
+}
