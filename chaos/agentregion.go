@@ -263,7 +263,7 @@ func (a *AgentRegion) maybeProbe(id string, wants []agent.JournalWant) {
 		}
 		msg := &allotv1.AcquireRequest{Region: a.name, RequestId: id}
 		for _, w := range wants {
-			msg.Wants = append(msg.Wants, &allotv1.Want{Quota: w.Quota, Tokens: w.Tokens, DemandPerSecond: w.DemandPerSecond})
+			msg.Wants = append(msg.Wants, &allotv1.Want{Quota: w.Quota, Tokens: w.Tokens, DemandPerSecond: w.DemandPerSecond, NextWindow: w.Next})
 		}
 		call := a.env.Clock.Now()
 		ctx, cancel := context.WithTimeout(a.probeCtx, 2*time.Second)
@@ -271,13 +271,14 @@ func (a *AgentRegion) maybeProbe(id string, wants []agent.JournalWant) {
 		cancel()
 		at := a.env.Clock.Now()
 		for _, w := range wants {
-			ev := history.Event{Kind: history.KindProbe, Region: a.name, Quota: w.Quota, Call: call, At: at, RequestID: id, Asked: w.Tokens, Outcome: history.OK}
+			ev := history.Event{Kind: history.KindProbe, Region: a.name, Quota: w.Quota, Call: call, At: at, RequestID: id, Asked: w.Tokens, Next: w.Next, Outcome: history.OK}
 			if err != nil {
 				ev.Outcome, ev.Err = history.Unknown, err.Error()
 			} else {
 				for _, g := range resp.GetGrants() {
 					if g.GetQuota() == w.Quota {
 						ev.GrantID, ev.Tokens, ev.Window, ev.Replayed = g.GetGrantId(), g.GetTokens(), g.GetWindowIndex(), resp.GetReplayed()
+						ev.NotBeforeMs = g.GetNotBeforeUnixMs()
 					}
 				}
 			}

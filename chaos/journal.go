@@ -156,14 +156,14 @@ func (j *journalConv) acquire(ev agent.LeaseEvent) {
 		}
 		for _, w := range r.wants {
 			e := history.Event{Kind: history.KindAcquire, Region: j.region, Quota: w.Quota, At: at, Call: r.call, Outcome: history.OK,
-				RequestID: ev.RequestID, Asked: w.Tokens, LeaderNowMs: ev.LeaderNowMs, Replayed: ev.Replayed}
+				RequestID: ev.RequestID, Asked: w.Tokens, Next: w.Next, LeaderNowMs: ev.LeaderNowMs, Replayed: ev.Replayed}
 			g, ok := byQuota[w.Quota]
 			if !ok {
 				e.Outcome, e.Err = history.Failed, "no grant for the quota in the response"
 				j.emit(e)
 				continue
 			}
-			e.GrantID, e.Tokens, e.Window, e.ExpiresMs, e.Exhausted = g.GrantID, g.Tokens, g.Window, g.ExpiresMs, g.Exhausted
+			e.GrantID, e.Tokens, e.Window, e.ExpiresMs, e.Exhausted, e.NotBeforeMs = g.GrantID, g.Tokens, g.Window, g.ExpiresMs, g.Exhausted, g.NotBeforeMs
 			if g.Tokens > 0 {
 				j.grants[g.GrantID] = grantInfo{quota: w.Quota, window: g.Window}
 				j.pending[g.GrantID] = e // emitted with its deposit (or its Release)
@@ -178,7 +178,7 @@ func (j *journalConv) acquire(ev agent.LeaseEvent) {
 		r.resolved = true
 		for _, w := range r.wants {
 			j.emit(history.Event{Kind: history.KindAcquire, Region: j.region, Quota: w.Quota, At: at, Call: r.call, Outcome: history.Failed,
-				RequestID: ev.RequestID, Asked: w.Tokens, Err: ev.Err})
+				RequestID: ev.RequestID, Asked: w.Tokens, Next: w.Next, Err: ev.Err})
 		}
 	default:
 		r.lastAt, r.lastErr = at, ev.Err
@@ -205,7 +205,7 @@ func (j *journalConv) finish() {
 		}
 		for _, w := range r.wants {
 			j.emit(history.Event{Kind: history.KindAcquire, Region: j.region, Quota: w.Quota, At: at, Call: r.call, Outcome: history.Unknown,
-				RequestID: id, Asked: w.Tokens, Err: r.lastErr})
+				RequestID: id, Asked: w.Tokens, Next: w.Next, Err: r.lastErr})
 		}
 	}
 	gids := make([]string, 0, len(j.pending))

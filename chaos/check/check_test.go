@@ -22,6 +22,12 @@ func acquire(region, id string, asked, tokens, window, call, at, expiresMs int64
 		Window: window, Call: call, At: at, Outcome: history.OK, GrantID: grant, ExpiresMs: expiresMs, Deadline: expiresMs*ms - 250*ms}
 }
 
+// pregrant marks e as a pre-grant of its window (made before it starts).
+func pregrant(e history.Event) history.Event {
+	e.Next, e.NotBeforeMs = true, e.Window*1000
+	return e
+}
+
 func admit(region, grant string, n, at, deadline int64) history.Event {
 	return history.Event{Kind: history.KindAdmit, Region: region, Quota: "atlas", GrantID: grant, Tokens: n, At: at, Deadline: deadline}
 }
@@ -167,6 +173,18 @@ func TestLeases(t *testing.T) {
 		{name: "anonymous admissions of tokens handed back", check: CheckUnleased, want: 1, events: []history.Event{
 			{Kind: history.KindAdmit, Region: "eu", Quota: "atlas", Tokens: 41, At: 10*sec + 300*ms},
 			{Kind: history.KindRelease, Region: "eu", Quota: "atlas", GrantID: "g1", Tokens: 20, Returned: 20, Window: 10, Call: 10*sec + 600*ms, At: 10*sec + 700*ms, Outcome: history.OK},
+		}},
+		{name: "anonymous admissions before a pre-grant's window", check: CheckUnleased, want: 1, events: []history.Event{
+			pregrant(acquire("eu", "r9", 50, 50, 11, 10*sec+100*ms, 10*sec+150*ms, 11_900, "g9")),
+			{Kind: history.KindAdmit, Region: "eu", Quota: "atlas", Tokens: 61, At: 10*sec + 500*ms},
+		}},
+		{name: "anonymous admissions of a pre-grant in its window", check: CheckUnleased, events: []history.Event{
+			pregrant(acquire("eu", "r9", 50, 50, 11, 10*sec+100*ms, 10*sec+150*ms, 11_900, "g9")),
+			{Kind: history.KindAdmit, Region: "eu", Quota: "atlas", Tokens: 50, At: 11*sec + 100*ms},
+		}},
+		{name: "a pre-grant spent before its window", check: CheckUnleased, want: 1, events: []history.Event{
+			pregrant(acquire("eu", "r9", 50, 50, 11, 10*sec+100*ms, 10*sec+150*ms, 11_900, "g9")),
+			admit("eu", "g9", 5, 10*sec+600*ms, 11*sec+650*ms),
 		}},
 		{name: "anonymous admissions of the tokens kept", check: CheckUnleased, events: []history.Event{
 			{Kind: history.KindAdmit, Region: "eu", Quota: "atlas", Tokens: 40, At: 10*sec + 300*ms},
@@ -346,6 +364,26 @@ func TestLinearizability(t *testing.T) {
 		{name: "a window reopened", check: CheckReopened, want: 1, events: []history.Event{
 			read(11, 11*sec, 11*sec+10*ms, 100, 0, 0),
 			acquire("eu", "r1", 60, 60, 10, 11*sec+100*ms, 11*sec+150*ms, 10_900, "g1"),
+		}},
+		{name: "a pre-grant of the next window opens nothing", check: CheckReopened, events: []history.Event{
+			pregrant(acquire("eu", "r1", 60, 60, 11, 10*sec+800*ms, 10*sec+850*ms, 11_900, "g1")),
+			read(10, 10*sec+900*ms, 10*sec+910*ms, 100, 0, 0),
+		}},
+		{name: "a pre-grant is in its window's linearization", check: CheckLinearizable, events: []history.Event{
+			pregrant(acquire("eu", "r1", 60, 60, 11, 10*sec+800*ms, 10*sec+850*ms, 11_900, "g1")),
+			read(11, 11*sec+400*ms, 11*sec+410*ms, 40, 60, 0),
+		}},
+		{name: "a pre-grant capped by what the region holds of the window", check: CheckLinearizable, events: []history.Event{
+			pregrant(acquire("eu", "r1", 60, 11, 11, 10*sec+800*ms, 10*sec+850*ms, 11_900, "g1")),
+			read(11, 11*sec+400*ms, 11*sec+410*ms, 89, 11, 0),
+		}},
+		{name: "a pre-grant larger than asked", check: CheckLinearizable, want: 1, events: []history.Event{
+			pregrant(acquire("eu", "r1", 60, 61, 11, 10*sec+800*ms, 10*sec+850*ms, 11_900, "g1")),
+			read(11, 11*sec+400*ms, 11*sec+410*ms, 39, 61, 0),
+		}},
+		{name: "an unanswered pre-grant may have taken from the next window", check: CheckLinearizable, events: []history.Event{
+			{Kind: history.KindAcquire, Region: "eu", Quota: "atlas", RequestID: "r1", Asked: 60, Next: true, Outcome: history.Unknown, Call: 10*sec + 800*ms, At: 10*sec + 850*ms},
+			read(11, 11*sec+400*ms, 11*sec+410*ms, 40, 60, 0),
 		}},
 	}
 	for _, tt := range tests {

@@ -101,6 +101,8 @@ func checkLeases(h history.History) ([]Violation, []history.Event) {
 			continue
 		case e.At < g.At:
 			add(CheckUnleased, e, e.Tokens, fmt.Sprintf("grant %s spent at %s before it was received at %s", e.GrantID, fmtTime(e.At), fmtTime(g.At)))
+		case e.At < g.NotBeforeMs*1e6:
+			add(CheckUnleased, e, e.Tokens, fmt.Sprintf("pre-grant %s spent at %s before its window started at %s", e.GrantID, fmtTime(e.At), fmtTime(g.NotBeforeMs*1e6)))
 		case e.At >= g.ExpiresMs*1e6:
 			add(CheckLateSpend, e, e.Tokens, fmt.Sprintf("grant %s spent at %s, %.1f ms after the allocator's expiry %s (region deadline %s)",
 				e.GrantID, fmtTime(e.At), float64(e.At-g.ExpiresMs*1e6)/1e6, fmtTime(g.ExpiresMs*1e6), fmtTime(e.Deadline)))
@@ -124,6 +126,8 @@ func checkLeases(h history.History) ([]Violation, []history.Event) {
 			if g.Region == k.region && g.Quota == k.quota {
 				g.Tokens -= spent[g.GrantID]
 				g.Tokens -= released[g.GrantID]
+				// A pre-grant covers nothing before its window starts.
+				g.At = max(g.At, g.NotBeforeMs*1e6)
 				if g.Tokens > 0 {
 					gs = append(gs, g)
 				}

@@ -47,6 +47,11 @@ type poolInput struct {
 	id     string
 	asked  int64
 	tokens int64 // release: tokens handed back
+	// pre marks a pre-grant (an Acquire of the next window): the allocator
+	// also caps it at the quota's chunk minus what the region already
+	// holds of the window, which this model does not track, so it may
+	// grant anything up to min(asked, remaining).
+	pre bool
 }
 
 type poolOutput struct {
@@ -111,6 +116,10 @@ func poolModel(limit int64) porcupine.Model {
 				}
 				if out.unknown {
 					return []any{s, grant(s, in)}
+				}
+				if in.pre && out.tokens <= min(in.asked, s.remaining) {
+					in.asked = out.tokens
+					return []any{grant(s, in)}
 				}
 				if out.tokens != min(in.asked, s.remaining) {
 					return nil
@@ -201,14 +210,19 @@ func checkLinearizable(h history.History, q Quota, p Params) (LinResult, []Viola
 		}
 		switch e.Kind {
 		case history.KindAcquire:
-			in := poolInput{kind: opAcquire, id: e.RequestID, asked: e.Asked}
+			in := poolInput{kind: opAcquire, id: e.RequestID, asked: e.Asked, pre: e.Next}
 			switch e.Outcome {
 			case history.OK:
 				parts[e.Window] = append(parts[e.Window], porcupine.Operation{ClientId: cid(e.Region), Input: in, Call: e.Call, Output: poolOutput{tokens: e.Tokens}, Return: e.At})
-				ordered = append(ordered, stamped{e.Call, e.At, e.Window, "acquire " + e.RequestID})
+				// A pre-grant is of the window after the current one: it
+				// shows that the current one was at least its predecessor.
+				cur := e.Window
+				if e.NotBeforeMs > 0 {
+					cur--
+				}
+				ordered = append(ordered, stamped{e.Call, e.At, cur, "acquire " + e.RequestID})
 			case history.Unknown:
-				from := trueWindow(e.Call, q.WindowMs)
-				to := trueWindow(e.At+int64(p.ApplyTimeout), q.WindowMs)
+				from, to := reach(e, q, p)
 				for w := from; w <= to; w++ {
 					parts[w] = append(parts[w], porcupine.Operation{ClientId: cid(e.Region), Input: in, Call: e.Call, Output: poolOutput{unknown: true}, Return: history.Never})
 				}
@@ -222,9 +236,8 @@ func checkLinearizable(h history.History, q Quota, p Params) (LinResult, []Viola
 				// allocator within the id's retention, and is a new
 				// Acquire if it arrives later (a partition's TCP
 				// retransmissions deliver it after the heal).
-				in := poolInput{kind: opAcquire, id: e.RequestID, asked: e.Asked}
-				from := trueWindow(e.Call, q.WindowMs)
-				to := trueWindow(e.At+int64(p.ApplyTimeout), q.WindowMs)
+				in := poolInput{kind: opAcquire, id: e.RequestID, asked: e.Asked, pre: e.Next}
+				from, to := reach(e, q, p)
 				for w := from; w <= to; w++ {
 					parts[w] = append(parts[w], porcupine.Operation{ClientId: cid(e.Region), Input: in, Call: e.Call, Output: poolOutput{unknown: true}, Return: history.Never})
 				}
@@ -295,6 +308,18 @@ func checkLinearizable(h history.History, q Quota, p Params) (LinResult, []Viola
 		}
 	}
 	return res, out
+}
+
+// reach returns the windows an unanswered Acquire (or probe) e could have
+// been granted from: those its call and the allocator's apply timeout span,
+// or for a pre-grant their successors.
+func reach(e history.Event, q Quota, p Params) (from, to int64) {
+	from = trueWindow(e.Call, q.WindowMs)
+	to = trueWindow(e.At+int64(p.ApplyTimeout), q.WindowMs)
+	if e.Next {
+		from, to = from+1, to+1
+	}
+	return from, to
 }
 
 func describePrefix(model porcupine.Model, ops []porcupine.Operation, info porcupine.LinearizationInfo) string {

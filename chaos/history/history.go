@@ -119,6 +119,12 @@ type Event struct {
 	Replayed bool `json:"rp,omitempty"`
 	// Exhausted is the allocator's pool_exhausted flag.
 	Exhausted bool `json:"ex,omitempty"`
+	// Next marks an Acquire (or probe) that asked for a pre-grant: tokens
+	// of the window after the current one.
+	Next bool `json:"nx,omitempty"`
+	// NotBeforeMs is a pre-grant's window start (Unix ms, leader clock):
+	// none of its tokens may be spent before.
+	NotBeforeMs int64 `json:"nb,omitempty"`
 	// Returned is the tokens a Release returned to the pool.
 	Returned int64 `json:"ret,omitempty"`
 	// Remaining, Granted and Released are a ledger's totals (GetWindow).

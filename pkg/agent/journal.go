@@ -104,6 +104,8 @@ type JournalWant struct {
 	Quota           string  `json:"quota"`
 	Tokens          int64   `json:"tokens"`
 	DemandPerSecond float64 `json:"demand,omitempty"`
+	// Next is allot.v1.Want.next_window: a pre-grant was asked for.
+	Next bool `json:"next,omitempty"`
 }
 
 // JournalGrant is one grant of an answered Acquire, as received.
@@ -121,6 +123,9 @@ type JournalGrant struct {
 	TTLMs int64 `json:"ttl_ms,omitempty"`
 	// Exhausted is the allocator's pool_exhausted flag.
 	Exhausted bool `json:"exhausted,omitempty"`
+	// NotBeforeMs is a pre-grant's window start (Unix ms, leader clock);
+	// 0 for a grant of the current window.
+	NotBeforeMs int64 `json:"not_before_ms,omitempty"`
 }
 
 // LeaseObserver receives every lease event of an agent (WithLeaseObserver).
@@ -225,7 +230,7 @@ func (l *leases) journalAcquire(c *acquireCall, sent, at time.Time, resp *allotv
 	ev := LeaseEvent{Kind: LeaseEventAcquire, At: at.UnixNano(), Sent: sent.UnixNano(), Region: l.region, RequestID: c.req.RequestId,
 		FirstSent: c.sentAt.UnixNano(), Outcome: LeaseOK, Wants: make([]JournalWant, 0, len(c.req.Wants))}
 	for _, w := range c.req.Wants {
-		ev.Wants = append(ev.Wants, JournalWant{Quota: w.Quota, Tokens: w.Tokens, DemandPerSecond: w.DemandPerSecond})
+		ev.Wants = append(ev.Wants, JournalWant{Quota: w.Quota, Tokens: w.Tokens, DemandPerSecond: w.DemandPerSecond, Next: w.NextWindow})
 	}
 	if err == nil {
 		// An answer the agent refuses to use may still have granted.
@@ -237,7 +242,7 @@ func (l *leases) journalAcquire(c *acquireCall, sent, at time.Time, resp *allotv
 		ev.Grants = make([]JournalGrant, 0, len(resp.Grants))
 		for _, g := range resp.Grants {
 			ev.Grants = append(ev.Grants, JournalGrant{Quota: g.Quota, GrantID: g.GrantId, Tokens: g.Tokens, ExpiresMs: g.ExpiresUnixMs,
-				WindowEndMs: g.WindowEndUnixMs, Window: g.WindowIndex, TTLMs: g.TtlMs, Exhausted: g.PoolExhausted})
+				WindowEndMs: g.WindowEndUnixMs, Window: g.WindowIndex, TTLMs: g.TtlMs, Exhausted: g.PoolExhausted, NotBeforeMs: g.NotBeforeUnixMs})
 		}
 	case refused(err):
 		ev.Outcome, ev.Code, ev.Err = LeaseFailed, connect.CodeOf(err).String(), err.Error()

@@ -1060,6 +1060,9 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 	var opens time.Time
 	if pre {
 		opens = lease.NotBefore(c.recvAt, g.NotBeforeUnixMs, leaderNow)
+		// An ask sent just before a turn and applied after it is a
+		// pre-grant of the window after that: do not ask for it again.
+		q.pregranted = max(q.pregranted, g.WindowIndex)
 		if ce := l.log.Check(zap.DebugLevel, "pre-grant"); ce != nil {
 			ce.Write(zap.String("quota", g.Quota), zap.String("grant", g.GrantId), zap.Int64("tokens", g.Tokens),
 				zap.Duration("opens_in", opens.Sub(l.clock.Now())), zap.Int64("not_before_unix_ms", g.NotBeforeUnixMs))
