@@ -43,8 +43,19 @@
 //     depositing, or cannot be deposited, is released back. Rounds run once
 //     per Config.Lease.Tick and no more often, whatever the number of
 //     quotas; a request starved for lack of tokens marks its pool for the
-//     next round. Pools are not asked for in the last moments of a window,
-//     but at the first round after it turns.
+//     next round. Pools are not asked for in the last moments of a window
+//     (a chunk would not outlive the margin and the deposit bound).
+//   - Window turns. With clamp on, every chunk a region holds ends with its
+//     window. Config.Lease.PregrantLead (1 s, at most a quarter of the
+//     window) before a window's estimated end, a pool with demand asks for a
+//     chunk of the next window (a pre-grant, allot.v1.Want.next_window),
+//     deposited with DepositPregrant so the store opens it at
+//     lease.NotBefore: never before the leader's clock reaches the window's
+//     start, whatever the clock offset. Requests waiting at the turn are
+//     woken when it opens, so a turn costs no Acquire round trip and no tick;
+//     what remains is the lease margin (and the deposit bound) at the end of
+//     the old window. Without a pre-grant the pool is renewed at the first
+//     round after the turn, as with clamp off.
 //   - Cut-off. When the allocator does not answer, the region spends only
 //     what it holds, plus the policy's fallback_per_region once per window
 //     for a fallback quota (the bound's fallback term). A request its pool

@@ -398,7 +398,7 @@ func (s *Server) GetWindow(ctx context.Context, req *connect.Request[allotv1.Get
 	if idx == 0 || idx == lease.WindowIndex(now, spec.WindowMs) {
 		w = s.node.fsm.CurrentWindow(spec.Name, now)
 	} else if w, ok = s.node.fsm.Window(spec.Name, idx); !ok {
-		return nil, s.toConnect(method, fmt.Errorf("window_index: %d is not retained (only the current and previous windows are): %w", idx, errNotFound))
+		return nil, s.toConnect(method, fmt.Errorf("window_index: %d is not retained (only the previous, the current and, once pre-granted from, the next window are): %w", idx, errNotFound))
 	}
 	s.metrics.Requests.WithLabelValues(method, "ok").Inc()
 	return connect.NewResponse(windowToProto(spec.Name, w, now)), nil
