@@ -64,7 +64,7 @@ func benchTurns(b *testing.B, lead time.Duration) {
 
 	const window, turns = 2000, 6
 	first := (time.Now().UnixMilli()+1000)/window + 1 // demand is measured by then
-	worst := map[int64]time.Duration{}                 // per turn: the longest Check within 1 s of it
+	worst := map[int64]time.Duration{}                // per turn: the longest Check within 1 s of it
 	refused := 0
 	stop := time.Now().Add(20 * time.Second)
 	for n := 0; n < 10_000 && time.Now().Before(stop) && time.Now().UnixMilli()/window < first+turns; n++ {
