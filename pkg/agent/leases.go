@@ -1156,8 +1156,10 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 			done := l.clock.Now()
 			dep.attempt(dsent, done, ttl)
 			// The store counts the start from the deposit's arrival, at
-			// the latest when its answer came back.
-			storeOpens = opens.Add(done.Sub(dsent) + time.Millisecond)
+			// the latest when its answer came back, in whole milliseconds
+			// (the start rounded up, and a decision's clock truncated to
+			// the millisecond may read up to 1 ms behind).
+			storeOpens = opens.Add(done.Sub(dsent) + 2*time.Millisecond)
 			unsure = unsure || (err != nil && !admission.Unsent(err))
 			if err == nil { // ctx cannot end here: it is WithoutCancel
 				break
