@@ -85,8 +85,9 @@ type Want struct {
 	// one, which the region may spend from that window's start, so that
 	// a window turn costs it no round trip to the allocator. Only for a
 	// quota with clamp on (with clamp off leases already outlive the
-	// window). Before a window opens a region holds at most ChunkTokens
-	// of it; a pre-grant's TTL runs from the window's start.
+	// window), and only in the second half of the current window (earlier
+	// asks get nothing). Before a window opens a region holds at most
+	// ChunkTokens of it; a pre-grant's TTL runs from the window's start.
 	Next bool `json:"next,omitempty"`
 }
 

@@ -23,7 +23,8 @@
 //     and grants nothing. A want with Next set (clamp on only) is a
 //     pre-grant: tokens of the next window, spendable from its start
 //     (NotBeforeUnixMs), expiring at min(start+TTL, its end), at most
-//     ChunkTokens per region before the window opens. Regions hold tokens
+//     ChunkTokens per region before the window opens, and made only in
+//     the second half of the current window. Regions hold tokens
 //     the instant a window turns instead of one round trip later.
 //   - Release returns unspent tokens of a grant to the pool of its window,
 //     if that window is the current one (or, for a pre-grant, has not

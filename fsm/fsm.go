@@ -449,6 +449,11 @@ func (s *state) acquire(index uint64, base int, now int64, a *Acquire) (*Acquire
 		}
 		avail := w.remaining()
 		switch {
+		case wt.Next && start-now > q.spec.WindowMs/2:
+			// Pre-grants are made in the second half of a window only: an
+			// ask sent before a turn and applied after it would otherwise
+			// park tokens a whole window ahead.
+			avail = 0
 		case wt.Next:
 			// Before its window opens a region holds at most one chunk
 			// of it, so pre-grants cannot drain a pool ahead of demand.

@@ -18,6 +18,10 @@ func TestPregrant(t *testing.T) {
 	h.publish(t0, atlas(StrategyDemand), QuotaSpec{Name: "loose", Limit: 10, WindowMs: minute, ChunkTokens: 5, TTLMs: 1000})
 	end := int64(t0 + minute)
 	now := end - 500
+	// In the first half of the window a pre-grant gets nothing.
+	if early := h.acquire(t0+10_000, "eu", "eu-0", Want{Quota: "atlas", Tokens: 100, Next: true}).Grants[0]; early.Tokens != 0 || early.NotBeforeUnixMs != end {
+		t.Fatalf("pre-grant 50 s ahead: %+v, want nothing", early)
+	}
 
 	r := h.acquire(now, "eu", "eu-1", Want{Quota: "atlas", Tokens: 100, Next: true})
 	g := r.Grants[0]
@@ -92,9 +96,12 @@ func TestPregrantInstancesExpireInOrder(t *testing.T) {
 	h.strict = true
 	const w int64 = 5_000
 	h.publish(t0, QuotaSpec{Name: "tq", Limit: 1, WindowMs: w, ChunkTokens: 1, TTLMs: 1, Clamp: true, TemplateKeys: 1})
-	h.acquire(t0, "eu", "a", Want{Quota: "tq/a", Next: true}) // lives until the end of window +2
-	h.acquire(t0, "eu", "b", Want{Quota: "tq/b"})             // lives until the end of window +1
-	dead := t0 + 2*w                                          // b is dead, a is alive
+	late := t0 + w/2 + 1                                                                           // pre-grants are made in a window's second half
+	if g := h.acquire(late, "eu", "a", Want{Quota: "tq/a", Next: true}).Grants[0]; g.Tokens != 1 { // lives until the end of window +2
+		t.Fatalf("pre-grant of tq/a: %+v", g)
+	}
+	h.acquire(late, "eu", "b", Want{Quota: "tq/b"}) // lives until the end of window +1
+	dead := t0 + 2*w                                // b is dead, a is alive
 	if live := h.f.Stats().Instances; live != 2 {
 		t.Fatalf("%d live instances, want 2", live)
 	}

@@ -210,6 +210,9 @@ func (m *model) acquire(t *rapid.T) {
 			if g.Tokens > g.Requested || g.Tokens > spec.ChunkTokens {
 				t.Fatalf("want %d: pre-granted %d, asked %d, chunk %d", i, g.Tokens, g.Requested, spec.ChunkTokens)
 			}
+			if early := g.NotBeforeUnixMs-r.NowUnixMs > spec.WindowMs/2; early && g.Tokens > 0 {
+				t.Fatalf("want %d: pre-granted %d tokens %d ms before the window, more than half a window %d", i, g.Tokens, g.NotBeforeUnixMs-r.NowUnixMs, spec.WindowMs)
+			}
 			var held int64
 			for _, rv := range next.Regions {
 				if rv.Region == region {

@@ -754,6 +754,9 @@ func (l *leases) planRenewal(q *quota, now time.Time) (*allotv1.Want, bool) {
 	end := l.windowEndEstimate(q, now)
 	if end.Sub(now) < l.cfg.Margin+l.acquireRTT+l.depositBound()+l.cfg.MinUsefulTTL {
 		q.boundaryAt = end.Add(l.cfg.BoundaryDelay)
+		// The requests starving now are owed a renewal at the turn: a
+		// pool without measured demand is renewed only for them.
+		q.starving = q.starving || starving
 		return nil, false
 	}
 	// Enough for the demand until the next renewal lands, plus what the
@@ -1060,9 +1063,10 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 	var opens time.Time
 	if pre {
 		opens = lease.NotBefore(c.recvAt, g.NotBeforeUnixMs, leaderNow)
-		// An ask sent just before a turn and applied after it is a
-		// pre-grant of the window after that: do not ask for it again.
-		q.pregranted = max(q.pregranted, g.WindowIndex)
+		if g.Tokens > 0 {
+			// Never ask twice for one window's pre-grant.
+			q.pregranted = max(q.pregranted, g.WindowIndex)
+		}
 		if ce := l.log.Check(zap.DebugLevel, "pre-grant"); ce != nil {
 			ce.Write(zap.String("quota", g.Quota), zap.String("grant", g.GrantId), zap.Int64("tokens", g.Tokens),
 				zap.Duration("opens_in", opens.Sub(l.clock.Now())), zap.Int64("not_before_unix_ms", g.NotBeforeUnixMs))

@@ -98,3 +98,27 @@ func TestPregrantAtTheWindowTurn(t *testing.T) {
 		t.Logf("turns %v, slowest Check %s", pre, slowest)
 	})
 }
+
+// TestFirstRequestNearTheWindowEnd: the first request for a pool, sent when
+// its window is too close to its end for a chunk to be worth depositing,
+// waits for the renewal at the turn and is served; it used to wait out its
+// starve wait and get 503, because the turn's round saw no demand yet and
+// had forgotten that a request was starving.
+func TestFirstRequestNearTheWindowEnd(t *testing.T) {
+	rdb := sharedRedis(t)
+	fa := startFakeAllocator(t)
+	doc := mustParse(t, turnPolicy)
+	fa.publish(doc)
+	ag := newAgent(t, testConfig("eu", fa.addr), rdb, agent.WithPolicy(doc, 1))
+	// Start the agent and send its first request 300 ms before a turn:
+	// inside the last Margin + deposit bound + MinUsefulTTL (570 ms with
+	// the test config) of the 2 s window, before its first pool reading.
+	const window = 2000
+	wait := time.Duration((window-300-time.Now().UnixMilli()%window+window)%window) * time.Millisecond
+	time.Sleep(wait)
+	a := runAgent(t, ag)
+	v := mustCheck(t, a.Agent, tenant("t"))
+	if !v.Allowed {
+		t.Fatalf("the first request, 300 ms before a turn: %+v, want it served after the turn", v)
+	}
+}
