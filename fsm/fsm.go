@@ -434,10 +434,19 @@ func (s *state) acquire(index uint64, base int, now int64, a *Acquire) (*Acquire
 		}
 		s.collect(q, now)
 		w := s.openWindow(q, q.currentIndex(now))
+		start := lease.WindowEnd(w.index-1, q.spec.WindowMs) // of the granting window
+		early := false
 		if wt.Next {
-			w = s.openWindow(q, w.index+1)
+			start = lease.WindowEnd(w.index, q.spec.WindowMs)
+			// Pre-grants are made in the second half of a window only: an
+			// ask sent before a turn and applied after it would otherwise
+			// park tokens a whole window ahead. An early ask opens nothing.
+			if early = start-now > q.spec.WindowMs/2; !early {
+				w = s.openWindow(q, w.index+1)
+			} else if w = q.window(w.index + 1); w == nil {
+				w = &window{index: lease.WindowIndex(start, q.spec.WindowMs), limit: q.spec.Limit}
+			}
 		}
-		start := lease.WindowEnd(w.index-1, q.spec.WindowMs)
 		if q.demand == nil {
 			q.demand = map[string]demand{}
 		}
@@ -449,10 +458,7 @@ func (s *state) acquire(index uint64, base int, now int64, a *Acquire) (*Acquire
 		}
 		avail := w.remaining()
 		switch {
-		case wt.Next && start-now > q.spec.WindowMs/2:
-			// Pre-grants are made in the second half of a window only: an
-			// ask sent before a turn and applied after it would otherwise
-			// park tokens a whole window ahead.
+		case early:
 			avail = 0
 		case wt.Next:
 			// Before its window opens a region holds at most one chunk

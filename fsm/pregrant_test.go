@@ -22,6 +22,9 @@ func TestPregrant(t *testing.T) {
 	if early := h.acquire(t0+10_000, "eu", "eu-0", Want{Quota: "atlas", Tokens: 100, Next: true}).Grants[0]; early.Tokens != 0 || early.NotBeforeUnixMs != end {
 		t.Fatalf("pre-grant 50 s ahead: %+v, want nothing", early)
 	}
+	if _, held := h.f.Window("atlas", end/minute); held {
+		t.Fatal("an early pre-grant ask opened the next window")
+	}
 
 	r := h.acquire(now, "eu", "eu-1", Want{Quota: "atlas", Tokens: 100, Next: true})
 	g := r.Grants[0]

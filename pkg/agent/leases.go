@@ -1085,7 +1085,7 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 		if life > q.spec.TTL.Milliseconds() {
 			l.mu.Unlock()
 			l.m.renewFail.WithLabelValues("malformed").Inc()
-			l.log.Warn("grant longer than the policy's TTL refused", zap.String("quota", g.Quota), zap.Int64("ttl_ms", g.TtlMs))
+			l.log.Warn("grant longer than the policy's TTL refused", zap.String("quota", g.Quota), zap.Int64("ttl_ms", life))
 			l.handBack(ctx, g.Quota, g.GrantId, g.Tokens, q)
 			return
 		}
