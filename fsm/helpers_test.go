@@ -134,6 +134,20 @@ func snapshotBytes(t tb, f *FSM) []byte {
 	return sink.Bytes()
 }
 
+// roundTrip restores snap into a new FSM, checks that the new FSM's
+// snapshot is byte-identical, and returns it.
+func roundTrip(t tb, snap []byte) *FSM {
+	t.Helper()
+	f := New()
+	if err := restore(f, snap); err != nil {
+		t.Fatalf("Restore: %v", err)
+	}
+	if got := snapshotBytes(t, f); !bytes.Equal(got, snap) {
+		t.Fatalf("restored snapshot differs:\n%s\n%s", got, snap)
+	}
+	return f
+}
+
 func restore(f *FSM, b []byte) error {
 	return f.Restore(io.NopCloser(bytes.NewReader(b)))
 }

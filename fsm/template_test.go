@@ -232,14 +232,7 @@ func TestPublishChangesTemplates(t *testing.T) {
 	longer := lower
 	longer.TTLMs, longer.Clamp = minute, true
 	h.publish(t0+2, longer, atlas(StrategyDemand))
-	snap := snapshotBytes(t, h.f)
-	f := New()
-	if err := restore(f, snap); err != nil {
-		t.Fatal(err)
-	}
-	if !bytes.Equal(snapshotBytes(t, f), snap) {
-		t.Fatal("restored snapshot differs after a TTL change")
-	}
+	roundTrip(t, snapshotBytes(t, h.f)) // after a TTL change
 	// A new window length drops the instances whole.
 	wider := longer
 	wider.WindowMs = 2 * minute
@@ -306,14 +299,7 @@ func TestBatchGrantIDsSurviveSnapshot(t *testing.T) {
 	if want := fmt.Sprint(h.index, "-", 2*n-1); last.GrantID != want {
 		t.Fatalf("last grant id %q, want %q", last.GrantID, want)
 	}
-	snap := snapshotBytes(t, h.f)
-	f := New()
-	if err := restore(f, snap); err != nil {
-		t.Fatalf("Restore: %v", err)
-	}
-	if !bytes.Equal(snapshotBytes(t, f), snap) {
-		t.Fatal("restored snapshot differs")
-	}
+	roundTrip(t, snapshotBytes(t, h.f))
 }
 
 func TestRestoreRejectsBadInstances(t *testing.T) {
