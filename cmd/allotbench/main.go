@@ -78,6 +78,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs.IntVar(&cfg.Redis.MaxPipelines, "pipelines", cfg.Redis.MaxPipelines, "SDK: most pipelines in flight")
 	fs.DurationVar(&cfg.Redis.BatchDelay, "batch-delay", cfg.Redis.BatchDelay, "SDK: how long a partial batch may wait while pipelines are in flight")
 	cpuprofile := fs.String("cpuprofile", "", "write a CPU profile of the benchmark client to this file")
+	memprofile := fs.String("memprofile", "", "write an allocation profile of the benchmark client to this file at the end")
 	suite := fs.String("suite", "admission", "admission: the engine's modes (a), (a'), (b); agent: the region agent's Connect (c) and Envoy RLS (d) beside the raw ceiling (a)")
 	connections := fs.Int("connections", bench.DefaultAgentSuiteConfig().Connections, "agent suite: HTTP/2 connections the clients spread over")
 	if err := fs.Parse(args); err != nil {
@@ -93,6 +94,14 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 		defer pprof.StopCPUProfile()
+	}
+	if *memprofile != "" {
+		runtime.MemProfileRate = 4096
+		defer func() {
+			if err := writeHeapProfile(*memprofile); err != nil {
+				fmt.Fprintln(stderr, "allotbench: memprofile:", err)
+			}
+		}()
 	}
 	if *suite != "admission" && *suite != "agent" {
 		return fmt.Errorf("-suite: %q is neither admission nor agent", *suite)
@@ -151,4 +160,18 @@ func field(info, key string) string {
 		}
 	}
 	return "?"
+}
+
+// writeHeapProfile writes the allocations made so far (alloc_space and
+// alloc_objects samples) to path.
+func writeHeapProfile(path string) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if err := pprof.Lookup("allocs").WriteTo(f, 0); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
 }

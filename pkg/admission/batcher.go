@@ -14,14 +14,23 @@ import (
 // approaches the throughput of a hand-pipelined client while each caller
 // still waits only for its own decision.
 //
-// Each pipeline runs on a goroutine of its own; close waits for all of them.
+// Pipelines run on at most MaxPipelines worker goroutines, started on
+// demand: a worker takes the next batch itself when calls wait, and
+// otherwise waits up to workerIdle for one. (A goroutine per pipeline grew
+// its stack through go-redis's pipeline code every time: 9% of a busy
+// client's CPU.) close stops them and waits for all of them.
 type batcher struct {
 	cfg  RedisConfig
 	exec func([]*op)
+	work chan []*op // batches for idle workers; never more than idle
+	// idleFor is how long a worker waits for a batch (workerIdle).
+	idleFor time.Duration
 
 	mu       sync.Mutex
 	pending  []*op
 	inflight int
+	idle     int // workers waiting on work
+	started  int // workers started so far, for tests
 	timer    *time.Timer
 	armed    bool
 	closed   bool
@@ -29,7 +38,7 @@ type batcher struct {
 }
 
 func newBatcher(cfg RedisConfig, exec func([]*op)) *batcher {
-	return &batcher{cfg: cfg, exec: exec}
+	return &batcher{cfg: cfg, exec: exec, work: make(chan []*op, cfg.MaxPipelines), idleFor: workerIdle}
 }
 
 // submit queues o; the batcher closes o.done when it has a result.
@@ -51,21 +60,41 @@ func (b *batcher) submit(o *op) error {
 // Unless force is set, a partial batch waits for BatchDelay when other
 // pipelines are in flight.
 func (b *batcher) dispatchLocked(force bool) {
-	for len(b.pending) > 0 && b.inflight < b.cfg.MaxPipelines {
-		if !force && b.inflight > 0 && len(b.pending) < b.cfg.BatchSize && b.cfg.BatchDelay > 0 {
-			b.armLocked()
+	for {
+		batch := b.nextLocked(force)
+		if batch == nil {
 			return
 		}
-		n := min(len(b.pending), b.cfg.BatchSize)
-		batch := make([]*op, n)
-		copy(batch, b.pending)
-		rest := copy(b.pending, b.pending[n:])
-		clear(b.pending[rest:])
-		b.pending = b.pending[:rest]
-		b.inflight++
+		if b.idle > 0 {
+			b.idle--
+			b.work <- batch // buffered for every idle worker: never blocks
+			continue
+		}
 		b.wg.Add(1)
-		go b.run(batch)
+		b.started++
+		go b.worker(batch)
 	}
+}
+
+// nextLocked takes the next batch to send and counts it in flight, or
+// returns nil when none may go now (arming the timer for a partial batch
+// that waits).
+func (b *batcher) nextLocked(force bool) []*op {
+	if len(b.pending) == 0 || b.inflight >= b.cfg.MaxPipelines {
+		return nil
+	}
+	if !force && b.inflight > 0 && len(b.pending) < b.cfg.BatchSize && b.cfg.BatchDelay > 0 {
+		b.armLocked()
+		return nil
+	}
+	n := min(len(b.pending), b.cfg.BatchSize)
+	batch := make([]*op, n)
+	copy(batch, b.pending)
+	rest := copy(b.pending, b.pending[n:])
+	clear(b.pending[rest:])
+	b.pending = b.pending[:rest]
+	b.inflight++
+	return batch
 }
 
 func (b *batcher) armLocked() {
@@ -91,15 +120,70 @@ func (b *batcher) fire() {
 	}
 }
 
-func (b *batcher) run(batch []*op) {
+// workerIdle is how long a worker waits for a batch before it leaves.
+const workerIdle = 500 * time.Millisecond
+
+// worker sends batch, then the batches that wait, then waits for more
+// until the batcher closes or it has been idle for workerIdle.
+func (b *batcher) worker(batch []*op) {
 	defer b.wg.Done()
-	b.exec(batch)
-	b.mu.Lock()
-	b.inflight--
-	if !b.closed {
-		b.dispatchLocked(false)
+	var idle *time.Timer
+	for {
+		b.exec(batch)
+		b.mu.Lock()
+		b.inflight--
+		batch = nil
+		if !b.closed {
+			batch = b.nextLocked(false)
+			b.dispatchLocked(false) // slots still free
+		}
+		if batch == nil {
+			if b.closed {
+				b.mu.Unlock()
+				return
+			}
+			b.idle++
+			b.mu.Unlock()
+			if batch = b.wait(&idle); batch == nil {
+				return
+			}
+			continue
+		}
+		b.mu.Unlock()
 	}
-	b.mu.Unlock()
+}
+
+// wait returns the next batch handed to this idle worker, or nil when the
+// batcher closes or when it has been idle for idleFor (the worker then
+// leaves; a later batch starts a new one).
+func (b *batcher) wait(idle **time.Timer) []*op {
+	if *idle == nil {
+		*idle = time.NewTimer(b.idleFor)
+	} else {
+		(*idle).Reset(b.idleFor)
+	}
+	select {
+	case batch, ok := <-b.work:
+		(*idle).Stop()
+		if !ok {
+			return nil
+		}
+		return batch
+	case <-(*idle).C:
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.idle > 0 {
+		b.idle-- // no batch is meant for this worker: leave
+		return nil
+	}
+	// Every waiting worker, this one included, has a batch in work (or work
+	// is closed): take this one's.
+	batch, ok := <-b.work
+	if !ok {
+		return nil
+	}
+	return batch
 }
 
 // close fails the pending calls and waits for the pipelines in flight.
@@ -120,6 +204,7 @@ func (b *batcher) close() {
 		b.armed = false
 		b.wg.Done()
 	}
+	close(b.work) // idle workers return; busy ones see closed
 	b.mu.Unlock()
 	b.wg.Wait()
 }

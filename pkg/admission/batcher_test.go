@@ -140,3 +140,88 @@ func TestRedisStoreRunRespectsContext(t *testing.T) {
 	close(gate)
 	s.Close()
 }
+
+// TestBatcherWorkersAreReusedAndLeaveWhenIdle: batches reuse at most
+// MaxPipelines worker goroutines (a goroutine per pipeline used to regrow
+// its stack every time); a worker idle for idleFor leaves, and the next
+// batch starts a new one; close returns with workers idle or gone.
+func TestBatcherWorkersAreReusedAndLeaveWhenIdle(t *testing.T) {
+	cfg := DefaultRedisConfig()
+	cfg.MaxPipelines = 4
+	b := newBatcher(cfg, func(batch []*op) {
+		for _, o := range batch {
+			o.out = []int64{1}
+			close(o.done)
+		}
+	})
+	b.idleFor = 50 * time.Millisecond
+	call := func() {
+		t.Helper()
+		o := &op{done: make(chan struct{})}
+		if err := b.submit(o); err != nil {
+			t.Fatal(err)
+		}
+		<-o.done
+	}
+	started := func() int {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		return b.started
+	}
+	for range 200 {
+		call()
+	}
+	// A call can come back before its worker is idle again, so the next one
+	// may start a second worker; never more than MaxPipelines.
+	before := started()
+	if before < 1 || before > cfg.MaxPipelines {
+		t.Fatalf("200 sequential calls started %d workers, want 1 to %d (reused)", before, cfg.MaxPipelines)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		b.mu.Lock()
+		idle := b.idle
+		b.mu.Unlock()
+		if idle == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d workers still idle 5 s after the last batch, want 0 after %s", idle, b.idleFor)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	call()
+	if n := started(); n != before+1 {
+		t.Fatalf("a call after the workers left started %d workers in all, want %d", n, before+1)
+	}
+	// Concurrent calls: never more workers than MaxPipelines at once.
+	var wg sync.WaitGroup
+	for range 64 {
+		wg.Go(func() {
+			for range 50 {
+				o := &op{done: make(chan struct{})}
+				if err := b.submit(o); err != nil {
+					t.Error(err)
+					return
+				}
+				<-o.done
+			}
+		})
+	}
+	wg.Wait()
+	b.mu.Lock()
+	if b.inflight != 0 || b.idle > cfg.MaxPipelines {
+		t.Errorf("after the storm: %d in flight, %d idle workers (max %d)", b.inflight, b.idle, cfg.MaxPipelines)
+	}
+	b.mu.Unlock()
+	done := make(chan struct{})
+	go func() { b.close(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("close did not return with idle workers")
+	}
+	if err := b.submit(&op{done: make(chan struct{})}); !errors.Is(err, ErrClosed) {
+		t.Fatalf("submit after close: %v, want ErrClosed", err)
+	}
+}

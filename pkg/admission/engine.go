@@ -187,11 +187,11 @@ func (e *Engine) Decide(ctx context.Context, req *Request) (*Decision, error) {
 		return nil, ErrClosed
 	}
 	snap := e.snap.Load()
-	items, results, err := e.plan(snap, req)
+	items, results, d, err := e.plan(snap, req)
 	if err != nil {
 		return nil, err
 	}
-	d := &Decision{PolicyVersion: snap.version, Remaining: -1, Source: SourceNone}
+	*d = Decision{PolicyVersion: snap.version, Remaining: -1, Source: SourceNone, Rules: d.Rules}
 	e.m.decisions.Add(1)
 	if len(items) == 0 {
 		d.ID = e.newID()
@@ -277,19 +277,29 @@ func (e *Engine) Decide(ctx context.Context, req *Request) (*Decision, error) {
 	return d, nil
 }
 
+// decision1 holds a one-rule decision and its planning state in one
+// allocation.
+type decision1 struct {
+	d       Decision
+	items   [1]item
+	results [1]RuleResult
+}
+
 // plan validates req and matches it against snap. Each item's result
-// points into the returned slice, which becomes the decision's Rules.
-func (e *Engine) plan(snap *snapshot, req *Request) ([]item, []RuleResult, error) {
+// points into the returned slice, which becomes the decision's Rules; the
+// returned decision is zero but for Rules.
+func (e *Engine) plan(snap *snapshot, req *Request) ([]item, []RuleResult, *Decision, error) {
 	if req == nil {
-		return nil, nil, fmt.Errorf("request: nil: %w", ErrInvalidRequest)
+		return nil, nil, nil, fmt.Errorf("request: nil: %w", ErrInvalidRequest)
 	}
 	hits, err := req.validate(snap.known)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	matched := snap.matcher.Match(req.Descriptors)
+	var mbuf [4]policy.Matched
+	matched := snap.matcher.AppendMatch(mbuf[:0], req.Descriptors)
 	if len(matched) == 0 {
-		return nil, nil, nil
+		return nil, nil, new(Decision), nil
 	}
 	var tenant, ip string
 	for _, en := range req.Descriptors {
@@ -304,15 +314,25 @@ func (e *Engine) plan(snap *snapshot, req *Request) ([]item, []RuleResult, error
 			}
 		}
 	}
-	items := make([]item, len(matched))
-	results := make([]RuleResult, len(matched)) // becomes Decision.Rules
+	var (
+		items   []item
+		results []RuleResult // becomes Decision.Rules
+		d       *Decision
+	)
+	if len(matched) == 1 {
+		b := new(decision1)
+		items, results, d = b.items[:], b.results[:], &b.d
+	} else {
+		items, results, d = make([]item, len(matched)), make([]RuleResult, len(matched)), new(Decision)
+	}
+	d.Rules = results
 	for i, m := range matched {
 		sp := snap.specs[m.Rule]
 		it := &items[i]
 		it.sp = sp
 		if sp.kind != kindSlots {
 			if hits > sp.ceiling/sp.unit {
-				return nil, nil, fmt.Errorf("hits: %d x cost %d exceeds what rule %s can ever admit (%d): %w",
+				return nil, nil, nil, fmt.Errorf("hits: %d x cost %d exceeds what rule %s can ever admit (%d): %w",
 					hits, sp.rule.Cost, sp.name, sp.ceiling/sp.unit*sp.rule.Cost, ErrBadCost)
 			}
 			it.cost = sp.unit * hits
@@ -355,45 +375,83 @@ func (e *Engine) plan(snap *snapshot, req *Request) ([]item, []RuleResult, error
 			it.res.Quota, it.res.Window = sp.quota, sp.window
 		}
 	}
-	return items, results, nil
+	return items, results, d, nil
 }
 
 // groupItems groups items by hash tag in evaluation order; a rule spent from
-// a gateway-local chunk is a group of its own.
+// a gateway-local chunk is a group of its own. The groups' idx lists share
+// one backing array; callers only read them.
 func groupItems(items []item) []group {
-	var gs []group
+	if len(items) == 1 {
+		if items[0].sp.local {
+			return []group{{local: true, idx: firstOnly}}
+		}
+		return []group{{tag: items[0].tag, idx: firstOnly}}
+	}
+	gs := make([]group, 0, 1)
+	var gbuf, cbuf [8]int
+	gi := gbuf[:len(items)]    // the group of each item
+	count := cbuf[:len(items)] // the items of each group
+	if len(items) > len(gbuf) {
+		gi, count = make([]int, len(items)), make([]int, len(items))
+	}
 	for i := range items {
 		it := &items[i]
-		if it.sp.local {
-			gs = append(gs, group{local: true, idx: []int{i}})
-			continue
-		}
-		found := false
-		for j := range gs {
-			if !gs[j].local && gs[j].tag == it.tag {
-				gs[j].idx = append(gs[j].idx, i)
-				found = true
-				break
+		g := -1
+		if !it.sp.local {
+			for j := range gs {
+				if !gs[j].local && gs[j].tag == it.tag {
+					g = j
+					break
+				}
 			}
 		}
-		if !found {
-			gs = append(gs, group{tag: it.tag, idx: []int{i}})
+		if g < 0 {
+			gs = append(gs, group{tag: it.tag, local: it.sp.local})
+			g = len(gs) - 1
+			if it.sp.local {
+				gs[g].tag = ""
+			}
 		}
+		gi[i] = g
+		count[g]++
+	}
+	idx := make([]int, len(items))
+	off := 0
+	for j := range gs {
+		gs[j].idx = idx[off : off : off+count[j]]
+		off += count[j]
+	}
+	for i := range items {
+		g := &gs[gi[i]]
+		g.idx = append(g.idx, i)
 	}
 	return gs
 }
 
+// firstOnly is the idx of the one group of a one-item decision; read only.
+var firstOnly = []int{0}
+
 // decideOp builds the store call for group g.
 func (e *Engine) decideOp(g *group, items []item, req *Request, id, member string, now time.Time) *op {
 	o := &op{code: opDecide, now: e.storeNow(now), id: id, member: member}
-	o.keys = make([]string, 0, 1+len(g.idx)+1)
+	o.keys = o.keyBuf[:0]
+	if n := 1 + len(g.idx) + 1; n > len(o.keyBuf) {
+		o.keys = make([]string, 0, n)
+	}
 	if req.RequestID != "" && e.cfg.IdempotencyTTL > 0 {
 		o.keys = append(o.keys, e.hash.idemKey(g.tag, req.RequestID))
 		o.idemTTL = e.cfg.IdempotencyTTL.Milliseconds()
 	} else {
-		o.keys = append(o.keys, e.cfg.Namespace+":{"+g.tag+"}:id:-") // same slot, never touched
+		// Without an idempotency record the first key is only a place
+		// holder, never read or written: a rule's key (the same slot).
+		o.keys = append(o.keys, items[g.idx[0]].key)
 	}
-	o.rules = make([]ruleArg, len(g.idx))
+	if n := len(g.idx); n <= len(o.ruleBuf) {
+		o.rules = o.ruleBuf[:n:n]
+	} else {
+		o.rules = make([]ruleArg, n)
+	}
 	// String-state keys first, so the script reads them with one MGET.
 	for pass := 0; pass < 2; pass++ {
 		for j, i := range g.idx {

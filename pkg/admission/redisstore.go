@@ -95,6 +95,14 @@ type RedisStore struct {
 	log    *zap.Logger
 	b      *batcher
 	timers sync.Pool // of stopped *time.Timer, for call timeouts
+	cmds   sync.Pool // of *[]any: EVALSHA argument lists, reused once parsed
+
+	deadline struct { // the pipelines' shared deadline; see pipelineCtx
+		sync.Mutex
+		ctx    context.Context
+		cancel context.CancelFunc
+		at     time.Time
+	}
 }
 
 var _ Store = (*RedisStore)(nil)
@@ -127,6 +135,7 @@ func NewRedisStore(client redis.UniversalClient, cfg RedisConfig, opts ...RedisO
 		t.Stop()
 		return t
 	}
+	s.cmds.New = func() any { return new([]any) }
 	return s, nil
 }
 
@@ -153,7 +162,31 @@ func (s *RedisStore) Load(ctx context.Context) error {
 // the pipelines in flight. It does not close the client.
 func (s *RedisStore) Close() error {
 	s.b.close()
+	s.deadline.Lock()
+	if s.deadline.cancel != nil {
+		s.deadline.cancel()
+	}
+	s.deadline.Unlock()
 	return nil
+}
+
+// pipelineCtx returns the context a pipeline starting now runs under: it
+// ends between PipelineTimeout minus reuse and PipelineTimeout from now.
+// Pipelines starting within reuse of each other share one context, which
+// saves a context and a timer per pipeline (at moderate rates that is
+// nearly one per decision). A replaced context is left to end at its
+// deadline, when its own timer releases it.
+func (s *RedisStore) pipelineCtx() context.Context {
+	reuse := min(10*time.Millisecond, s.cfg.PipelineTimeout/10)
+	now := time.Now()
+	d := &s.deadline
+	d.Lock()
+	defer d.Unlock()
+	if d.ctx == nil || now.Sub(d.at) >= reuse {
+		d.ctx, d.cancel = context.WithDeadline(context.Background(), now.Add(s.cfg.PipelineTimeout))
+		d.at = now
+	}
+	return d.ctx
 }
 
 func (s *RedisStore) run(ctx context.Context, o *op) error {
@@ -187,17 +220,24 @@ func (s *RedisStore) run(ctx context.Context, o *op) error {
 // that met NOSCRIPT with EVAL (which loads the script), and fills the
 // results.
 func (s *RedisStore) exec(batch []*op) {
-	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.PipelineTimeout)
-	defer cancel()
-	cmds := make([]*redis.Cmd, len(batch))
+	ctx := s.pipelineCtx()
+	calls := make([]pipelined, len(batch))
 	pipe := s.client.Pipeline()
 	for i, o := range batch {
-		cmds[i] = pipe.EvalSha(ctx, s.sha, o.keys, o.args()...)
+		c := &calls[i]
+		c.buf = s.cmds.Get().(*[]any)
+		c.args = append((*c.buf)[:0], "evalsha", s.sha, len(o.keys))
+		for _, k := range o.keys {
+			c.args = append(c.args, k)
+		}
+		c.args = o.appendArgs(c.args)
+		c.cmd = evalCmd(ctx, c.args)
+		_ = pipe.Process(ctx, c.cmd)
 	}
 	_, _ = pipe.Exec(ctx) // each command carries its own error
 	var again []int
-	for i, c := range cmds {
-		if isNoScript(c.Err()) {
+	for i := range calls {
+		if isNoScript(calls[i].cmd.Err()) {
 			again = append(again, i)
 		}
 	}
@@ -205,14 +245,40 @@ func (s *RedisStore) exec(batch []*op) {
 		s.log.Debug("reloading script", zap.Int("calls", len(again)))
 		pipe := s.client.Pipeline()
 		for _, i := range again {
-			cmds[i] = pipe.Eval(ctx, scriptSource, batch[i].keys, batch[i].args()...)
+			c := &calls[i]
+			c.args[0], c.args[1] = "eval", scriptSource
+			c.cmd = evalCmd(ctx, c.args)
+			_ = pipe.Process(ctx, c.cmd)
 		}
 		_, _ = pipe.Exec(ctx)
 	}
 	for i, o := range batch {
-		o.err = parseReply(cmds[i], o)
+		c := &calls[i]
+		o.err = parseReply(c.cmd, o)
 		close(o.done)
+		clear(c.args) // drop the references before the list is reused
+		*c.buf = c.args[:0]
+		s.cmds.Put(c.buf)
 	}
+}
+
+// pipelined is one call of a pipeline: its command and its argument list,
+// which goes back to RedisStore.cmds once the reply is parsed.
+type pipelined struct {
+	cmd  *redis.Cmd
+	args []any
+	buf  *[]any
+}
+
+// evalCmd is EVAL or EVALSHA (args[0]) with args laid out as go-redis's
+// Eval lays them out: name, script or sha, key count, keys, ARGV. Building
+// the list here rather than calling EvalSha saves a copy of it per call.
+func evalCmd(ctx context.Context, args []any) *redis.Cmd {
+	c := redis.NewCmd(ctx, args...)
+	if n, _ := args[2].(int); n > 0 {
+		c.SetFirstKeyPos(3) // the slot of a Cluster call is its first key's
+	}
+	return c
 }
 
 func isNoScript(err error) bool {

@@ -2,6 +2,7 @@ package admission
 
 import (
 	"context"
+	"slices"
 	"strconv"
 	"time"
 )
@@ -86,13 +87,20 @@ type op struct {
 	outID string  // decide: the decision id (the earlier one on a replay)
 	err   error
 	done  chan struct{}
+
+	// keys and rules of a small decide use these, saving two allocations.
+	keyBuf  [3]string
+	ruleBuf [1]ruleArg
 }
 
 // args encodes o's ARGV for the script.
-func (o *op) args() []any {
+func (o *op) args() []any { return o.appendArgs(nil) }
+
+// appendArgs appends o's ARGV for the script to a.
+func (o *op) appendArgs(a []any) []any {
 	switch o.code {
 	case opDecide, opRefund:
-		a := make([]any, 0, 7+7*len(o.rules))
+		a = slices.Grow(a, 7+7*len(o.rules))
 		var id, member any = o.id, o.member
 		if o.member == o.id {
 			member = id // box the string once
@@ -115,17 +123,17 @@ func (o *op) args() []any {
 		}
 		return a
 	case opTake, opExhaust:
-		return []any{opName(o.code), o.now, o.n1}
+		return append(a, opName(o.code), o.now, o.n1)
 	case opDeposit:
-		return []any{opName(o.code), o.now, o.member, o.n1, o.n2, o.n3}
+		return append(a, opName(o.code), o.now, o.member, o.n1, o.n2, o.n3)
 	case opStats:
-		return []any{opName(o.code), o.now}
+		return append(a, opName(o.code), o.now)
 	case opRelease:
-		return []any{opName(o.code), o.now, o.member}
+		return append(a, opName(o.code), o.now, o.member)
 	case opRenew:
-		return []any{opName(o.code), o.now, o.member, o.n1}
+		return append(a, opName(o.code), o.now, o.member, o.n1)
 	}
-	return []any{opName(o.code)}
+	return append(a, opName(o.code))
 }
 
 // ScriptCall is one invocation of the admission script: what the engine
