@@ -197,7 +197,7 @@ func (b *batcher) close() {
 	b.closed = true
 	for _, o := range b.pending {
 		o.err = ErrClosed
-		close(o.done)
+		o.finish()
 	}
 	b.pending = nil
 	if b.armed && b.timer.Stop() {

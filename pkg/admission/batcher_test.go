@@ -37,13 +37,13 @@ func TestBatcherGroupsConcurrentCalls(t *testing.T) {
 		inflight.Add(-1)
 		for _, o := range batch {
 			o.out = []int64{1}
-			close(o.done)
+			o.finish()
 		}
 	})
 	var wg sync.WaitGroup
 	ops := make([]*op, 40)
 	for i := range ops {
-		ops[i] = &op{done: make(chan struct{})}
+		ops[i] = &op{done: make(chan struct{}, 1)}
 		if err := b.submit(ops[i]); err != nil {
 			t.Fatal(err)
 		}
@@ -73,7 +73,7 @@ func TestBatcherGroupsConcurrentCalls(t *testing.T) {
 	if total != 40 || len(sizes) > 2+5 {
 		t.Fatalf("batch sizes %v: want 40 calls in at most 7 pipelines", sizes)
 	}
-	if err := b.submit(&op{done: make(chan struct{})}); !errors.Is(err, ErrClosed) {
+	if err := b.submit(&op{done: make(chan struct{}, 1)}); !errors.Is(err, ErrClosed) {
 		t.Fatalf("submit after close: %v", err)
 	}
 }
@@ -88,21 +88,21 @@ func TestBatcherOverloadAndClose(t *testing.T) {
 	b := newBatcher(cfg, func(batch []*op) {
 		<-gate
 		for _, o := range batch {
-			close(o.done)
+			o.finish()
 		}
 	})
-	first := &op{done: make(chan struct{})}
+	first := &op{done: make(chan struct{}, 1)}
 	if err := b.submit(first); err != nil { // in flight, blocked
 		t.Fatal(err)
 	}
-	p1, p2 := &op{done: make(chan struct{})}, &op{done: make(chan struct{})}
+	p1, p2 := &op{done: make(chan struct{}, 1)}, &op{done: make(chan struct{}, 1)}
 	if err := b.submit(p1); err != nil {
 		t.Fatal(err)
 	}
 	if err := b.submit(p2); err != nil {
 		t.Fatal(err)
 	}
-	if err := b.submit(&op{done: make(chan struct{})}); !errors.Is(err, ErrOverloaded) {
+	if err := b.submit(&op{done: make(chan struct{}, 1)}); !errors.Is(err, ErrOverloaded) {
 		t.Fatalf("third pending call: %v, want ErrOverloaded", err)
 	}
 	go func() { close(gate) }()
@@ -125,7 +125,7 @@ func TestRedisStoreRunRespectsContext(t *testing.T) {
 	s.b = newBatcher(s.cfg, func(batch []*op) {
 		<-gate
 		for _, o := range batch {
-			close(o.done)
+			o.finish()
 		}
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
@@ -151,13 +151,13 @@ func TestBatcherWorkersAreReusedAndLeaveWhenIdle(t *testing.T) {
 	b := newBatcher(cfg, func(batch []*op) {
 		for _, o := range batch {
 			o.out = []int64{1}
-			close(o.done)
+			o.finish()
 		}
 	})
 	b.idleFor = 50 * time.Millisecond
 	call := func() {
 		t.Helper()
-		o := &op{done: make(chan struct{})}
+		o := &op{done: make(chan struct{}, 1)}
 		if err := b.submit(o); err != nil {
 			t.Fatal(err)
 		}
@@ -199,7 +199,7 @@ func TestBatcherWorkersAreReusedAndLeaveWhenIdle(t *testing.T) {
 	for range 64 {
 		wg.Go(func() {
 			for range 50 {
-				o := &op{done: make(chan struct{})}
+				o := &op{done: make(chan struct{}, 1)}
 				if err := b.submit(o); err != nil {
 					t.Error(err)
 					return
@@ -221,7 +221,7 @@ func TestBatcherWorkersAreReusedAndLeaveWhenIdle(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("close did not return with idle workers")
 	}
-	if err := b.submit(&op{done: make(chan struct{})}); !errors.Is(err, ErrClosed) {
+	if err := b.submit(&op{done: make(chan struct{}, 1)}); !errors.Is(err, ErrClosed) {
 		t.Fatalf("submit after close: %v, want ErrClosed", err)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -96,6 +97,8 @@ type RedisStore struct {
 	b      *batcher
 	timers sync.Pool // of stopped *time.Timer, for call timeouts
 	cmds   sync.Pool // of *[]any: EVALSHA argument lists, reused once parsed
+	calls  sync.Pool // of *[]pipelined: a pipeline's calls, reused once parsed
+	dones  sync.Pool // of op.done channels that were received from: empty
 
 	deadline struct { // the pipelines' shared deadline; see pipelineCtx
 		sync.Mutex
@@ -135,7 +138,6 @@ func NewRedisStore(client redis.UniversalClient, cfg RedisConfig, opts ...RedisO
 		t.Stop()
 		return t
 	}
-	s.cmds.New = func() any { return new([]any) }
 	return s, nil
 }
 
@@ -190,9 +192,13 @@ func (s *RedisStore) pipelineCtx() context.Context {
 }
 
 func (s *RedisStore) run(ctx context.Context, o *op) error {
-	o.done = make(chan struct{})
+	done, _ := s.dones.Get().(chan struct{})
+	if done == nil {
+		done = make(chan struct{}, 1)
+	}
+	o.done = done
 	if err := s.b.submit(o); err != nil {
-		return err
+		return err // never queued, never signalled: done stays empty
 	}
 	var expired <-chan time.Time
 	if o.timeout > 0 {
@@ -205,9 +211,11 @@ func (s *RedisStore) run(ctx context.Context, o *op) error {
 		expired = t.C
 	}
 	// When the caller stops waiting, the batcher still owns o and will
-	// finish it; the caller must not read it.
+	// finish it (into done, which is then dropped); the caller must not read
+	// it.
 	select {
-	case <-o.done:
+	case <-done:
+		s.dones.Put(done)
 		return o.err
 	case <-ctx.Done():
 		return ctx.Err()
@@ -221,11 +229,17 @@ func (s *RedisStore) run(ctx context.Context, o *op) error {
 // results.
 func (s *RedisStore) exec(batch []*op) {
 	ctx := s.pipelineCtx()
-	calls := make([]pipelined, len(batch))
+	cbuf, _ := s.calls.Get().(*[]pipelined)
+	if cbuf == nil {
+		cbuf = new([]pipelined)
+	}
+	calls := slices.Grow((*cbuf)[:0], len(batch))[:len(batch)]
 	pipe := s.client.Pipeline()
 	for i, o := range batch {
 		c := &calls[i]
-		c.buf = s.cmds.Get().(*[]any)
+		if c.buf, _ = s.cmds.Get().(*[]any); c.buf == nil {
+			c.buf = new([]any)
+		}
 		c.args = append((*c.buf)[:0], "evalsha", s.sha, len(o.keys))
 		for _, k := range o.keys {
 			c.args = append(c.args, k)
@@ -255,11 +269,14 @@ func (s *RedisStore) exec(batch []*op) {
 	for i, o := range batch {
 		c := &calls[i]
 		o.err = parseReply(c.cmd, o)
-		close(o.done)
+		o.finish()
 		clear(c.args) // drop the references before the list is reused
 		*c.buf = c.args[:0]
 		s.cmds.Put(c.buf)
 	}
+	clear(calls)
+	*cbuf = calls[:0]
+	s.calls.Put(cbuf)
 }
 
 // pipelined is one call of a pipeline: its command and its argument list,

@@ -86,12 +86,17 @@ type op struct {
 	out   []int64 // decide: replay, firstDeny, then 4 per rule; others: the script's array
 	outID string  // decide: the decision id (the earlier one on a replay)
 	err   error
-	done  chan struct{}
+	done  chan struct{} // room for one signal: see finish
 
 	// keys and rules of a small decide use these, saving two allocations.
 	keyBuf  [3]string
 	ruleBuf [1]ruleArg
 }
+
+// finish signals the caller waiting on done that o is complete. done has
+// room for the one signal, so finish never blocks, even when the caller has
+// stopped waiting.
+func (o *op) finish() { o.done <- struct{}{} }
 
 // args encodes o's ARGV for the script.
 func (o *op) args() []any { return o.appendArgs(nil) }
