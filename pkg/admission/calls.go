@@ -19,7 +19,7 @@ func (e *Engine) ScriptCalls(req *Request) ([]ScriptCall, error) {
 		member = id
 	}
 	var out []ScriptCall
-	for _, g := range groupItems(items) {
+	for _, g := range groupItems(nil, items) {
 		if g.local {
 			continue
 		}

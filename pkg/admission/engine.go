@@ -224,7 +224,8 @@ func (e *Engine) Decide(ctx context.Context, req *Request) (*Decision, error) {
 	if member == "" {
 		member = d.ID
 	}
-	groups := groupItems(items)
+	var gbuf [2]group
+	groups := groupItems(gbuf[:0], items)
 	d.Source = SourceLocal
 	for gi := range groups {
 		g := &groups[gi]
@@ -378,17 +379,16 @@ func (e *Engine) plan(snap *snapshot, req *Request) ([]item, []RuleResult, *Deci
 	return items, results, d, nil
 }
 
-// groupItems groups items by hash tag in evaluation order; a rule spent from
-// a gateway-local chunk is a group of its own. The groups' idx lists share
-// one backing array; callers only read them.
-func groupItems(items []item) []group {
+// groupItems appends to gs the groups of items, by hash tag in evaluation
+// order; a rule spent from a gateway-local chunk is a group of its own. The
+// groups' idx lists share one backing array; callers only read them.
+func groupItems(gs []group, items []item) []group {
 	if len(items) == 1 {
 		if items[0].sp.local {
-			return []group{{local: true, idx: firstOnly}}
+			return append(gs, group{local: true, idx: firstOnly})
 		}
-		return []group{{tag: items[0].tag, idx: firstOnly}}
+		return append(gs, group{tag: items[0].tag, idx: firstOnly})
 	}
-	gs := make([]group, 0, 1)
 	var gbuf, cbuf [8]int
 	gi := gbuf[:len(items)]    // the group of each item
 	count := cbuf[:len(items)] // the items of each group
