@@ -13,8 +13,11 @@
 -- Operations
 --   d  decide   KEYS: idem, then the string-state keys (buckets, windows),
 --               then the others (slots, pools)
---               ARGV: op now id member idemTTL n ns, then 7 per rule:
---               kind keyIndex a b c d shadow (ns: how many string-state keys).
+--               ARGV: op now id member idemTTL n ns, then one per rule,
+--               packed little-endian (struct '<BIddddB'): kind u8,
+--               keyIndex u32, a b c d as doubles, shadow u8 (ns: how many
+--               string-state keys). One binary argument per rule costs a
+--               fraction of seven decimal ones to create and convert.
 --               Checks every rule in ARGV order, then debits all of them or
 --               none. Returns
 --               {replay, id, firstDeny, then per rule: ok remaining retry reset}.
@@ -152,10 +155,8 @@ if op == 'd' or op == 'r' then
   local pools = {}
   local deny = 0
   for i = 1, n do
-    local b = 7 + (i - 1) * 7
-    local kind, ki = tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
-    local a, bb, c, d = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5]), tonumber(ARGV[b + 6])
-    local shadow = ARGV[b + 7] == '1'
+    local kind, ki, a, bb, c, d, sh = struct.unpack('<BIddddB', ARGV[7 + i])
+    local shadow = sh == 1
     local key = KEYS[ki]
     local ok, remaining, retry, reset = 1, 0, 0, 0
     local write
