@@ -379,20 +379,23 @@ func (e *Engine) plan(snap *snapshot, req *Request) ([]item, []RuleResult, *Deci
 	return items, results, d, nil
 }
 
-// groupItems appends to gs the groups of items, by hash tag in evaluation
-// order; a rule spent from a gateway-local chunk is a group of its own. The
-// groups' idx lists share one backing array; callers only read them.
+// groupItems appends to gs (empty, with room to spare if the caller likes)
+// the groups of items, by hash tag in evaluation order; a rule spent from a
+// gateway-local chunk is a group of its own. The groups' idx lists share one
+// backing array; callers only read them.
 func groupItems(gs []group, items []item) []group {
+	gs = gs[:0]
 	if len(items) == 1 {
 		if items[0].sp.local {
 			return append(gs, group{local: true, idx: firstOnly})
 		}
 		return append(gs, group{tag: items[0].tag, idx: firstOnly})
 	}
-	var gbuf, cbuf [8]int
-	gi := gbuf[:len(items)]    // the group of each item
-	count := cbuf[:len(items)] // the items of each group
-	if len(items) > len(gbuf) {
+	var gi, count []int // the group of each item; the items of each group
+	if len(items) <= 8 {
+		var gbuf, cbuf [8]int
+		gi, count = gbuf[:len(items)], cbuf[:len(items)]
+	} else {
 		gi, count = make([]int, len(items)), make([]int, len(items))
 	}
 	for i := range items {
