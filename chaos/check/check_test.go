@@ -385,6 +385,19 @@ func TestLinearizability(t *testing.T) {
 			{Kind: history.KindAcquire, Region: "eu", Quota: "atlas", RequestID: "r1", Asked: 60, Next: true, Outcome: history.Unknown, Call: 10*sec + 800*ms, At: 10*sec + 850*ms},
 			read(11, 11*sec+400*ms, 11*sec+410*ms, 40, 60, 0),
 		}},
+		// Sent 200 ms before the turn, held in a partition, applied after
+		// it: the allocator finds the ask early for window 12 and records
+		// it with no tokens; a re-send replays that.
+		{name: "an unanswered pre-grant applied too early got nothing", check: CheckLinearizable, events: []history.Event{
+			{Kind: history.KindAcquire, Region: "eu", Quota: "atlas", RequestID: "r1", Asked: 60, Next: true, Outcome: history.Unknown, Call: 10*sec + 800*ms, At: 11*sec + 300*ms},
+			{Kind: history.KindProbe, Region: "eu", Quota: "atlas", RequestID: "r1", Asked: 60, Next: true, Outcome: history.OK, Replayed: true, Tokens: 0, Window: 12, Call: 11*sec + 350*ms, At: 11*sec + 360*ms},
+			read(12, 12*sec+400*ms, 12*sec+410*ms, 100, 0, 0),
+		}},
+		{name: "a replayed pre-grant of nothing, then tokens from the same window", check: CheckLinearizable, events: []history.Event{
+			{Kind: history.KindAcquire, Region: "eu", Quota: "atlas", RequestID: "r1", Asked: 60, Next: true, Outcome: history.Unknown, Call: 10*sec + 800*ms, At: 11*sec + 300*ms},
+			{Kind: history.KindProbe, Region: "eu", Quota: "atlas", RequestID: "r1", Asked: 60, Next: true, Outcome: history.OK, Replayed: true, Tokens: 60, Window: 12, Call: 11*sec + 350*ms, At: 11*sec + 360*ms},
+			read(12, 12*sec+400*ms, 12*sec+410*ms, 100, 0, 0),
+		}, want: 1},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -49,8 +49,11 @@ type poolInput struct {
 	tokens int64 // release: tokens handed back
 	// pre marks a pre-grant (an Acquire of the next window): the allocator
 	// also caps it at the quota's chunk minus what the region already
-	// holds of the window, which this model does not track, so it may
-	// grant anything up to min(asked, remaining).
+	// holds of the window, which this model does not track, so an answered
+	// one may grant anything up to min(asked, remaining). An unanswered one
+	// is taken to have granted nothing, min(asked, remaining) (the agent
+	// asks at most a chunk and once per window, so it held nothing of it),
+	// or nothing under a recorded id (an ask applied too early).
 	pre bool
 }
 
@@ -115,6 +118,12 @@ func poolModel(limit int64) porcupine.Model {
 					return nil // a second grant for one request id
 				}
 				if out.unknown {
+					if in.pre {
+						// Applied in the first half of the window before
+						// its target (sent before a turn, delivered after
+						// it), a pre-grant is recorded with no tokens.
+						return []any{s, grant(s, in), s.with(in.id, 0)}
+					}
 					return []any{s, grant(s, in)}
 				}
 				if in.pre && out.tokens <= min(in.asked, s.remaining) {
