@@ -198,7 +198,8 @@ func (s *RedisStore) run(ctx context.Context, o *op) error {
 	}
 	o.done = done
 	if err := s.b.submit(o); err != nil {
-		return err // never queued, never signalled: done stays empty
+		s.dones.Put(done) // never queued, so never signalled: still empty
+		return err
 	}
 	var expired <-chan time.Time
 	if o.timeout > 0 {
