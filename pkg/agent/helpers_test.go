@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -132,6 +133,9 @@ type fakeAllocator struct {
 	hook func(ctx context.Context, req *allotv1.AcquireRequest, commit func() (*allotv1.AcquireResponse, error)) (*allotv1.AcquireResponse, error)
 	// inject are extra records streamed to WatchPolicy callers.
 	inject chan *allotv1.PolicyRecord
+	// stallRelease, when set, makes Release wait for its caller to give up
+	// (an allocator that cannot be reached).
+	stallRelease atomic.Bool
 }
 
 func startFakeAllocator(t testing.TB) *fakeAllocator {
@@ -257,7 +261,11 @@ func (fa *fakeAllocator) Acquire(ctx context.Context, req *connect.Request[allot
 }
 
 // Release implements AllocatorService.Release.
-func (fa *fakeAllocator) Release(_ context.Context, req *connect.Request[allotv1.ReleaseRequest]) (*connect.Response[allotv1.ReleaseResponse], error) {
+func (fa *fakeAllocator) Release(ctx context.Context, req *connect.Request[allotv1.ReleaseRequest]) (*connect.Response[allotv1.ReleaseResponse], error) {
+	if fa.stallRelease.Load() {
+		<-ctx.Done()
+		return nil, connect.NewError(connect.CodeUnavailable, ctx.Err())
+	}
 	fa.mu.Lock()
 	fa.releases = append(fa.releases, req.Msg)
 	fa.mu.Unlock()

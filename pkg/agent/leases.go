@@ -1298,9 +1298,11 @@ func (l *leases) handBack(ctx context.Context, quotaName, grantID string, tokens
 }
 
 // shutdown hands back what this agent holds: it withdraws its live grants
-// from the store (atomically, so nothing withdrawn can be spent) and
-// releases their tokens to the allocator; it also resolves calls whose
-// answer never arrived and releases what they granted.
+// from the store (atomically, so nothing withdrawn can be spent), then
+// resolves calls whose answer never arrived and releases what they granted,
+// then releases the withdrawn tokens to the allocator. Only a failed
+// withdrawal is an error: an unreachable allocator lets the tokens it
+// granted expire with their leases.
 func (l *leases) shutdown(ctx context.Context) error {
 	if l.client == nil {
 		return nil
@@ -1328,7 +1330,46 @@ func (l *leases) shutdown(ctx context.Context) error {
 		}
 	}
 	l.mu.Unlock()
-	var errs []error
+	// First the store, which is local and quick: withdrawn tokens can no
+	// longer be spent. Only then the allocator, which may be unreachable:
+	// its calls must not use up the time the withdrawals need.
+	type back struct {
+		q      *quota
+		name   string
+		grant  string
+		tokens int64
+	}
+	var (
+		errs  []error
+		backs []back
+	)
+	eng := l.eng.Load()
+	for _, j := range jobs {
+		if eng == nil {
+			break
+		}
+		z, h, err := eng.PoolKeys(j.name)
+		if err != nil { // the pool left the policy: its tokens expire unspent
+			continue
+		}
+		toks, err := l.wd.withdraw(ctx, j.name, z, h, j.grants, 0)
+		if err != nil {
+			l.storeError("withdraw", err)
+			errs = append(errs, err)
+			continue
+		}
+		for i, n := range toks {
+			if n > 0 {
+				backs = append(backs, back{q: j.q, name: j.name, grant: j.grants[i], tokens: n})
+			}
+		}
+		l.mu.Lock()
+		for _, id := range j.grants {
+			delete(j.q.grants, id)
+		}
+		j.q.changed()
+		l.mu.Unlock()
+	}
 	for _, c := range pend {
 		cctx, cancel := context.WithTimeout(ctx, l.cfg.AcquireTimeout)
 		sent := l.clock.Now()
@@ -1348,33 +1389,9 @@ func (l *leases) shutdown(ctx context.Context) error {
 		}
 	}
 	var released int64
-	eng := l.eng.Load()
-	for _, j := range jobs {
-		if eng == nil {
-			break
-		}
-		z, h, err := eng.PoolKeys(j.name)
-		if err != nil { // the pool left the policy: its tokens expire unspent
-			continue
-		}
-		toks, err := l.wd.withdraw(ctx, j.name, z, h, j.grants, 0)
-		if err != nil {
-			l.storeError("withdraw", err)
-			errs = append(errs, err)
-			continue
-		}
-		for i, n := range toks {
-			if n > 0 {
-				l.handBack(ctx, j.name, j.grants[i], n, j.q)
-				released += n
-			}
-		}
-		l.mu.Lock()
-		for _, id := range j.grants {
-			delete(j.q.grants, id)
-		}
-		j.q.changed()
-		l.mu.Unlock()
+	for _, b := range backs {
+		l.handBack(ctx, b.name, b.grant, b.tokens, b.q)
+		released += b.tokens
 	}
 	l.log.Info("unspent tokens handed back", zap.Int64("tokens", released), zap.Int("quotas", len(jobs)))
 	if len(errs) > 0 {

@@ -381,6 +381,36 @@ func TestShutdownHandsUnspentTokensBack(t *testing.T) {
 	}
 }
 
+// TestShutdownWithdrawsBeforeReleasing: with an allocator that does not
+// answer, shutdown still withdraws every quota's unspent tokens from the
+// store within ShutdownTimeout and returns no error. (It used to release
+// each quota's tokens right after withdrawing them, so an unreachable
+// allocator used up the time the next quota's withdrawal needed; the chaos
+// suite's skew-region restart during a partition found it.)
+func TestShutdownWithdrawsBeforeReleasing(t *testing.T) {
+	rdb := sharedRedis(t)
+	fa := startFakeAllocator(t)
+	doc := quotasPolicy(t, "10", "30s", "1h", 0, "closed")
+	fa.publish(doc)
+	cfg := testConfig("eu", fa.addr)
+	cfg.ShutdownTimeout = 900 * time.Millisecond // shorter than one release's AcquireTimeout (1 s)
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
+	for _, ten := range []string{"a", "b"} {
+		if v := mustCheck(t, a.Agent, tenant(ten)); !v.Allowed {
+			t.Fatalf("tenant %s: %+v", ten, v)
+		}
+	}
+	fa.stallRelease.Store(true)
+	if err := a.stop(); err != nil {
+		t.Fatalf("Run: %v, want nil (the withdrawals succeeded; the releases may not)", err)
+	}
+	for _, quota := range []string{"q-a", "q-b"} {
+		if ps := poolStats(t, rdb, cfg.Engine.Namespace, doc, quota); ps.Available != 0 {
+			t.Errorf("%s: %d tokens left in the store after shutdown, want 0 (withdrawn)", quota, ps.Available)
+		}
+	}
+}
+
 // TestFollowsTheAllocatorLeader: on a real 3-node cluster, renewals
 // continue through the new leader when the leader stops.
 func TestFollowsTheAllocatorLeader(t *testing.T) {
