@@ -136,6 +136,9 @@ type fakeAllocator struct {
 	// stallRelease, when set, makes Release wait for its caller to give up
 	// (an allocator that cannot be reached).
 	stallRelease atomic.Bool
+	// releaseDelay, when positive, delays every Release by that many
+	// nanoseconds (a slow allocator).
+	releaseDelay atomic.Int64
 }
 
 func startFakeAllocator(t testing.TB) *fakeAllocator {
@@ -265,6 +268,13 @@ func (fa *fakeAllocator) Release(ctx context.Context, req *connect.Request[allot
 	if fa.stallRelease.Load() {
 		<-ctx.Done()
 		return nil, connect.NewError(connect.CodeUnavailable, ctx.Err())
+	}
+	if d := time.Duration(fa.releaseDelay.Load()); d > 0 {
+		select {
+		case <-time.After(d):
+		case <-ctx.Done():
+			return nil, connect.NewError(connect.CodeUnavailable, ctx.Err())
+		}
 	}
 	fa.mu.Lock()
 	fa.releases = append(fa.releases, req.Msg)

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/allot-dev/allot/pkg/admission"
 	"github.com/allot-dev/allot/pkg/allocator"
@@ -1297,6 +1298,9 @@ func (l *leases) handBack(ctx context.Context, quotaName, grantID string, tokens
 	}
 }
 
+// shutdownReleases is how many Release calls shutdown keeps in flight.
+const shutdownReleases = 16
+
 // shutdown hands back what this agent holds: it withdraws its live grants
 // from the store (atomically, so nothing withdrawn can be spent), then
 // resolves calls whose answer never arrived and releases what they granted,
@@ -1388,11 +1392,22 @@ func (l *leases) shutdown(ctx context.Context) error {
 			}
 		}
 	}
-	var released int64
+	// Releases go out side by side: one at a time, a slow allocator (or
+	// thousands of quotas) would run out the shutdown budget long before
+	// the last one.
+	var (
+		released int64
+		g        errgroup.Group
+	)
+	g.SetLimit(shutdownReleases)
 	for _, b := range backs {
-		l.handBack(ctx, b.name, b.grant, b.tokens, b.q)
 		released += b.tokens
+		g.Go(func() error {
+			l.handBack(ctx, b.name, b.grant, b.tokens, b.q)
+			return nil
+		})
 	}
+	_ = g.Wait() // handBack reports nothing: a failed release leaves tokens to expire
 	l.log.Info("unspent tokens handed back", zap.Int64("tokens", released), zap.Int("quotas", len(jobs)))
 	if len(errs) > 0 {
 		return fmt.Errorf("shutdown: %w", errors.Join(errs...))

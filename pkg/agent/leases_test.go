@@ -411,6 +411,33 @@ func TestShutdownWithdrawsBeforeReleasing(t *testing.T) {
 	}
 }
 
+// TestShutdownReleasesSideBySide: with an allocator that takes 400 ms per
+// Release and a 900 ms shutdown budget, all three quotas' tokens still go
+// back (one release after another would fit two).
+func TestShutdownReleasesSideBySide(t *testing.T) {
+	rdb := sharedRedis(t)
+	fa := startFakeAllocator(t)
+	doc := quotasPolicy(t, "10", "30s", "1h", 0, "closed")
+	fa.publish(doc)
+	cfg := testConfig("eu", fa.addr)
+	cfg.ShutdownTimeout = 900 * time.Millisecond
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
+	for _, ten := range []string{"a", "b", "c"} {
+		if v := mustCheck(t, a.Agent, tenant(ten)); !v.Allowed {
+			t.Fatalf("tenant %s: %+v", ten, v)
+		}
+	}
+	fa.releaseDelay.Store(int64(400 * time.Millisecond))
+	if err := a.stop(); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	for _, quota := range []string{"q-a", "q-b", "q-c"} {
+		if w := fa.window(quota); w.Released == 0 {
+			t.Errorf("%s: nothing released on shutdown (granted %d)", quota, w.Granted)
+		}
+	}
+}
+
 // TestFollowsTheAllocatorLeader: on a real 3-node cluster, renewals
 // continue through the new leader when the leader stops.
 func TestFollowsTheAllocatorLeader(t *testing.T) {
