@@ -50,6 +50,9 @@ type ruleArg struct {
 	box        *argBox // the packed argument prepared once per policy version; may be nil
 }
 
+// packedRuleLen is the length of a packed rule argument.
+const packedRuleLen = 1 + 4 + 4*8 + 1
+
 // packRule appends a rule's script argument to dst, laid out as the
 // script's struct.unpack('<BIddddB') reads it: kind, key index, a, b, c, d
 // (as doubles, which is what Lua numbers are: exact up to 2^53) and the
@@ -136,7 +139,8 @@ func (o *op) appendArgs(a []any) []any {
 				a = append(a, b.byKey[r.key-2])
 				continue
 			}
-			a = append(a, string(packRule(make([]byte, 0, 38), r.kind, r.key, r.a, r.b, r.c, r.d, r.shadow)))
+			var buf [packedRuleLen]byte
+			a = append(a, string(packRule(buf[:0], r.kind, r.key, r.a, r.b, r.c, r.d, r.shadow)))
 		}
 		return a
 	case opTake, opExhaust:

@@ -1388,7 +1388,7 @@ func (l *leases) shutdown(ctx context.Context) error {
 				l.mu.Lock()
 				q := l.quotas[g.Quota]
 				l.mu.Unlock()
-				l.handBack(ctx, g.Quota, g.GrantId, g.Tokens, q)
+				backs = append(backs, back{q: q, name: g.Quota, grant: g.GrantId, tokens: g.Tokens})
 			}
 		}
 	}
