@@ -217,7 +217,7 @@ func TestLostAnswerIsRetriedWithTheSameRequestID(t *testing.T) {
 }
 
 // TestCutOffSpendsHeldTokensThenAnswersUnavailable: with the allocator
-// gone, the region admits exactly what it holds, then 503 (unavailable),
+// gone, the region admits exactly what it was granted, then 503 (unavailable),
 // not 429: the pool is not exhausted, the limiter is cut off.
 func TestCutOffSpendsHeldTokensThenAnswersUnavailable(t *testing.T) {
 	rdb := sharedRedis(t)
@@ -246,8 +246,11 @@ func TestCutOffSpendsHeldTokensThenAnswersUnavailable(t *testing.T) {
 		}
 		allowed++
 	}
-	if allowed != 5 {
-		t.Fatalf("admitted %d while cut off, want exactly the 5 held", allowed)
+	// The one grant is what the region holds: the chunk of 5, or less when
+	// the agent had measured the pool's demand before its first renewal
+	// (demand-driven sizing; a loaded machine delays that renewal).
+	if held := fa.window("q-a").Granted; allowed != int(held) || held < 2 {
+		t.Fatalf("admitted %d while cut off, want exactly the %d held (at least 2); last %+v", allowed, held, last)
 	}
 	if !last.Unavailable || last.RetryAfter < 1 || last.Rule != "q-a" {
 		t.Fatalf("after the held tokens: %+v, want unavailable (503) by q-a with a retry hint", last)
