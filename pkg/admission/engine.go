@@ -43,6 +43,8 @@ type Engine struct {
 	closed atomic.Bool
 	m      counters
 
+	ops sync.Pool // of *op whose store calls completed: reused by decideOp
+
 	// storeClock makes the engine pass its own clock to the store instead of
 	// letting the store read Redis TIME. Only tests set it (export_test.go),
 	// so that one fake clock drives every backend.
@@ -187,7 +189,8 @@ func (e *Engine) Decide(ctx context.Context, req *Request) (*Decision, error) {
 		return nil, ErrClosed
 	}
 	snap := e.snap.Load()
-	items, results, d, err := e.plan(snap, req)
+	var ibuf [4]item // a small decision's items stay on the stack
+	items, results, d, err := e.plan(snap, req, ibuf[:0])
 	if err != nil {
 		return nil, err
 	}
@@ -226,6 +229,7 @@ func (e *Engine) Decide(ctx context.Context, req *Request) (*Decision, error) {
 	}
 	var gbuf [2]group
 	groups := groupItems(gbuf[:0], items)
+	defer e.recycle(groups)
 	d.Source = SourceLocal
 	for gi := range groups {
 		g := &groups[gi]
@@ -278,18 +282,18 @@ func (e *Engine) Decide(ctx context.Context, req *Request) (*Decision, error) {
 	return d, nil
 }
 
-// decision1 holds a one-rule decision and its planning state in one
+// decision1 holds a one-rule decision and its rule result in one
 // allocation.
 type decision1 struct {
 	d       Decision
-	items   [1]item
 	results [1]RuleResult
 }
 
-// plan validates req and matches it against snap. Each item's result
-// points into the returned slice, which becomes the decision's Rules; the
-// returned decision is zero but for Rules.
-func (e *Engine) plan(snap *snapshot, req *Request) ([]item, []RuleResult, *Decision, error) {
+// plan validates req and matches it against snap. The items go into ibuf
+// when it has room. Each item's result points into the returned slice,
+// which becomes the decision's Rules; the returned decision is zero but for
+// Rules.
+func (e *Engine) plan(snap *snapshot, req *Request, ibuf []item) ([]item, []RuleResult, *Decision, error) {
 	if req == nil {
 		return nil, nil, nil, fmt.Errorf("request: nil: %w", ErrInvalidRequest)
 	}
@@ -320,11 +324,17 @@ func (e *Engine) plan(snap *snapshot, req *Request) ([]item, []RuleResult, *Deci
 		results []RuleResult // becomes Decision.Rules
 		d       *Decision
 	)
+	if len(matched) <= cap(ibuf) {
+		items = ibuf[:len(matched)]
+		clear(items)
+	} else {
+		items = make([]item, len(matched))
+	}
 	if len(matched) == 1 {
 		b := new(decision1)
-		items, results, d = b.items[:], b.results[:], &b.d
+		results, d = b.results[:], &b.d
 	} else {
-		items, results, d = make([]item, len(matched)), make([]RuleResult, len(matched)), new(Decision)
+		results, d = make([]RuleResult, len(matched)), new(Decision)
 	}
 	d.Rules = results
 	for i, m := range matched {
@@ -437,7 +447,11 @@ var firstOnly = []int{0}
 
 // decideOp builds the store call for group g.
 func (e *Engine) decideOp(g *group, items []item, req *Request, id, member string, now time.Time) *op {
-	o := &op{code: opDecide, now: e.storeNow(now), id: id, member: member}
+	o, _ := e.ops.Get().(*op)
+	if o == nil {
+		o = new(op)
+	}
+	*o = op{code: opDecide, now: e.storeNow(now), id: id, member: member, out: o.out[:0]}
 	o.keys = o.keyBuf[:0]
 	if n := 1 + len(g.idx) + 1; n > len(o.keyBuf) {
 		o.keys = make([]string, 0, n)
@@ -722,6 +736,9 @@ func (e *Engine) compensate(groups []group, items []item, mono int64) {
 			r := *g.op
 			r.code, r.idemTTL, r.done, r.out = opRefund, 0, nil, nil
 			if _, err := e.call(context.Background(), &r, mono, e.cfg.StoreTimeout); err != nil {
+				// The store may still be sending r, which shares g.op's
+				// keys: g.op must not be reused.
+				g.op = nil
 				e.m.refundErrors.Add(1)
 				e.log.Warn("refund failed; the earlier rules stay charged", zap.Error(err))
 			}
@@ -742,6 +759,19 @@ func (e *Engine) compensate(groups []group, items []item, mono int64) {
 			e.fb.mu.Unlock()
 		}
 		g.fb = nil
+	}
+}
+
+// recycle returns the groups' store calls to the pool once the decision is
+// made. A group holds only a call that was answered (runStore keeps no
+// other, compensate drops one whose refund was not), so the store holds
+// none of them any more.
+func (e *Engine) recycle(groups []group) {
+	for i := range groups {
+		if o := groups[i].op; o != nil {
+			groups[i].op = nil
+			e.ops.Put(o)
+		}
 	}
 }
 

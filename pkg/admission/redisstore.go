@@ -310,7 +310,7 @@ func parseReply(c *redis.Cmd, o *op) error {
 		return err
 	}
 	decide := o.code == opDecide || o.code == opRefund
-	out := make([]int64, 0, len(vals))
+	out := slices.Grow(o.out[:0], len(vals)) // a reused op keeps its capacity
 	for i, v := range vals {
 		if decide && i == 1 {
 			s, ok := v.(string)

@@ -111,9 +111,10 @@ type op struct {
 	err   error
 	done  chan struct{} // room for one signal: see finish
 
-	// keys and rules of a small decide use these, saving two allocations.
-	keyBuf  [3]string
-	ruleBuf [1]ruleArg
+	// keys and rules of a small decide use these: with ops reused (see
+	// Engine.recycle), a decision of up to four rules allocates neither.
+	keyBuf  [6]string
+	ruleBuf [4]ruleArg
 }
 
 // finish signals the caller waiting on done that o is complete. done has
