@@ -39,7 +39,7 @@ func (c *Client) Close() { c.http.CloseIdleConnections() }
 // ClientOption customises a Client.
 type ClientOption func(*Client)
 
-// WithHTTPClient sets the HTTP client (default: HTTP/1.1 + cleartext HTTP/2).
+// WithHTTPClient sets the HTTP client (default: NewHTTPClient, HTTP/2 only).
 func WithHTTPClient(h *http.Client) ClientOption { return func(c *Client) { c.http = h } }
 
 // WithAttempts sets how many endpoints or leader hints one call tries (default 6).
