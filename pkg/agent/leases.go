@@ -1301,6 +1301,10 @@ func (l *leases) handBack(ctx context.Context, quotaName, grantID string, tokens
 // shutdownReleases is how many Release calls shutdown keeps in flight.
 const shutdownReleases = 16
 
+// shutdownWithdrawals is how many withdrawals (one store call per quota)
+// shutdown keeps in flight.
+const shutdownWithdrawals = 16
+
 // shutdown hands back what this agent holds: it withdraws its live grants
 // from the store (atomically, so nothing withdrawn can be spent), then
 // resolves calls whose answer never arrived and releases what they granted,
@@ -1344,36 +1348,47 @@ func (l *leases) shutdown(ctx context.Context) error {
 		tokens int64
 	}
 	var (
+		mu    sync.Mutex // guards errs and backs while withdrawals run side by side
 		errs  []error
 		backs []back
+		wg    errgroup.Group
 	)
-	eng := l.eng.Load()
-	for _, j := range jobs {
-		if eng == nil {
-			break
-		}
-		z, h, err := eng.PoolKeys(j.name)
-		if err != nil { // the pool left the policy: its tokens expire unspent
-			continue
-		}
-		toks, err := l.wd.withdraw(ctx, j.name, z, h, j.grants, 0)
-		if err != nil {
-			l.storeError("withdraw", err)
-			errs = append(errs, err)
-			continue
-		}
-		for i, n := range toks {
-			if n > 0 {
-				backs = append(backs, back{q: j.q, name: j.name, grant: j.grants[i], tokens: n})
+	// Side by side too: one quota after another, 10,000 quotas at a
+	// store round trip each would take seconds of the shutdown budget.
+	wg.SetLimit(shutdownWithdrawals)
+	if eng := l.eng.Load(); eng != nil {
+		for _, j := range jobs {
+			z, h, err := eng.PoolKeys(j.name)
+			if err != nil { // the pool left the policy: its tokens expire unspent
+				continue
 			}
+			wg.Go(func() error {
+				toks, err := l.wd.withdraw(ctx, j.name, z, h, j.grants, 0)
+				if err != nil {
+					l.storeError("withdraw", err)
+					mu.Lock()
+					errs = append(errs, err)
+					mu.Unlock()
+					return nil
+				}
+				mu.Lock()
+				for i, n := range toks {
+					if n > 0 {
+						backs = append(backs, back{q: j.q, name: j.name, grant: j.grants[i], tokens: n})
+					}
+				}
+				mu.Unlock()
+				l.mu.Lock()
+				for _, id := range j.grants {
+					delete(j.q.grants, id)
+				}
+				j.q.changed()
+				l.mu.Unlock()
+				return nil
+			})
 		}
-		l.mu.Lock()
-		for _, id := range j.grants {
-			delete(j.q.grants, id)
-		}
-		j.q.changed()
-		l.mu.Unlock()
 	}
+	_ = wg.Wait() // each withdrawal reports into errs
 	for _, c := range pend {
 		cctx, cancel := context.WithTimeout(ctx, l.cfg.AcquireTimeout)
 		sent := l.clock.Now()

@@ -3,12 +3,16 @@ package agent_test
 import (
 	"context"
 	"fmt"
+	"net"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/allot-dev/allot/pkg/agent"
+	"github.com/allot-dev/allot/pkg/faultproxy"
 	"github.com/allot-dev/allot/pkg/policy"
 )
 
@@ -164,5 +168,54 @@ func TestShutdownHandsInstanceTokensBack(t *testing.T) {
 	if ps.Available != 0 || ps.Consumed != 3 || w.Granted-w.Released != 3 {
 		t.Fatalf("after shutdown: store %+v, allocator granted %d released %d; want the 3 spent tokens kept, the rest back",
 			ps, w.Granted, w.Released)
+	}
+}
+
+// TestShutdownWithdrawsSideBySide: with 24 active instances and a Redis
+// 120 ms away (a fault proxy), shutdown withdraws every instance's unspent
+// tokens within a 1.5 s budget: one withdrawal after another would need
+// about 2.9 s.
+func TestShutdownWithdrawsSideBySide(t *testing.T) {
+	direct := sharedRedis(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var d net.Dialer
+	px := faultproxy.New(ln, func(ctx context.Context) (net.Conn, error) { return d.DialContext(ctx, "tcp", shared.redis.Addr()) },
+		faultproxy.Config{}, 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = px.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	rdb := redis.NewClient(&redis.Options{Addr: px.Addr().String()})
+	t.Cleanup(func() { rdb.Close() })
+
+	fa := startFakeAllocator(t)
+	doc := plans(t, "30s")
+	fa.publish(doc)
+	cfg := testConfig("eu", fa.addr)
+	cfg.ShutdownTimeout = 1500 * time.Millisecond
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
+	var tenants []string
+	for i := range 24 {
+		tenants = append(tenants, fmt.Sprintf("t%02d", i))
+	}
+	for _, ten := range tenants {
+		if v := mustCheck(t, a.Agent, tenant(ten)); !v.Allowed {
+			t.Fatalf("tenant %s: %+v", ten, v)
+		}
+	}
+	if err := px.Set(faultproxy.Config{DelayMin: 60 * time.Millisecond, DelayMax: 60 * time.Millisecond}); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.stop(); err != nil {
+		t.Fatalf("Run: %v, want every withdrawal within the budget", err)
+	}
+	for _, ten := range tenants {
+		quota := "plan/" + ten
+		if ps := poolStats(t, direct, cfg.Engine.Namespace, doc, quota); ps.Available != 0 {
+			t.Errorf("%s: %d tokens left in the store after shutdown, want 0 (withdrawn)", quota, ps.Available)
+		}
 	}
 }
