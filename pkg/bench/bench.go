@@ -2,8 +2,9 @@
 // that decides one request (or one batch) — from concurrent workers, bounded
 // both in count and in time, either as fast as it answers (closed loop) or
 // paced to a fixed total rate (open loop, latency measured from each
-// request's scheduled start so that a stall is not hidden), and reports
-// throughput and latency percentiles.
+// request's scheduled start so that a stall is not hidden, and also from
+// its arrival, which leaves out the generator's own timer lateness), and
+// reports throughput and latency percentiles.
 //
 // The target is just a function, so the same runner measures the admission
 // SDK against Redis, the raw script through go-redis, and later the region
@@ -99,8 +100,26 @@ type Result struct {
 	// Mean and the percentiles are call latencies (for a paced run, from
 	// the scheduled start).
 	Mean, P50, P90, P99, P999, Max time.Duration
+	// Paced runs only. Arrival holds the latencies from each call's
+	// arrival: the scheduled start when its worker was still busy with an
+	// earlier call (so a stall still counts for every call queued behind
+	// it), the moment the worker woke when it slept until the call was due.
+	// That leaves out the generator's own timer lateness, which Lag
+	// measures over the calls whose worker slept (Go's timers fire up to
+	// about a millisecond late when the process is idle).
+	Arrival Quantiles
+	Lag     Quantiles
 	// FirstErr is the first error a call returned.
 	FirstErr error
+}
+
+// Quantiles summarizes one latency distribution.
+type Quantiles struct {
+	P50, P90, P99, P999, Max time.Duration
+}
+
+func (h *histogram) quantiles() Quantiles {
+	return Quantiles{h.quantile(0.50), h.quantile(0.90), h.quantile(0.99), h.quantile(0.999), time.Duration(h.max)}
 }
 
 // String formats the result on one line.
@@ -111,6 +130,17 @@ func (r Result) String() string {
 		s += fmt.Sprintf("  first error: %v", r.FirstErr)
 	}
 	return s
+}
+
+// ArrivalLine formats a paced run's latencies from arrival and the
+// generator's timer lag on one line; "" for a closed-loop run.
+func (r Result) ArrivalLine() string {
+	if r.Arrival.Max == 0 {
+		return ""
+	}
+	return fmt.Sprintf("%-28s from arrival: p50 %-9s p90 %-9s p99 %-9s p99.9 %-9s max %s; timer lag p50 %s p99 %s",
+		"", round(r.Arrival.P50), round(r.Arrival.P90), round(r.Arrival.P99), round(r.Arrival.P999), round(r.Arrival.Max),
+		round(r.Lag.P50), round(r.Lag.P99))
 }
 
 func round(d time.Duration) time.Duration {
@@ -148,6 +178,8 @@ func Run(ctx context.Context, cfg Config, target Target) (Result, error) {
 		errMu     sync.Mutex
 		firstErr  error
 		hists     = make([]*histogram, cfg.Workers)
+		arrivals  = make([]*histogram, cfg.Workers) // paced runs only
+		lags      = make([]*histogram, cfg.Workers) // paced runs only
 		errCounts = make([]int64, cfg.Workers)
 		calls     = make([]int64, cfg.Workers)
 		wg        sync.WaitGroup
@@ -161,6 +193,9 @@ func Run(ctx context.Context, cfg Config, target Target) (Result, error) {
 	}
 	for w := 0; w < cfg.Workers; w++ {
 		hists[w] = &histogram{}
+		if interval > 0 {
+			arrivals[w], lags[w] = &histogram{}, &histogram{}
+		}
 		wg.Add(1)
 		go func(w int) {
 			defer wg.Done()
@@ -179,6 +214,7 @@ func Run(ctx context.Context, cfg Config, target Target) (Result, error) {
 				if claimed.Add(1) > cfg.Requests {
 					return
 				}
+				var woke time.Time // when the worker slept until the call was due
 				if interval > 0 {
 					if d := time.Until(next); d > 0 {
 						if timer == nil {
@@ -191,14 +227,21 @@ func Run(ctx context.Context, cfg Config, target Target) (Result, error) {
 						case <-ctx.Done():
 							return
 						}
+						woke = time.Now()
 					}
 				}
 				if ctx.Err() != nil {
 					return
 				}
 				t := time.Now()
+				arrived := t
 				if interval > 0 {
 					t = next // latency from the scheduled start
+					if woke.IsZero() || woke.Before(next) {
+						arrived = next
+					} else {
+						arrived = woke
+					}
 					next = next.Add(interval)
 				}
 				err := target(ctx, w, i)
@@ -226,6 +269,12 @@ func Run(ctx context.Context, cfg Config, target Target) (Result, error) {
 				}
 				calls[w]++
 				h.record(end.Sub(t))
+				if interval > 0 {
+					arrivals[w].record(end.Sub(arrived))
+					if !woke.IsZero() {
+						lags[w].record(max(woke.Sub(t), 0))
+					}
+				}
 			}
 		}(w)
 	}
@@ -234,10 +283,14 @@ func Run(ctx context.Context, cfg Config, target Target) (Result, error) {
 	if cfg.Warmup > 0 && elapsed > cfg.Warmup {
 		elapsed -= cfg.Warmup
 	}
-	total := &histogram{}
+	total, arrival, lag := &histogram{}, &histogram{}, &histogram{}
 	r := Result{Name: cfg.Name, Elapsed: elapsed, FirstErr: firstErr}
 	for w := range hists {
 		total.merge(hists[w])
+		if interval > 0 {
+			arrival.merge(arrivals[w])
+			lag.merge(lags[w])
+		}
 		r.Calls += calls[w]
 		r.Errors += errCounts[w]
 	}
@@ -248,6 +301,9 @@ func Run(ctx context.Context, cfg Config, target Target) (Result, error) {
 	r.Mean = total.mean()
 	r.P50, r.P90, r.P99, r.P999 = total.quantile(0.50), total.quantile(0.90), total.quantile(0.99), total.quantile(0.999)
 	r.Max = time.Duration(total.max)
+	if interval > 0 {
+		r.Arrival, r.Lag = arrival.quantiles(), lag.quantiles()
+	}
 	return r, nil
 }
 

@@ -67,6 +67,38 @@ func TestRunPacedAndErrors(t *testing.T) {
 	}
 }
 
+// TestPacedArrivalKeepsStalls: latencies from arrival leave out the
+// generator's timer lateness but still count every call queued behind a
+// stall from its scheduled start (no coordinated omission).
+func TestPacedArrivalKeepsStalls(t *testing.T) {
+	const stall = 30 * time.Millisecond
+	r, err := Run(context.Background(), Config{Workers: 1, Requests: 100, Duration: 10 * time.Second, Rate: 500},
+		func(ctx context.Context, w int, i uint64) error {
+			if i == 20 {
+				time.Sleep(stall) // the 14 calls due meanwhile queue behind it
+			}
+			return nil
+		})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Calls != 100 {
+		t.Fatalf("%d calls, want 100", r.Calls)
+	}
+	if r.Arrival.Max < stall || r.Arrival.P90 < 5*time.Millisecond {
+		t.Fatalf("from arrival %+v: the calls queued behind the %s stall must count their wait", r.Arrival, stall)
+	}
+	if r.Arrival.P50 > r.P50 || r.Arrival.P99 > r.P99 || r.Arrival.Max > r.Max {
+		t.Fatalf("from arrival %+v exceeds from the scheduled start %+v", r.Arrival, r)
+	}
+	if r.Lag.P50 <= 0 || r.Lag.P50 > r.P50 {
+		t.Fatalf("timer lag %+v: want the sleeping calls' lateness, within their latency (p50 %s)", r.Lag, r.P50)
+	}
+	if !strings.Contains(r.ArrivalLine(), "from arrival") {
+		t.Fatalf("arrival line %q", r.ArrivalLine())
+	}
+}
+
 func TestConfigValidate(t *testing.T) {
 	tests := []struct {
 		name string
