@@ -503,7 +503,8 @@ func (x *memExec) decide(o *op) {
 			return
 		}
 	}
-	out := make([]int64, 2, 2+4*len(o.rules))
+	out := slices.Grow(o.out[:0], 2+4*len(o.rules))[:2] // a reused op keeps its capacity
+	out[0], out[1] = 0, 0
 	var pend []pending
 	deny := int64(0)
 	for i, r := range o.rules {
