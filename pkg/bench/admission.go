@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"runtime/metrics"
 	"slices"
 	"strconv"
 	"strings"
@@ -114,11 +115,17 @@ type Figure struct {
 	// its clients. Like ServerUsec it is steadier than decisions/s when
 	// other work shares the machine.
 	ProcessUsec float64
+	// AllocBytes is what this process allocated on the heap per decision,
+	// and GCs the collector's cycles during the run: what drives a paced
+	// run's tail (runtime/metrics; the same process as ProcessUsec).
+	AllocBytes float64
+	GCs        uint64
 }
 
 // String formats the figure on one line.
 func (f Figure) String() string {
-	s := fmt.Sprintf("%s  redis cpu/decision: script %.2f us, server %.2f us; this process %.1f us", f.Result, f.ScriptUsec, f.ServerUsec, f.ProcessUsec)
+	s := fmt.Sprintf("%s  redis cpu/decision: script %.2f us, server %.2f us; this process %.1f us, %.0f B allocated, %d GCs",
+		f.Result, f.ScriptUsec, f.ServerUsec, f.ProcessUsec, f.AllocBytes, f.GCs)
 	if a := f.ArrivalLine(); a != "" {
 		s += "\n" + a
 	}
@@ -309,16 +316,18 @@ func measure(ctx context.Context, client redis.UniversalClient, c Config, target
 		return Figure{}, err
 	}
 	self0 := processCPU()
+	gc0, alloc0 := gcStats()
 	r, err := Run(ctx, c, target)
 	if err != nil {
 		return Figure{}, err
 	}
 	self := processCPU() - self0
+	gc1, alloc1 := gcStats()
 	cpu1, err := serverCPU(ctx, client)
 	if err != nil {
 		return Figure{}, err
 	}
-	f := Figure{Result: r}
+	f := Figure{Result: r, GCs: gc1 - gc0}
 	calls, usec, err := scriptStats(ctx, client)
 	if err != nil {
 		return Figure{}, err
@@ -329,8 +338,23 @@ func measure(ctx context.Context, client redis.UniversalClient, c Config, target
 	if r.Decisions > 0 {
 		f.ServerUsec = (cpu1 - cpu0) * 1e6 / float64(r.Decisions)
 		f.ProcessUsec = self.Seconds() * 1e6 / float64(r.Decisions)
+		f.AllocBytes = float64(alloc1-alloc0) / float64(r.Decisions)
 	}
 	return f, nil
+}
+
+// gcStats returns the collector's cycles so far and the bytes this process
+// has allocated on the heap so far.
+func gcStats() (cycles, allocated uint64) {
+	s := []metrics.Sample{{Name: "/gc/cycles/total:gc-cycles"}, {Name: "/gc/heap/allocs:bytes"}}
+	metrics.Read(s)
+	if s[0].Value.Kind() == metrics.KindUint64 {
+		cycles = s[0].Value.Uint64()
+	}
+	if s[1].Value.Kind() == metrics.KindUint64 {
+		allocated = s[1].Value.Uint64()
+	}
+	return cycles, allocated
 }
 
 // processCPU is the CPU time (user + sys) this process has used.
