@@ -98,6 +98,7 @@ type RedisStore struct {
 	timers sync.Pool // of stopped *time.Timer, for call timeouts
 	cmds   sync.Pool // of *[]any: EVALSHA argument lists, reused once parsed
 	calls  sync.Pool // of *[]pipelined: a pipeline's calls, reused once parsed
+	pipes  sync.Pool // of redis.Pipeliner after Exec (which empties them): reused
 	dones  sync.Pool // of op.done channels that were received from: empty
 
 	deadline struct { // the pipelines' shared deadline; see pipelineCtx
@@ -235,7 +236,8 @@ func (s *RedisStore) exec(batch []*op) {
 		cbuf = new([]pipelined)
 	}
 	calls := slices.Grow((*cbuf)[:0], len(batch))[:len(batch)]
-	pipe := s.client.Pipeline()
+	pipe := s.pipeline()
+	defer s.pipes.Put(pipe)
 	for i, o := range batch {
 		c := &calls[i]
 		if c.buf, _ = s.cmds.Get().(*[]any); c.buf == nil {
@@ -278,6 +280,15 @@ func (s *RedisStore) exec(batch []*op) {
 	clear(calls)
 	*cbuf = calls[:0]
 	s.calls.Put(cbuf)
+}
+
+// pipeline returns an empty pipeline of the client, a reused one when the
+// pool has one (Exec leaves a pipeline empty and ready for more commands).
+func (s *RedisStore) pipeline() redis.Pipeliner {
+	if p, ok := s.pipes.Get().(redis.Pipeliner); ok {
+		return p
+	}
+	return s.client.Pipeline()
 }
 
 // pipelined is one call of a pipeline: its command and its argument list,
