@@ -1348,21 +1348,21 @@ func (l *leases) shutdown(ctx context.Context) error {
 		tokens int64
 	}
 	var (
-		mu    sync.Mutex // guards errs and backs while withdrawals run side by side
-		errs  []error
-		backs []back
-		wg    errgroup.Group
+		mu          sync.Mutex // guards errs and backs while withdrawals run side by side
+		errs        []error
+		backs       []back
+		withdrawals errgroup.Group
 	)
 	// Side by side too: one quota after another, 10,000 quotas at a
 	// store round trip each would take seconds of the shutdown budget.
-	wg.SetLimit(shutdownWithdrawals)
+	withdrawals.SetLimit(shutdownWithdrawals)
 	if eng := l.eng.Load(); eng != nil {
 		for _, j := range jobs {
 			z, h, err := eng.PoolKeys(j.name)
 			if err != nil { // the pool left the policy: its tokens expire unspent
 				continue
 			}
-			wg.Go(func() error {
+			withdrawals.Go(func() error {
 				toks, err := l.wd.withdraw(ctx, j.name, z, h, j.grants, 0)
 				if err != nil {
 					l.storeError("withdraw", err)
@@ -1388,7 +1388,7 @@ func (l *leases) shutdown(ctx context.Context) error {
 			})
 		}
 	}
-	_ = wg.Wait() // each withdrawal reports into errs
+	_ = withdrawals.Wait() // each withdrawal reports into errs
 	for _, c := range pend {
 		cctx, cancel := context.WithTimeout(ctx, l.cfg.AcquireTimeout)
 		sent := l.clock.Now()
