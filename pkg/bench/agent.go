@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"runtime"
 	"strings"
 	"time"
 
@@ -125,15 +126,28 @@ func RunAgentSuite(ctx context.Context, client redis.UniversalClient, cfg AgentS
 	}()
 
 	reqs := requests(cfg.Keys)
-	calls := make([]admission.ScriptCall, len(reqs))
+	// As in RunSuite, (a)'s prepared calls live only until (a) has run, so
+	// the GC cycles of the agent's modes do not mark them.
+	lastRaw := -1
+	for i, m := range cfg.Modes {
+		if m == "raw" {
+			lastRaw = i
+		}
+	}
+	var calls []admission.ScriptCall
+	if lastRaw >= 0 {
+		calls = make([]admission.ScriptCall, len(reqs))
+	}
 	checks := make([]*allotv1.CheckRequest, len(reqs))
 	rls := make([]*rlsv3.RateLimitRequest, len(reqs))
 	for i, r := range reqs {
-		c, err := a.Engine().ScriptCalls(r)
-		if err != nil || len(c) != 1 {
-			return nil, fmt.Errorf("script call for key %d: %v (%d calls)", i, err, len(c))
+		if calls != nil {
+			c, err := a.Engine().ScriptCalls(r)
+			if err != nil || len(c) != 1 {
+				return nil, fmt.Errorf("script call for key %d: %v (%d calls)", i, err, len(c))
+			}
+			calls[i] = c[0]
 		}
-		calls[i] = c[0]
 		cr := &allotv1.CheckRequest{}
 		rr := &rlsv3.RateLimitRequest{Domain: "bench", Descriptors: []*commonrl.RateLimitDescriptor{{}}}
 		for _, e := range r.Descriptors {
@@ -202,7 +216,11 @@ func RunAgentSuite(ctx context.Context, client redis.UniversalClient, cfg AgentS
 	sha := admission.ScriptSHA()
 	base := Config{Workers: cfg.Workers, Requests: cfg.Requests, Duration: cfg.Duration, Warmup: cfg.Warmup}
 	var figs []Figure
-	for _, mode := range cfg.Modes {
+	for mi, mode := range cfg.Modes {
+		if mi > lastRaw && calls != nil {
+			calls = nil
+			runtime.GC()
+		}
 		c := base
 		var target Target
 		switch mode {
