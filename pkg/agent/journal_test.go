@@ -46,11 +46,7 @@ func (s *syncBuffer) events(t *testing.T) []agent.LeaseEvent {
 // agent's clock, which -clock-offset (OffsetClock) moves without moving the
 // deadlines.
 func TestLeaseJournal(t *testing.T) {
-	rdb := sharedRedis(t)
-	fa := startFakeAllocator(t)
-	doc := quotasPolicy(t, "10", "30s", "1h", 0, "closed")
-	fa.publish(doc)
-	cfg := testConfig("eu", fa.addr)
+	rdb, _, doc, cfg := threeQuotasAgent(t)
 	cfg.StarveWait = 0
 	var buf syncBuffer
 	j := agent.NewLeaseJournal(&buf)

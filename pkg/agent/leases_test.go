@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/allot-dev/allot/pkg/agent"
 	"github.com/allot-dev/allot/pkg/policy"
@@ -52,6 +53,18 @@ func quotasPolicy(t testing.TB, chunk, ttl, window string, fallback int, mode st
 	return mustParse(t, r.Replace(threeQuotas))
 }
 
+// threeQuotasAgent is the common setup of the lease tests: the shared
+// Redis, a fake allocator serving the three quotas (chunk 10, TTL 30 s,
+// 1 h windows, fail closed) and an agent config for region eu against it.
+func threeQuotasAgent(t testing.TB) (*redis.Client, *fakeAllocator, *policy.Document, agent.Config) {
+	t.Helper()
+	rdb := sharedRedis(t)
+	fa := startFakeAllocator(t)
+	doc := quotasPolicy(t, "10", "30s", "1h", 0, "closed")
+	fa.publish(doc)
+	return rdb, fa, doc, testConfig("eu", fa.addr)
+}
+
 func tenant(name string) *agent.Input {
 	return &agent.Input{Descriptors: []policy.Entry{{Key: "tenant", Value: name}}}
 }
@@ -70,11 +83,7 @@ func mustCheck(t testing.TB, a *agent.Agent, in *agent.Input) *agent.Verdict {
 // TestOneBatchedAcquireForEveryStarvedQuota: three pools starve; one tick
 // asks for all three in ONE Acquire, and the grants are spendable.
 func TestOneBatchedAcquireForEveryStarvedQuota(t *testing.T) {
-	rdb := sharedRedis(t)
-	fa := startFakeAllocator(t)
-	doc := quotasPolicy(t, "10", "30s", "1h", 0, "closed")
-	fa.publish(doc)
-	cfg := testConfig("eu", fa.addr)
+	rdb, fa, doc, cfg := threeQuotasAgent(t)
 	cfg.StarveWait = 0 // nobody renews in this test but the test itself
 	a := newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1))
 	for _, ten := range []string{"a", "b", "c"} {
@@ -176,11 +185,7 @@ func TestLostAnswerIsRetriedWithTheSameRequestID(t *testing.T) {
 		}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			rdb := sharedRedis(t)
-			fa := startFakeAllocator(t)
-			doc := quotasPolicy(t, "10", "30s", "1h", 0, "closed")
-			fa.publish(doc)
-			cfg := testConfig("eu", fa.addr)
+			rdb, fa, doc, cfg := threeQuotasAgent(t)
 			cfg.StarveWait = 0
 			cfg.Lease.AcquireTimeout = 300 * time.Millisecond
 			var lost atomic.Int32
@@ -347,11 +352,7 @@ rules:
 // unspent tokens from the store (nothing left to spend) and releases them
 // to the allocator's pool.
 func TestShutdownHandsUnspentTokensBack(t *testing.T) {
-	rdb := sharedRedis(t)
-	fa := startFakeAllocator(t)
-	doc := quotasPolicy(t, "10", "30s", "1h", 0, "closed")
-	fa.publish(doc)
-	cfg := testConfig("eu", fa.addr)
+	rdb, fa, doc, cfg := threeQuotasAgent(t)
 	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
 	for i := 0; i < 3; i++ {
 		if v := mustCheck(t, a.Agent, tenant("a")); !v.Allowed {
@@ -391,11 +392,7 @@ func TestShutdownHandsUnspentTokensBack(t *testing.T) {
 // allocator used up the time the next quota's withdrawal needed; the chaos
 // suite's skew-region restart during a partition found it.)
 func TestShutdownWithdrawsBeforeReleasing(t *testing.T) {
-	rdb := sharedRedis(t)
-	fa := startFakeAllocator(t)
-	doc := quotasPolicy(t, "10", "30s", "1h", 0, "closed")
-	fa.publish(doc)
-	cfg := testConfig("eu", fa.addr)
+	rdb, fa, doc, cfg := threeQuotasAgent(t)
 	cfg.ShutdownTimeout = 900 * time.Millisecond // shorter than one release's AcquireTimeout (1 s)
 	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
 	for _, ten := range []string{"a", "b"} {
@@ -418,11 +415,7 @@ func TestShutdownWithdrawsBeforeReleasing(t *testing.T) {
 // Release and a 900 ms shutdown budget, all three quotas' tokens still go
 // back (one release after another would fit two).
 func TestShutdownReleasesSideBySide(t *testing.T) {
-	rdb := sharedRedis(t)
-	fa := startFakeAllocator(t)
-	doc := quotasPolicy(t, "10", "30s", "1h", 0, "closed")
-	fa.publish(doc)
-	cfg := testConfig("eu", fa.addr)
+	rdb, fa, doc, cfg := threeQuotasAgent(t)
 	cfg.ShutdownTimeout = 900 * time.Millisecond
 	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
 	for _, ten := range []string{"a", "b", "c"} {
