@@ -224,21 +224,11 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 	// for 10,000 keys) exist only while those modes run: kept alive, they
 	// would be marked by every GC cycle of the SDK modes after them, whose
 	// tail is what the paced mode quotes.
-	lastRaw := -1
-	for i, m := range cfg.Modes {
-		if m == "raw" || m == "pipelined" {
-			lastRaw = i
-		}
-	}
+	lastRaw := lastIndex(cfg.Modes, "raw", "pipelined")
 	var calls []admission.ScriptCall
 	if lastRaw >= 0 {
-		calls = make([]admission.ScriptCall, len(reqs))
-		for i, r := range reqs {
-			c, err := engines["1"].ScriptCalls(r)
-			if err != nil || len(c) != 1 {
-				return nil, fmt.Errorf("script call for key %d: %v (%d calls)", i, err, len(c))
-			}
-			calls[i] = c[0]
+		if calls, err = scriptCalls(engines["1"], reqs); err != nil {
+			return nil, err
 		}
 	}
 	sha := admission.ScriptSHA()
@@ -258,7 +248,7 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 	var figures []Figure
 	var sdkRate float64
 	for mi, mode := range cfg.Modes {
-		if mi > lastRaw {
+		if mi > lastRaw && calls != nil {
 			calls = nil
 			runtime.GC() // start the SDK modes without the raw modes' garbage
 		}
@@ -359,6 +349,32 @@ func measure(ctx context.Context, client redis.UniversalClient, c Config, target
 		f.AllocBytes = float64(alloc1-alloc0) / float64(r.Decisions)
 	}
 	return f, nil
+}
+
+// lastIndex returns the index of the last of modes that is one of names,
+// or -1.
+func lastIndex(modes []string, names ...string) int {
+	last := -1
+	for i, m := range modes {
+		if slices.Contains(names, m) {
+			last = i
+		}
+	}
+	return last
+}
+
+// scriptCalls prepares the raw modes' script call for each request, as the
+// engine e would send it.
+func scriptCalls(e *admission.Engine, reqs []*admission.Request) ([]admission.ScriptCall, error) {
+	calls := make([]admission.ScriptCall, len(reqs))
+	for i, r := range reqs {
+		c, err := e.ScriptCalls(r)
+		if err != nil || len(c) != 1 {
+			return nil, fmt.Errorf("script call for key %d: %v (%d calls)", i, err, len(c))
+		}
+		calls[i] = c[0]
+	}
+	return calls, nil
 }
 
 // gcStats returns the collector's cycles so far and the bytes this process

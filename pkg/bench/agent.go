@@ -128,26 +128,16 @@ func RunAgentSuite(ctx context.Context, client redis.UniversalClient, cfg AgentS
 	reqs := requests(cfg.Keys)
 	// As in RunSuite, (a)'s prepared calls live only until (a) has run, so
 	// the GC cycles of the agent's modes do not mark them.
-	lastRaw := -1
-	for i, m := range cfg.Modes {
-		if m == "raw" {
-			lastRaw = i
-		}
-	}
+	lastRaw := lastIndex(cfg.Modes, "raw")
 	var calls []admission.ScriptCall
 	if lastRaw >= 0 {
-		calls = make([]admission.ScriptCall, len(reqs))
+		if calls, err = scriptCalls(a.Engine(), reqs); err != nil {
+			return nil, err
+		}
 	}
 	checks := make([]*allotv1.CheckRequest, len(reqs))
 	rls := make([]*rlsv3.RateLimitRequest, len(reqs))
 	for i, r := range reqs {
-		if calls != nil {
-			c, err := a.Engine().ScriptCalls(r)
-			if err != nil || len(c) != 1 {
-				return nil, fmt.Errorf("script call for key %d: %v (%d calls)", i, err, len(c))
-			}
-			calls[i] = c[0]
-		}
 		cr := &allotv1.CheckRequest{}
 		rr := &rlsv3.RateLimitRequest{Domain: "bench", Descriptors: []*commonrl.RateLimitDescriptor{{}}}
 		for _, e := range r.Descriptors {
