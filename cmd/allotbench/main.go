@@ -44,6 +44,8 @@ Modes (-mode, comma-separated; "all" runs them in this order):
 With -suite agent, the region agent's APIs beside the raw ceiling:
   raw           (a)  as above
   connect       (c)  the agent's Check over Connect, HTTP/2 (-connections connections)
+  connect-batch (cb) the same Check calls through pkg/checkclient, which coalesces
+                concurrent callers' checks into CheckBatch calls (one client)
   connect-http1 (c') the same over HTTP/1.1, one keep-alive connection per worker
   connect-grpc  (c'') the same Connect client with WithGRPC() against the gRPC listener
   grpc          (c*) Check from a grpc-go client on the gRPC listener

@@ -70,7 +70,9 @@ func standalone(t testing.TB, mut func(*agent.Config)) (*agent.Agent, *served) {
 	if mut != nil {
 		mut(&cfg)
 	}
-	a := newAgent(t, cfg, sharedRedis(t), agent.WithPolicy(mustParse(t, apiPolicy), 0))
+	// Running, so that the test's end closes its store and the store's
+	// pipeline workers with it.
+	a := runAgent(t, newAgent(t, cfg, sharedRedis(t), agent.WithPolicy(mustParse(t, apiPolicy), 0))).Agent
 	return a, serve(t, a)
 }
 

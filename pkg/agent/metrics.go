@@ -34,7 +34,7 @@ func newMetrics() *metrics {
 		}, []string{"rule", "verdict"}),
 		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "allot_agent_admission_duration_seconds",
-			Help:    "Time to answer one Check (connect: the Connect API; grpc: the same over the gRPC listener) or ShouldRateLimit (envoy), starve waits included.",
+			Help:    "Time to answer one Check (connect: the Connect API; grpc: the same over the gRPC listener; connect-batch and grpc-batch: one check of a CheckBatch) or ShouldRateLimit (envoy), starve waits included.",
 			Buckets: []float64{.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1},
 		}, []string{"api"}),
 		badRequests: prometheus.NewCounterVec(prometheus.CounterOpts{

@@ -21,6 +21,7 @@ import (
 	"github.com/allot-dev/allot/pkg/admission"
 	"github.com/allot-dev/allot/pkg/agent"
 	"github.com/allot-dev/allot/pkg/allocator"
+	"github.com/allot-dev/allot/pkg/checkclient"
 	"github.com/allot-dev/allot/pkg/policy"
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
 	"github.com/allot-dev/allot/proto/allot/v1/allotv1connect"
@@ -31,6 +32,9 @@ import (
 //
 //	raw      (a)  the admission script through go-redis, one EVALSHA per decision
 //	connect  (c)  the agent's Check over Connect (HTTP/2 cleartext, binary protobuf)
+//	connect-batch (cb) the same Check calls through pkg/checkclient, which
+//	              coalesces concurrent callers' checks into CheckBatch calls
+//	              (one coalescing client on one HTTP/2 connection)
 //	connect-http1 (c') the same over HTTP/1.1 keep-alive connections, one per
 //	              concurrent caller: how gateways with a connection pool call it
 //	connect-grpc (c'') the same Connect client with connect.WithGRPC() against
@@ -49,7 +53,7 @@ import (
 
 // AgentModes lists the agent suite's modes in the order it runs them.
 func AgentModes() []string {
-	return []string{"raw", "connect", "connect-http1", "connect-grpc", "grpc-connect", "grpc", "envoy"}
+	return []string{"raw", "connect", "connect-batch", "connect-http1", "connect-grpc", "grpc-connect", "grpc", "envoy"}
 }
 
 // AgentSuiteConfig configures the agent suite.
@@ -223,6 +227,16 @@ func RunAgentSuite(ctx context.Context, client redis.UniversalClient, cfg AgentS
 		case "connect":
 			c.Name = "(c) agent Check, Connect"
 			target = checkTarget(checks, func(w int) allotv1connect.AdmissionServiceClient { return connectClients[w%len(connectClients)] })
+		case "connect-batch":
+			c.Name = "(cb) agent Check, Connect batching"
+			// One coalescing client, as a gateway process would have: its
+			// batches are largest when every caller shares it.
+			batching, err := checkclient.New(connectClients[0], checkclient.Config{})
+			if err != nil {
+				return figs, err
+			}
+			defer batching.Close()
+			target = checkTarget(checks, func(int) allotv1connect.AdmissionServiceClient { return batching })
 		case "connect-http1":
 			c.Name = "(c') agent Check, Connect h1"
 			target = checkTarget(checks, func(int) allotv1connect.AdmissionServiceClient { return h1Client })

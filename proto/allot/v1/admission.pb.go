@@ -366,6 +366,219 @@ func (x *ReleaseSlotResponse) GetReleased() int64 {
 	return 0
 }
 
+// CheckBatchRequest carries independent checks (at most 1,024); each is
+// decided on its own, with its own answer or error.
+type CheckBatchRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// checks to decide.
+	Checks        []*CheckRequest `protobuf:"bytes,1,rep,name=checks,proto3" json:"checks,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CheckBatchRequest) Reset() {
+	*x = CheckBatchRequest{}
+	mi := &file_allot_v1_admission_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CheckBatchRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CheckBatchRequest) ProtoMessage() {}
+
+func (x *CheckBatchRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_allot_v1_admission_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CheckBatchRequest.ProtoReflect.Descriptor instead.
+func (*CheckBatchRequest) Descriptor() ([]byte, []int) {
+	return file_allot_v1_admission_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *CheckBatchRequest) GetChecks() []*CheckRequest {
+	if x != nil {
+		return x.Checks
+	}
+	return nil
+}
+
+// CheckBatchResponse carries the answers of some checks of the batch; every
+// check of the request is answered exactly once over the stream.
+type CheckBatchResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// outcomes decided since the previous message.
+	Outcomes      []*CheckOutcome `protobuf:"bytes,1,rep,name=outcomes,proto3" json:"outcomes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CheckBatchResponse) Reset() {
+	*x = CheckBatchResponse{}
+	mi := &file_allot_v1_admission_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CheckBatchResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CheckBatchResponse) ProtoMessage() {}
+
+func (x *CheckBatchResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_allot_v1_admission_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CheckBatchResponse.ProtoReflect.Descriptor instead.
+func (*CheckBatchResponse) Descriptor() ([]byte, []int) {
+	return file_allot_v1_admission_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *CheckBatchResponse) GetOutcomes() []*CheckOutcome {
+	if x != nil {
+		return x.Outcomes
+	}
+	return nil
+}
+
+// CheckOutcome is one check's answer: what Check would have returned.
+type CheckOutcome struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// index of the check in CheckBatchRequest.checks.
+	Index uint32 `protobuf:"varint,1,opt,name=index,proto3" json:"index,omitempty"`
+	// response when the check was decided.
+	Response *CheckResponse `protobuf:"bytes,2,opt,name=response,proto3" json:"response,omitempty"`
+	// error when Check would have failed (bad input, no policy in force).
+	Error         *CheckError `protobuf:"bytes,3,opt,name=error,proto3" json:"error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CheckOutcome) Reset() {
+	*x = CheckOutcome{}
+	mi := &file_allot_v1_admission_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CheckOutcome) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CheckOutcome) ProtoMessage() {}
+
+func (x *CheckOutcome) ProtoReflect() protoreflect.Message {
+	mi := &file_allot_v1_admission_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CheckOutcome.ProtoReflect.Descriptor instead.
+func (*CheckOutcome) Descriptor() ([]byte, []int) {
+	return file_allot_v1_admission_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *CheckOutcome) GetIndex() uint32 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
+func (x *CheckOutcome) GetResponse() *CheckResponse {
+	if x != nil {
+		return x.Response
+	}
+	return nil
+}
+
+func (x *CheckOutcome) GetError() *CheckError {
+	if x != nil {
+		return x.Error
+	}
+	return nil
+}
+
+// CheckError is the error Check would have returned for one check.
+type CheckError struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// code is the Connect code's name, for example "invalid_argument".
+	Code string `protobuf:"bytes,1,opt,name=code,proto3" json:"code,omitempty"`
+	// message says what was wrong, naming the field.
+	Message       string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CheckError) Reset() {
+	*x = CheckError{}
+	mi := &file_allot_v1_admission_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CheckError) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CheckError) ProtoMessage() {}
+
+func (x *CheckError) ProtoReflect() protoreflect.Message {
+	mi := &file_allot_v1_admission_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CheckError.ProtoReflect.Descriptor instead.
+func (*CheckError) Descriptor() ([]byte, []int) {
+	return file_allot_v1_admission_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *CheckError) GetCode() string {
+	if x != nil {
+		return x.Code
+	}
+	return ""
+}
+
+func (x *CheckError) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
 var File_allot_v1_admission_proto protoreflect.FileDescriptor
 
 const file_allot_v1_admission_proto_rawDesc = "" +
@@ -396,10 +609,24 @@ const file_allot_v1_admission_proto_rawDesc = "" +
 	"\n" +
 	"request_id\x18\x02 \x01(\tR\trequestId\"1\n" +
 	"\x13ReleaseSlotResponse\x12\x1a\n" +
-	"\breleased\x18\x01 \x01(\x03R\breleased2\x9c\x01\n" +
+	"\breleased\x18\x01 \x01(\x03R\breleased\"C\n" +
+	"\x11CheckBatchRequest\x12.\n" +
+	"\x06checks\x18\x01 \x03(\v2\x16.allot.v1.CheckRequestR\x06checks\"H\n" +
+	"\x12CheckBatchResponse\x122\n" +
+	"\boutcomes\x18\x01 \x03(\v2\x16.allot.v1.CheckOutcomeR\boutcomes\"\x85\x01\n" +
+	"\fCheckOutcome\x12\x14\n" +
+	"\x05index\x18\x01 \x01(\rR\x05index\x123\n" +
+	"\bresponse\x18\x02 \x01(\v2\x17.allot.v1.CheckResponseR\bresponse\x12*\n" +
+	"\x05error\x18\x03 \x01(\v2\x14.allot.v1.CheckErrorR\x05error\":\n" +
+	"\n" +
+	"CheckError\x12\x12\n" +
+	"\x04code\x18\x01 \x01(\tR\x04code\x12\x18\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage2\xe9\x01\n" +
 	"\x10AdmissionService\x12:\n" +
 	"\x05Check\x12\x16.allot.v1.CheckRequest\x1a\x17.allot.v1.CheckResponse\"\x00\x12L\n" +
-	"\vReleaseSlot\x12\x1c.allot.v1.ReleaseSlotRequest\x1a\x1d.allot.v1.ReleaseSlotResponse\"\x00B\x92\x01\n" +
+	"\vReleaseSlot\x12\x1c.allot.v1.ReleaseSlotRequest\x1a\x1d.allot.v1.ReleaseSlotResponse\"\x00\x12K\n" +
+	"\n" +
+	"CheckBatch\x12\x1b.allot.v1.CheckBatchRequest\x1a\x1c.allot.v1.CheckBatchResponse\"\x000\x01B\x92\x01\n" +
 	"\fcom.allot.v1B\x0eAdmissionProtoP\x01Z1github.com/allot-dev/allot/proto/allot/v1;allotv1\xa2\x02\x03AXX\xaa\x02\bAllot.V1\xca\x02\bAllot\\V1\xe2\x02\x14Allot\\V1\\GPBMetadata\xea\x02\tAllot::V1b\x06proto3"
 
 var (
@@ -414,26 +641,36 @@ func file_allot_v1_admission_proto_rawDescGZIP() []byte {
 	return file_allot_v1_admission_proto_rawDescData
 }
 
-var file_allot_v1_admission_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
+var file_allot_v1_admission_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
 var file_allot_v1_admission_proto_goTypes = []any{
 	(*DescriptorEntry)(nil),     // 0: allot.v1.DescriptorEntry
 	(*CheckRequest)(nil),        // 1: allot.v1.CheckRequest
 	(*CheckResponse)(nil),       // 2: allot.v1.CheckResponse
 	(*ReleaseSlotRequest)(nil),  // 3: allot.v1.ReleaseSlotRequest
 	(*ReleaseSlotResponse)(nil), // 4: allot.v1.ReleaseSlotResponse
+	(*CheckBatchRequest)(nil),   // 5: allot.v1.CheckBatchRequest
+	(*CheckBatchResponse)(nil),  // 6: allot.v1.CheckBatchResponse
+	(*CheckOutcome)(nil),        // 7: allot.v1.CheckOutcome
+	(*CheckError)(nil),          // 8: allot.v1.CheckError
 }
 var file_allot_v1_admission_proto_depIdxs = []int32{
 	0, // 0: allot.v1.CheckRequest.entries:type_name -> allot.v1.DescriptorEntry
 	0, // 1: allot.v1.ReleaseSlotRequest.entries:type_name -> allot.v1.DescriptorEntry
-	1, // 2: allot.v1.AdmissionService.Check:input_type -> allot.v1.CheckRequest
-	3, // 3: allot.v1.AdmissionService.ReleaseSlot:input_type -> allot.v1.ReleaseSlotRequest
-	2, // 4: allot.v1.AdmissionService.Check:output_type -> allot.v1.CheckResponse
-	4, // 5: allot.v1.AdmissionService.ReleaseSlot:output_type -> allot.v1.ReleaseSlotResponse
-	4, // [4:6] is the sub-list for method output_type
-	2, // [2:4] is the sub-list for method input_type
-	2, // [2:2] is the sub-list for extension type_name
-	2, // [2:2] is the sub-list for extension extendee
-	0, // [0:2] is the sub-list for field type_name
+	1, // 2: allot.v1.CheckBatchRequest.checks:type_name -> allot.v1.CheckRequest
+	7, // 3: allot.v1.CheckBatchResponse.outcomes:type_name -> allot.v1.CheckOutcome
+	2, // 4: allot.v1.CheckOutcome.response:type_name -> allot.v1.CheckResponse
+	8, // 5: allot.v1.CheckOutcome.error:type_name -> allot.v1.CheckError
+	1, // 6: allot.v1.AdmissionService.Check:input_type -> allot.v1.CheckRequest
+	3, // 7: allot.v1.AdmissionService.ReleaseSlot:input_type -> allot.v1.ReleaseSlotRequest
+	5, // 8: allot.v1.AdmissionService.CheckBatch:input_type -> allot.v1.CheckBatchRequest
+	2, // 9: allot.v1.AdmissionService.Check:output_type -> allot.v1.CheckResponse
+	4, // 10: allot.v1.AdmissionService.ReleaseSlot:output_type -> allot.v1.ReleaseSlotResponse
+	6, // 11: allot.v1.AdmissionService.CheckBatch:output_type -> allot.v1.CheckBatchResponse
+	9, // [9:12] is the sub-list for method output_type
+	6, // [6:9] is the sub-list for method input_type
+	6, // [6:6] is the sub-list for extension type_name
+	6, // [6:6] is the sub-list for extension extendee
+	0, // [0:6] is the sub-list for field type_name
 }
 
 func init() { file_allot_v1_admission_proto_init() }
@@ -447,7 +684,7 @@ func file_allot_v1_admission_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_allot_v1_admission_proto_rawDesc), len(file_allot_v1_admission_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   5,
+			NumMessages:   9,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -21,6 +21,7 @@ const _ = grpc.SupportPackageIsVersion9
 const (
 	AdmissionService_Check_FullMethodName       = "/allot.v1.AdmissionService/Check"
 	AdmissionService_ReleaseSlot_FullMethodName = "/allot.v1.AdmissionService/ReleaseSlot"
+	AdmissionService_CheckBatch_FullMethodName  = "/allot.v1.AdmissionService/CheckBatch"
 )
 
 // AdmissionServiceClient is the client API for AdmissionService service.
@@ -36,6 +37,13 @@ type AdmissionServiceClient interface {
 	Check(ctx context.Context, in *CheckRequest, opts ...grpc.CallOption) (*CheckResponse, error)
 	// ReleaseSlot frees the concurrency slots a request took when it finishes.
 	ReleaseSlot(ctx context.Context, in *ReleaseSlotRequest, opts ...grpc.CallOption) (*ReleaseSlotResponse, error)
+	// CheckBatch decides several independent requests in one call, each as
+	// Check would, and streams the answers back as they are decided: answers
+	// decided together travel in one message, and a check that waits (for a
+	// renewal, say) holds back no other check's answer. A client that
+	// coalesces its concurrent callers' checks (pkg/checkclient) pays the
+	// RPC's fixed cost once per batch instead of once per request.
+	CheckBatch(ctx context.Context, in *CheckBatchRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[CheckBatchResponse], error)
 }
 
 type admissionServiceClient struct {
@@ -66,6 +74,25 @@ func (c *admissionServiceClient) ReleaseSlot(ctx context.Context, in *ReleaseSlo
 	return out, nil
 }
 
+func (c *admissionServiceClient) CheckBatch(ctx context.Context, in *CheckBatchRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[CheckBatchResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &AdmissionService_ServiceDesc.Streams[0], AdmissionService_CheckBatch_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[CheckBatchRequest, CheckBatchResponse]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type AdmissionService_CheckBatchClient = grpc.ServerStreamingClient[CheckBatchResponse]
+
 // AdmissionServiceServer is the server API for AdmissionService service.
 // All implementations must embed UnimplementedAdmissionServiceServer
 // for forward compatibility.
@@ -79,6 +106,13 @@ type AdmissionServiceServer interface {
 	Check(context.Context, *CheckRequest) (*CheckResponse, error)
 	// ReleaseSlot frees the concurrency slots a request took when it finishes.
 	ReleaseSlot(context.Context, *ReleaseSlotRequest) (*ReleaseSlotResponse, error)
+	// CheckBatch decides several independent requests in one call, each as
+	// Check would, and streams the answers back as they are decided: answers
+	// decided together travel in one message, and a check that waits (for a
+	// renewal, say) holds back no other check's answer. A client that
+	// coalesces its concurrent callers' checks (pkg/checkclient) pays the
+	// RPC's fixed cost once per batch instead of once per request.
+	CheckBatch(*CheckBatchRequest, grpc.ServerStreamingServer[CheckBatchResponse]) error
 	mustEmbedUnimplementedAdmissionServiceServer()
 }
 
@@ -94,6 +128,9 @@ func (UnimplementedAdmissionServiceServer) Check(context.Context, *CheckRequest)
 }
 func (UnimplementedAdmissionServiceServer) ReleaseSlot(context.Context, *ReleaseSlotRequest) (*ReleaseSlotResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ReleaseSlot not implemented")
+}
+func (UnimplementedAdmissionServiceServer) CheckBatch(*CheckBatchRequest, grpc.ServerStreamingServer[CheckBatchResponse]) error {
+	return status.Error(codes.Unimplemented, "method CheckBatch not implemented")
 }
 func (UnimplementedAdmissionServiceServer) mustEmbedUnimplementedAdmissionServiceServer() {}
 func (UnimplementedAdmissionServiceServer) testEmbeddedByValue()                          {}
@@ -152,6 +189,17 @@ func _AdmissionService_ReleaseSlot_Handler(srv interface{}, ctx context.Context,
 	return interceptor(ctx, in, info, handler)
 }
 
+func _AdmissionService_CheckBatch_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(CheckBatchRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(AdmissionServiceServer).CheckBatch(m, &grpc.GenericServerStream[CheckBatchRequest, CheckBatchResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type AdmissionService_CheckBatchServer = grpc.ServerStreamingServer[CheckBatchResponse]
+
 // AdmissionService_ServiceDesc is the grpc.ServiceDesc for AdmissionService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -168,6 +216,12 @@ var AdmissionService_ServiceDesc = grpc.ServiceDesc{
 			Handler:    _AdmissionService_ReleaseSlot_Handler,
 		},
 	},
-	Streams:  []grpc.StreamDesc{},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "CheckBatch",
+			Handler:       _AdmissionService_CheckBatch_Handler,
+			ServerStreams: true,
+		},
+	},
 	Metadata: "allot/v1/admission.proto",
 }

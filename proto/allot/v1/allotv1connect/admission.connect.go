@@ -38,6 +38,9 @@ const (
 	// AdmissionServiceReleaseSlotProcedure is the fully-qualified name of the AdmissionService's
 	// ReleaseSlot RPC.
 	AdmissionServiceReleaseSlotProcedure = "/allot.v1.AdmissionService/ReleaseSlot"
+	// AdmissionServiceCheckBatchProcedure is the fully-qualified name of the AdmissionService's
+	// CheckBatch RPC.
+	AdmissionServiceCheckBatchProcedure = "/allot.v1.AdmissionService/CheckBatch"
 )
 
 // AdmissionServiceClient is a client for the allot.v1.AdmissionService service.
@@ -46,6 +49,13 @@ type AdmissionServiceClient interface {
 	Check(context.Context, *connect.Request[v1.CheckRequest]) (*connect.Response[v1.CheckResponse], error)
 	// ReleaseSlot frees the concurrency slots a request took when it finishes.
 	ReleaseSlot(context.Context, *connect.Request[v1.ReleaseSlotRequest]) (*connect.Response[v1.ReleaseSlotResponse], error)
+	// CheckBatch decides several independent requests in one call, each as
+	// Check would, and streams the answers back as they are decided: answers
+	// decided together travel in one message, and a check that waits (for a
+	// renewal, say) holds back no other check's answer. A client that
+	// coalesces its concurrent callers' checks (pkg/checkclient) pays the
+	// RPC's fixed cost once per batch instead of once per request.
+	CheckBatch(context.Context, *connect.Request[v1.CheckBatchRequest]) (*connect.ServerStreamForClient[v1.CheckBatchResponse], error)
 }
 
 // NewAdmissionServiceClient constructs a client for the allot.v1.AdmissionService service. By
@@ -71,6 +81,12 @@ func NewAdmissionServiceClient(httpClient connect.HTTPClient, baseURL string, op
 			connect.WithSchema(admissionServiceMethods.ByName("ReleaseSlot")),
 			connect.WithClientOptions(opts...),
 		),
+		checkBatch: connect.NewClient[v1.CheckBatchRequest, v1.CheckBatchResponse](
+			httpClient,
+			baseURL+AdmissionServiceCheckBatchProcedure,
+			connect.WithSchema(admissionServiceMethods.ByName("CheckBatch")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -78,6 +94,7 @@ func NewAdmissionServiceClient(httpClient connect.HTTPClient, baseURL string, op
 type admissionServiceClient struct {
 	check       *connect.Client[v1.CheckRequest, v1.CheckResponse]
 	releaseSlot *connect.Client[v1.ReleaseSlotRequest, v1.ReleaseSlotResponse]
+	checkBatch  *connect.Client[v1.CheckBatchRequest, v1.CheckBatchResponse]
 }
 
 // Check calls allot.v1.AdmissionService.Check.
@@ -90,12 +107,24 @@ func (c *admissionServiceClient) ReleaseSlot(ctx context.Context, req *connect.R
 	return c.releaseSlot.CallUnary(ctx, req)
 }
 
+// CheckBatch calls allot.v1.AdmissionService.CheckBatch.
+func (c *admissionServiceClient) CheckBatch(ctx context.Context, req *connect.Request[v1.CheckBatchRequest]) (*connect.ServerStreamForClient[v1.CheckBatchResponse], error) {
+	return c.checkBatch.CallServerStream(ctx, req)
+}
+
 // AdmissionServiceHandler is an implementation of the allot.v1.AdmissionService service.
 type AdmissionServiceHandler interface {
 	// Check decides one request.
 	Check(context.Context, *connect.Request[v1.CheckRequest]) (*connect.Response[v1.CheckResponse], error)
 	// ReleaseSlot frees the concurrency slots a request took when it finishes.
 	ReleaseSlot(context.Context, *connect.Request[v1.ReleaseSlotRequest]) (*connect.Response[v1.ReleaseSlotResponse], error)
+	// CheckBatch decides several independent requests in one call, each as
+	// Check would, and streams the answers back as they are decided: answers
+	// decided together travel in one message, and a check that waits (for a
+	// renewal, say) holds back no other check's answer. A client that
+	// coalesces its concurrent callers' checks (pkg/checkclient) pays the
+	// RPC's fixed cost once per batch instead of once per request.
+	CheckBatch(context.Context, *connect.Request[v1.CheckBatchRequest], *connect.ServerStream[v1.CheckBatchResponse]) error
 }
 
 // NewAdmissionServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -117,12 +146,20 @@ func NewAdmissionServiceHandler(svc AdmissionServiceHandler, opts ...connect.Han
 		connect.WithSchema(admissionServiceMethods.ByName("ReleaseSlot")),
 		connect.WithHandlerOptions(opts...),
 	)
+	admissionServiceCheckBatchHandler := connect.NewServerStreamHandler(
+		AdmissionServiceCheckBatchProcedure,
+		svc.CheckBatch,
+		connect.WithSchema(admissionServiceMethods.ByName("CheckBatch")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/allot.v1.AdmissionService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case AdmissionServiceCheckProcedure:
 			admissionServiceCheckHandler.ServeHTTP(w, r)
 		case AdmissionServiceReleaseSlotProcedure:
 			admissionServiceReleaseSlotHandler.ServeHTTP(w, r)
+		case AdmissionServiceCheckBatchProcedure:
+			admissionServiceCheckBatchHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -138,4 +175,8 @@ func (UnimplementedAdmissionServiceHandler) Check(context.Context, *connect.Requ
 
 func (UnimplementedAdmissionServiceHandler) ReleaseSlot(context.Context, *connect.Request[v1.ReleaseSlotRequest]) (*connect.Response[v1.ReleaseSlotResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("allot.v1.AdmissionService.ReleaseSlot is not implemented"))
+}
+
+func (UnimplementedAdmissionServiceHandler) CheckBatch(context.Context, *connect.Request[v1.CheckBatchRequest], *connect.ServerStream[v1.CheckBatchResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("allot.v1.AdmissionService.CheckBatch is not implemented"))
 }

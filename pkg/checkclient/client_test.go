@@ -1,0 +1,386 @@
+package checkclient
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+	"github.com/allot-dev/allot/proto/allot/v1/allotv1connect"
+)
+
+// fakeAgent answers CheckBatch with answer, recording each batch's checks.
+// These tests cover the client's protocol; the agent's own answers are
+// tested against a real agent and Redis in pkg/agent.
+type fakeAgent struct {
+	allotv1connect.UnimplementedAdmissionServiceHandler
+	answer func(ctx context.Context, checks []*allotv1.CheckRequest, send func(...*allotv1.CheckOutcome) error) error
+
+	mu      sync.Mutex
+	batches [][]string // request ids per batch
+}
+
+func (f *fakeAgent) CheckBatch(ctx context.Context, req *connect.Request[allotv1.CheckBatchRequest], stream *connect.ServerStream[allotv1.CheckBatchResponse]) error {
+	var ids []string
+	for _, c := range req.Msg.GetChecks() {
+		ids = append(ids, c.GetRequestId())
+	}
+	f.mu.Lock()
+	f.batches = append(f.batches, ids)
+	f.mu.Unlock()
+	return f.answer(ctx, req.Msg.GetChecks(), func(os ...*allotv1.CheckOutcome) error {
+		return stream.Send(&allotv1.CheckBatchResponse{Outcomes: os})
+	})
+}
+
+func (f *fakeAgent) seen() [][]string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([][]string(nil), f.batches...)
+}
+
+// allowAll answers every check at once, naming its request id as the rule.
+func allowAll(_ context.Context, checks []*allotv1.CheckRequest, send func(...*allotv1.CheckOutcome) error) error {
+	var os []*allotv1.CheckOutcome
+	for i, c := range checks {
+		os = append(os, &allotv1.CheckOutcome{Index: uint32(i), Response: &allotv1.CheckResponse{Allowed: true, Rule: c.GetRequestId()}})
+	}
+	return send(os...)
+}
+
+// start serves f over cleartext HTTP/2 and returns a client of it.
+func start(t *testing.T, f *fakeAgent, cfg Config, opts ...connect.HandlerOption) *Client {
+	t.Helper()
+	mux := http.NewServeMux()
+	mux.Handle(allotv1connect.NewAdmissionServiceHandler(f, opts...))
+	srv := httptest.NewUnstartedServer(mux)
+	srv.Config.Protocols = new(http.Protocols)
+	srv.Config.Protocols.SetUnencryptedHTTP2(true)
+	srv.Start()
+	var p http.Protocols
+	p.SetUnencryptedHTTP2(true)
+	hc := &http.Client{Transport: &http.Transport{Protocols: &p}}
+	c, err := New(allotv1connect.NewAdmissionServiceClient(hc, srv.URL), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c.Close()
+		hc.CloseIdleConnections()
+		srv.Close()
+	})
+	return c
+}
+
+type result struct {
+	id   string
+	resp *allotv1.CheckResponse
+	err  error
+}
+
+// checkAsync starts a Check for request id id and reports it on out.
+func checkAsync(ctx context.Context, c *Client, id string, out chan<- result) {
+	go func() {
+		resp, err := c.Check(ctx, connect.NewRequest(&allotv1.CheckRequest{RequestId: id}))
+		r := result{id: id, err: err}
+		if resp != nil {
+			r.resp = resp.Msg
+		}
+		out <- r
+	}()
+}
+
+// waitPending waits until n calls wait to be sent.
+func waitPending(t *testing.T, c *Client, n int) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		c.mu.Lock()
+		got := len(c.pending)
+		c.mu.Unlock()
+		if got == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d calls pending, want %d", got, n)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// TestCallsThatWaitGoTogether: a lone call goes at once; the calls that
+// arrive while the only slot is taken go in one batch when it frees, and
+// each caller gets its own answer.
+func TestCallsThatWaitGoTogether(t *testing.T) {
+	gate := make(chan struct{})
+	f := &fakeAgent{answer: func(ctx context.Context, checks []*allotv1.CheckRequest, send func(...*allotv1.CheckOutcome) error) error {
+		if checks[0].GetRequestId() == "first" {
+			<-gate
+		}
+		return allowAll(ctx, checks, send)
+	}}
+	c := start(t, f, Config{MaxInFlight: 1, SlotHold: time.Minute})
+	ctx := context.Background()
+	out := make(chan result, 11)
+	checkAsync(ctx, c, "first", out)
+	for len(f.seen()) == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	for i := range 10 {
+		checkAsync(ctx, c, string(rune('a'+i)), out)
+	}
+	waitPending(t, c, 10)
+	close(gate)
+	for range 11 {
+		r := <-out
+		if r.err != nil || !r.resp.GetAllowed() || r.resp.GetRule() != r.id {
+			t.Fatalf("call %s: %v %v, want its own answer", r.id, r.resp, r.err)
+		}
+	}
+	if b := f.seen(); len(b) != 2 || len(b[0]) != 1 || len(b[1]) != 10 {
+		t.Fatalf("batches %v, want [first] then the 10 that waited", b)
+	}
+}
+
+// TestMaxBatchSplitsWaitingCalls: at most MaxBatch checks go per call.
+func TestMaxBatchSplitsWaitingCalls(t *testing.T) {
+	gate := make(chan struct{})
+	f := &fakeAgent{answer: func(ctx context.Context, checks []*allotv1.CheckRequest, send func(...*allotv1.CheckOutcome) error) error {
+		if checks[0].GetRequestId() == "first" {
+			<-gate
+		}
+		return allowAll(ctx, checks, send)
+	}}
+	c := start(t, f, Config{MaxInFlight: 1, MaxBatch: 4, SlotHold: time.Minute})
+	out := make(chan result, 11)
+	checkAsync(context.Background(), c, "first", out)
+	for len(f.seen()) == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	for i := range 10 {
+		checkAsync(context.Background(), c, string(rune('a'+i)), out)
+	}
+	waitPending(t, c, 10)
+	close(gate)
+	for range 11 {
+		if r := <-out; r.err != nil || r.resp.GetRule() != r.id {
+			t.Fatalf("call %s: %v %v", r.id, r.resp, r.err)
+		}
+	}
+	var sizes []int
+	for _, b := range f.seen() {
+		sizes = append(sizes, len(b))
+	}
+	if len(sizes) != 4 || sizes[0] != 1 || sizes[1] != 4 || sizes[2] != 4 || sizes[3] != 2 {
+		t.Fatalf("batch sizes %v, want [1 4 4 2]", sizes)
+	}
+}
+
+// TestSlowBatchFreesItsSlot: a batch whose checks all wait stops holding
+// its slot after SlotHold, so a later call is answered meanwhile.
+func TestSlowBatchFreesItsSlot(t *testing.T) {
+	release := make(chan struct{})
+	f := &fakeAgent{answer: func(ctx context.Context, checks []*allotv1.CheckRequest, send func(...*allotv1.CheckOutcome) error) error {
+		if checks[0].GetRequestId() == "slow" {
+			select {
+			case <-release:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		return allowAll(ctx, checks, send)
+	}}
+	c := start(t, f, Config{MaxInFlight: 1, SlotHold: 20 * time.Millisecond})
+	slow := make(chan result, 1)
+	checkAsync(context.Background(), c, "slow", slow)
+	for len(f.seen()) == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	fast := make(chan result, 1)
+	checkAsync(context.Background(), c, "fast", fast)
+	select {
+	case r := <-fast:
+		if r.err != nil || r.resp.GetRule() != "fast" {
+			t.Fatalf("fast call: %v %v", r.resp, r.err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a call waited behind a batch that holds no answer")
+	}
+	select {
+	case r := <-slow:
+		t.Fatalf("slow call answered before its check was: %v %v", r.resp, r.err)
+	default:
+	}
+	close(release)
+	if r := <-slow; r.err != nil || r.resp.GetRule() != "slow" {
+		t.Fatalf("slow call: %v %v", r.resp, r.err)
+	}
+}
+
+// TestOutcomesBecomeCheckErrors: a check's error outcome is the Connect
+// error Check would give; a check the agent never answered fails Internal;
+// indexes out of range or answered twice are ignored.
+func TestOutcomesBecomeCheckErrors(t *testing.T) {
+	gate := make(chan struct{})
+	f := &fakeAgent{answer: func(ctx context.Context, checks []*allotv1.CheckRequest, send func(...*allotv1.CheckOutcome) error) error {
+		if checks[0].GetRequestId() == "first" {
+			<-gate
+			return allowAll(ctx, checks, send)
+		}
+		var os []*allotv1.CheckOutcome
+		for i, c := range checks {
+			switch c.GetRequestId() {
+			case "bad":
+				os = append(os, &allotv1.CheckOutcome{Index: uint32(i), Error: &allotv1.CheckError{Code: "invalid_argument", Message: "cost: must not be negative"}})
+			case "odd":
+				os = append(os, &allotv1.CheckOutcome{Index: uint32(i), Error: &allotv1.CheckError{Code: "no_such_code", Message: "?"}})
+			case "twice":
+				os = append(os, &allotv1.CheckOutcome{Index: uint32(i), Response: &allotv1.CheckResponse{Allowed: true, Rule: "twice"}},
+					&allotv1.CheckOutcome{Index: uint32(i), Response: &allotv1.CheckResponse{Allowed: false, Rule: "again"}})
+			case "empty":
+				os = append(os, &allotv1.CheckOutcome{Index: uint32(i)})
+			}
+		}
+		os = append(os, &allotv1.CheckOutcome{Index: 99, Response: &allotv1.CheckResponse{}})
+		return send(os...)
+	}}
+	c := start(t, f, Config{MaxInFlight: 1, SlotHold: time.Minute})
+	out := make(chan result, 6)
+	checkAsync(context.Background(), c, "first", out)
+	for len(f.seen()) == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	for _, id := range []string{"bad", "odd", "twice", "empty", "unanswered"} {
+		checkAsync(context.Background(), c, id, out)
+	}
+	waitPending(t, c, 5)
+	close(gate)
+	got := map[string]result{}
+	for range 6 {
+		r := <-out
+		got[r.id] = r
+	}
+	want := map[string]struct {
+		code connect.Code
+		msg  string
+	}{
+		"bad":        {connect.CodeInvalidArgument, "cost: must not be negative"},
+		"odd":        {connect.CodeUnknown, "?"},
+		"empty":      {connect.CodeInternal, "neither a response nor an error"},
+		"unanswered": {connect.CodeInternal, "answered 4 of 5 checks"},
+	}
+	for id, w := range want {
+		if err := got[id].err; connect.CodeOf(err) != w.code || !strings.Contains(err.Error(), w.msg) {
+			t.Errorf("%s: %v, want %s containing %q", id, err, w.code, w.msg)
+		}
+	}
+	if r := got["twice"]; r.err != nil || !r.resp.GetAllowed() || r.resp.GetRule() != "twice" {
+		t.Errorf("twice: %v %v, want its first answer", r.resp, r.err)
+	}
+}
+
+// TestOversizedCheckFailsAlone: when the agent refuses a batch's body, the
+// client sends each half on its own, so only the oversized check fails
+// (ResourceExhausted) and its neighbours are decided.
+func TestOversizedCheckFailsAlone(t *testing.T) {
+	gate := make(chan struct{})
+	f := &fakeAgent{answer: func(ctx context.Context, checks []*allotv1.CheckRequest, send func(...*allotv1.CheckOutcome) error) error {
+		if checks[0].GetRequestId() == "first" {
+			<-gate
+		}
+		return allowAll(ctx, checks, send)
+	}}
+	c := start(t, f, Config{MaxInFlight: 1, SlotHold: time.Minute}, connect.WithReadMaxBytes(4096))
+	out := make(chan result, 6)
+	checkAsync(context.Background(), c, "first", out)
+	for len(f.seen()) == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	ids := []string{"a", "b", strings.Repeat("x", 8192), "c", "d"}
+	for _, id := range ids {
+		checkAsync(context.Background(), c, id, out)
+	}
+	waitPending(t, c, len(ids))
+	close(gate)
+	for range 6 {
+		r := <-out
+		if len(r.id) > 100 {
+			if connect.CodeOf(r.err) != connect.CodeResourceExhausted {
+				t.Errorf("oversized check: %v, want ResourceExhausted", r.err)
+			}
+			continue
+		}
+		if r.err != nil || r.resp.GetRule() != r.id {
+			t.Errorf("call %s beside the oversized one: %v %v, want decided", r.id, r.resp, r.err)
+		}
+	}
+}
+
+// TestCallerDeadlineAndClose: a caller whose context ends gets its code at
+// once though its batch is still out; after Close every call is refused.
+func TestCallerDeadlineAndClose(t *testing.T) {
+	release := make(chan struct{})
+	f := &fakeAgent{answer: func(ctx context.Context, checks []*allotv1.CheckRequest, send func(...*allotv1.CheckOutcome) error) error {
+		select {
+		case <-release:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		return allowAll(ctx, checks, send)
+	}}
+	c := start(t, f, Config{})
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	_, err := c.Check(ctx, connect.NewRequest(&allotv1.CheckRequest{RequestId: "late"}))
+	if connect.CodeOf(err) != connect.CodeDeadlineExceeded {
+		t.Fatalf("caller past its deadline: %v, want DeadlineExceeded", err)
+	}
+	cctx, ccancel := context.WithCancel(context.Background())
+	ccancel()
+	if _, err := c.Check(cctx, connect.NewRequest(&allotv1.CheckRequest{})); connect.CodeOf(err) != connect.CodeCanceled {
+		t.Fatalf("canceled caller: %v, want Canceled", err)
+	}
+	if _, err := c.Check(context.Background(), nil); connect.CodeOf(err) != connect.CodeInvalidArgument {
+		t.Fatalf("nil request: %v, want InvalidArgument", err)
+	}
+	close(release)
+	c.Close()
+	_, err = c.Check(context.Background(), connect.NewRequest(&allotv1.CheckRequest{}))
+	if connect.CodeOf(err) != connect.CodeUnavailable || !errors.Is(err, ErrClosed) {
+		t.Fatalf("after Close: %v, want Unavailable wrapping ErrClosed", err)
+	}
+}
+
+func TestConfig(t *testing.T) {
+	if _, err := New(nil, Config{}); err == nil {
+		t.Fatal("New(nil) succeeded")
+	}
+	api := allotv1connect.NewAdmissionServiceClient(http.DefaultClient, "http://127.0.0.1:1")
+	c, err := New(api, Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.cfg.MaxBatch != 64 || c.cfg.MaxInFlight != 2 || c.cfg.SlotHold != 5*time.Millisecond || c.cfg.Timeout != 10*time.Second {
+		t.Fatalf("defaults %+v", c.cfg)
+	}
+	for _, tt := range []struct {
+		cfg  Config
+		want string
+	}{
+		{Config{MaxBatch: 1025}, "MaxBatch"},
+		{Config{MaxInFlight: -1}, "MaxInFlight"},
+		{Config{SlotHold: -time.Second}, "SlotHold"},
+		{Config{Timeout: -time.Second}, "Timeout"},
+	} {
+		if _, err := New(api, tt.cfg); err == nil || !strings.Contains(err.Error(), tt.want) {
+			t.Errorf("New(%+v): %v, want an error naming %s", tt.cfg, err, tt.want)
+		}
+	}
+}
