@@ -16,6 +16,7 @@ import (
 	"go.uber.org/zap"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/allot-dev/allot/internal/gopool"
 	"github.com/allot-dev/allot/pkg/admission"
 	"github.com/allot-dev/allot/pkg/allocator"
 	"github.com/allot-dev/allot/pkg/policy"
@@ -38,6 +39,7 @@ type Agent struct {
 	leases *leases
 	dlog   *decisionLog
 	slots  *slotTable
+	items  *gopool.Pool // runs the checks of CheckBatch calls
 
 	engine  atomic.Pointer[admission.Engine]
 	applyMu sync.Mutex
@@ -45,6 +47,10 @@ type Agent struct {
 	digest  string        // guarded by applyMu
 	engOpts []admission.Option
 }
+
+// idleWorker is how long a goroutine that ran a batch's check waits for
+// another before it leaves.
+const idleWorker = 250 * time.Millisecond
 
 // New returns an agent deciding on the Redis behind rdb (which the caller
 // creates and closes), or, with WithStore and a nil rdb, on the given store.
@@ -92,6 +98,7 @@ func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) 
 		cfg: cfg, clock: o.clock, log: log, m: newMetrics(), store: store, rstore: rstore, rdb: rdb, client: client,
 		dlog:  newDecisionLog(log.Named("decisions"), cfg.DecisionLogSample, cfg.LogSalt, cfg.LogClearKeys),
 		slots: newSlotTable(cfg.MaxTrackedSlots),
+		items: gopool.New(idleWorker),
 	}
 	a.leases = newLeases(cfg.Lease, cfg.Region, client, o.clock, log, a.m, hex.EncodeToString(idb[:]),
 		newWithdrawer(rdb, cfg.Engine.Namespace), cfg.ShutdownTimeout)

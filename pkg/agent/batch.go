@@ -39,7 +39,7 @@ func (s *AdmissionService) checkBatch(ctx context.Context, api string, m *allotv
 	defer cancel() // a failed send stops the checks still waiting
 	done := make(chan *allotv1.CheckOutcome, len(checks))
 	for i, c := range checks {
-		go func() {
+		a.items.Go(func() {
 			t0 := a.now()
 			o := &allotv1.CheckOutcome{Index: uint32(i)}
 			v, err := s.check(ctx, c)
@@ -52,7 +52,7 @@ func (s *AdmissionService) checkBatch(ctx context.Context, api string, m *allotv
 			}
 			latency.Observe(a.now().Sub(t0).Seconds())
 			done <- o
-		}()
+		})
 	}
 	for left := len(checks); left > 0; {
 		msg := &allotv1.CheckBatchResponse{Outcomes: []*allotv1.CheckOutcome{<-done}}

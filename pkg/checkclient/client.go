@@ -26,6 +26,7 @@ import (
 
 	"connectrpc.com/connect"
 
+	"github.com/allot-dev/allot/internal/gopool"
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
 	"github.com/allot-dev/allot/proto/allot/v1/allotv1connect"
 )
@@ -99,6 +100,7 @@ type Client struct {
 	inflight int // batches sent and not yet answered at all
 	closed   bool
 	wg       sync.WaitGroup // batch calls under way
+	senders  *gopool.Pool   // their goroutines, reused (their stacks stay grown)
 }
 
 var _ allotv1connect.AdmissionServiceClient = (*Client)(nil)
@@ -125,7 +127,7 @@ func New(api allotv1connect.AdmissionServiceClient, cfg Config) (*Client, error)
 	if err := cfg.fill(); err != nil {
 		return nil, fmt.Errorf("checkclient: %w", err)
 	}
-	return &Client{api: api, cfg: cfg}, nil
+	return &Client{api: api, cfg: cfg, senders: gopool.New(250 * time.Millisecond)}, nil
 }
 
 // Check decides req.Msg as the agent's Check would, in a CheckBatch call
@@ -195,7 +197,7 @@ func (c *Client) dispatchLocked() {
 		c.pending = c.pending[:rest]
 		c.inflight++
 		c.wg.Add(1)
-		go c.send(batch)
+		c.senders.Go(func() { c.send(batch) })
 	}
 }
 
