@@ -9,7 +9,7 @@ import (
 // benchmarks use it to run the very same script directly through go-redis.
 func (e *Engine) ScriptCalls(req *Request) ([]ScriptCall, error) {
 	snap := e.snap.Load()
-	items, _, _, err := e.plan(snap, req, nil)
+	items, _, err := e.plan(snap, req, nil, nil)
 	if err != nil {
 		return nil, err
 	}

@@ -185,21 +185,38 @@ type group struct {
 // never an error here: each rule's fail mode decides, within
 // Config.StoreTimeout, and the decision says so.
 func (e *Engine) Decide(ctx context.Context, req *Request) (*Decision, error) {
+	b := new(decision1) // a one-rule decision is one allocation
+	b.d.Rules = b.results[:0]
+	if err := e.DecideInto(ctx, req, &b.d); err != nil {
+		return nil, err
+	}
+	return &b.d, nil
+}
+
+// DecideInto is Decide writing the decision into d, which the caller owns:
+// a gateway that reuses one Decision per worker makes no garbage for it
+// (its Rules slice is reused when it has room). Whatever d held is
+// overwritten, so release a decision's slots (HasSlots) before reusing it.
+// On error d is unspecified.
+func (e *Engine) DecideInto(ctx context.Context, req *Request, d *Decision) error {
 	if e.closed.Load() {
-		return nil, ErrClosed
+		return ErrClosed
+	}
+	if d == nil {
+		return fmt.Errorf("decision: nil: %w", ErrInvalidRequest)
 	}
 	snap := e.snap.Load()
 	var ibuf [4]item // a small decision's items stay on the stack
-	items, results, d, err := e.plan(snap, req, ibuf[:0])
+	items, results, err := e.plan(snap, req, ibuf[:0], d.Rules[:0])
 	if err != nil {
-		return nil, err
+		return err
 	}
-	*d = Decision{PolicyVersion: snap.version, Remaining: -1, Source: SourceNone, Rules: d.Rules}
+	*d = Decision{PolicyVersion: snap.version, Remaining: -1, Source: SourceNone, Rules: results}
 	e.m.decisions.Add(1)
 	if len(items) == 0 {
 		d.ID = e.newID()
 		e.m.allowed.Add(1)
-		return d, nil
+		return nil
 	}
 	now := e.clock.Now()
 	mono := e.mono(now)
@@ -218,7 +235,7 @@ func (e *Engine) Decide(ctx context.Context, req *Request) (*Decision, error) {
 				it.res.Allowed = false
 				it.res.RetryAfter = retrySeconds(retryAt, mono)
 				e.finish(d, items, results, i, Deny, it.res.RetryAfter)
-				return d, nil
+				return nil
 			}
 		}
 	}
@@ -247,7 +264,7 @@ func (e *Engine) Decide(ctx context.Context, req *Request) (*Decision, error) {
 		if outcome != Allow {
 			e.compensate(groups[:gi], items, mono)
 			e.finish(d, items, results, deny, outcome, retry)
-			return d, nil
+			return nil
 		}
 	}
 	for gi := range groups {
@@ -279,7 +296,7 @@ func (e *Engine) Decide(ctx context.Context, req *Request) (*Decision, error) {
 			}
 		}
 	}
-	return d, nil
+	return nil
 }
 
 // decision1 holds a one-rule decision and its rule result in one
@@ -290,21 +307,20 @@ type decision1 struct {
 }
 
 // plan validates req and matches it against snap. The items go into ibuf
-// when it has room. Each item's result points into the returned slice,
-// which becomes the decision's Rules; the returned decision is zero but for
-// Rules.
-func (e *Engine) plan(snap *snapshot, req *Request, ibuf []item) ([]item, []RuleResult, *Decision, error) {
+// and the rule results into rbuf when they have room. Each item's result
+// points into the returned results, which become the decision's Rules.
+func (e *Engine) plan(snap *snapshot, req *Request, ibuf []item, rbuf []RuleResult) ([]item, []RuleResult, error) {
 	if req == nil {
-		return nil, nil, nil, fmt.Errorf("request: nil: %w", ErrInvalidRequest)
+		return nil, nil, fmt.Errorf("request: nil: %w", ErrInvalidRequest)
 	}
 	hits, err := req.validate(snap.known)
 	if err != nil {
-		return nil, nil, nil, err
+		return nil, nil, err
 	}
 	var mbuf [4]policy.Matched
 	matched := snap.matcher.AppendMatch(mbuf[:0], req.Descriptors)
 	if len(matched) == 0 {
-		return nil, nil, new(Decision), nil
+		return nil, rbuf[:0], nil
 	}
 	var tenant, ip string
 	for _, en := range req.Descriptors {
@@ -322,7 +338,6 @@ func (e *Engine) plan(snap *snapshot, req *Request, ibuf []item) ([]item, []Rule
 	var (
 		items   []item
 		results []RuleResult // becomes Decision.Rules
-		d       *Decision
 	)
 	if len(matched) <= cap(ibuf) {
 		items = ibuf[:len(matched)]
@@ -330,20 +345,18 @@ func (e *Engine) plan(snap *snapshot, req *Request, ibuf []item) ([]item, []Rule
 	} else {
 		items = make([]item, len(matched))
 	}
-	if len(matched) == 1 {
-		b := new(decision1)
-		results, d = b.results[:], &b.d
+	if len(matched) <= cap(rbuf) {
+		results = rbuf[:len(matched)] // every entry is set below
 	} else {
-		results, d = make([]RuleResult, len(matched)), new(Decision)
+		results = make([]RuleResult, len(matched))
 	}
-	d.Rules = results
 	for i, m := range matched {
 		sp := snap.specs[m.Rule]
 		it := &items[i]
 		it.sp = sp
 		if sp.kind != kindSlots {
 			if hits > sp.ceiling/sp.unit {
-				return nil, nil, nil, fmt.Errorf("hits: %d x cost %d exceeds what rule %s can ever admit (%d): %w",
+				return nil, nil, fmt.Errorf("hits: %d x cost %d exceeds what rule %s can ever admit (%d): %w",
 					hits, sp.rule.Cost, sp.name, sp.ceiling/sp.unit*sp.rule.Cost, ErrBadCost)
 			}
 			it.cost = sp.unit * hits
@@ -386,7 +399,7 @@ func (e *Engine) plan(snap *snapshot, req *Request, ibuf []item) ([]item, []Rule
 			it.res.Quota, it.res.Window = sp.quota, sp.window
 		}
 	}
-	return items, results, d, nil
+	return items, results, nil
 }
 
 // groupItems appends to gs (empty, with room to spare if the caller likes)

@@ -59,7 +59,7 @@ func (e *Engine) ReleaseRequest(ctx context.Context, req *Request) (int64, error
 	if req == nil || req.RequestID == "" {
 		return 0, fmt.Errorf("request_id: required to find the slots: %w", ErrInvalidRequest)
 	}
-	items, _, _, err := e.plan(e.snap.Load(), req, nil)
+	items, _, err := e.plan(e.snap.Load(), req, nil, nil)
 	if err != nil {
 		return 0, err
 	}

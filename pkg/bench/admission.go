@@ -233,9 +233,14 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 	}
 	sha := admission.ScriptSHA()
 	base := Config{Workers: cfg.Workers, Requests: cfg.Requests, Duration: cfg.Duration, Warmup: cfg.Warmup}
+	// Each worker decides into a Decision of its own, reused call after call
+	// (Engine.DecideInto: how a gateway's hot path avoids a garbage
+	// Decision per request).
 	decide := func(e *admission.Engine) Target {
+		ds := make([]admission.Decision, cfg.Workers)
 		return func(ctx context.Context, w int, i uint64) error {
-			d, err := e.Decide(ctx, reqs[keyOf(w, i, len(reqs))])
+			d := &ds[w]
+			err := e.DecideInto(ctx, reqs[keyOf(w, i, len(reqs))], d)
 			switch {
 			case err != nil:
 				return err
