@@ -9,6 +9,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/signal"
 	"runtime"
@@ -55,6 +56,9 @@ Every mode runs -workers concurrent callers over -keys counters, bounded by
 -requests calls and -duration, after -warmup, and reports decisions/s, latency
 percentiles and Redis CPU microseconds per decision (INFO commandstats and
 INFO cpu). With -redis "" a private redis-server is started from PATH.
+When Redis runs on this machine, the admission suite holds itself to one
+CPU fewer than the machine has (-procs), leaving the single-threaded Redis
+a core of its own, as on a host of its own.
 
 Flags:
 `
@@ -82,6 +86,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	cpuprofile := fs.String("cpuprofile", "", "write a CPU profile of the benchmark client to this file")
 	memprofile := fs.String("memprofile", "", "write an allocation profile of the benchmark client to this file at the end")
 	suite := fs.String("suite", "admission", "admission: the engine's modes (a), (a'), (b); agent: the region agent's Connect (c) and Envoy RLS (d) beside the raw ceiling (a)")
+	procs := fs.Int("procs", 0, "GOMAXPROCS of this process; 0: for -suite admission one fewer than the machine's CPUs when Redis runs on this machine (a loopback address, or the private server), so that the single-threaded Redis keeps a core as on a host of its own; for -suite agent all of them (the agent's RPC servers and clients share this process)")
 	connections := fs.Int("connections", bench.DefaultAgentSuiteConfig().Connections, "agent suite: HTTP/2 connections the clients spread over")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -122,6 +127,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	} else if err := cfg.Validate(); err != nil {
 		return err
 	}
+	if *procs < 0 {
+		return fmt.Errorf("-procs: %d is negative", *procs)
+	}
+	if *procs == 0 && *suite == "admission" && localRedis(*addr) {
+		*procs = max(1, runtime.NumCPU()-1)
+	}
+	if *procs > 0 {
+		runtime.GOMAXPROCS(*procs)
+	}
 	if *addr == "" {
 		srv, err := redistest.StartServer(ctx)
 		if err != nil {
@@ -133,8 +147,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	client := redis.NewClient(&redis.Options{Addr: *addr, PoolSize: cfg.Workers})
 	defer client.Close()
 	version, _ := client.Info(ctx, "server").Result()
-	fmt.Fprintf(stdout, "allotbench: redis %s at %s, %d workers, %d keys, GOMAXPROCS %d, %s\n",
-		field(version, "redis_version"), *addr, cfg.Workers, cfg.Keys, runtime.GOMAXPROCS(0), time.Now().UTC().Format(time.RFC3339))
+	fmt.Fprintf(stdout, "allotbench: redis %s at %s, %d workers, %d keys, GOMAXPROCS %d of %d CPUs, %s\n",
+		field(version, "redis_version"), *addr, cfg.Workers, cfg.Keys, runtime.GOMAXPROCS(0), runtime.NumCPU(), time.Now().UTC().Format(time.RFC3339))
 	var (
 		figs []bench.Figure
 		err  error
@@ -153,6 +167,23 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		bench.Summarize(stdout, figs)
 	}
 	return nil
+}
+
+// localRedis reports whether Redis at addr ("" for the private server) runs
+// on this machine.
+func localRedis(addr string) bool {
+	if addr == "" {
+		return true
+	}
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false
+	}
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }
 
 func field(info, key string) string {
