@@ -36,6 +36,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -44,7 +45,9 @@ import (
 	"github.com/allot-dev/allot/pkg/policy"
 )
 
-// Decider is what the middleware needs from the engine.
+// Decider is what the middleware needs from the engine. A Decider that also
+// has the engine's DecideInto (the engine itself) decides into Decisions
+// the middleware pools, so a request allocates no Decision.
 type Decider interface {
 	// Decide answers one request.
 	Decide(ctx context.Context, req *admission.Request) (*admission.Decision, error)
@@ -53,6 +56,15 @@ type Decider interface {
 }
 
 var _ Decider = (*admission.Engine)(nil)
+
+// intoDecider is a Decider that can decide into a caller's Decision, as
+// *admission.Engine can: the middleware then reuses pooled Decisions and
+// makes no garbage Decision per request.
+type intoDecider interface {
+	DecideInto(ctx context.Context, req *admission.Request, d *admission.Decision) error
+}
+
+var _ intoDecider = (*admission.Engine)(nil)
 
 // Identity is the verified caller.
 type Identity struct {
@@ -147,6 +159,8 @@ func New(d Decider, cfg Config, opts ...Option) (func(http.Handler) http.Handler
 		opt(&o)
 	}
 	m := &middleware{d: d, cfg: cfg, o: o, log: o.logger.Named("httpmw")}
+	m.into, _ = d.(intoDecider)
+	m.pool.New = func() any { return new(admission.Decision) }
 	return m.wrap, nil
 }
 
@@ -159,21 +173,24 @@ func remoteHost(r *http.Request) string {
 }
 
 type middleware struct {
-	d   Decider
-	cfg Config
-	o   options
-	log *zap.Logger
+	d    Decider
+	into intoDecider // d, when it can decide into a pooled Decision
+	pool sync.Pool   // of *admission.Decision, when into is set
+	cfg  Config
+	o    options
+	log  *zap.Logger
 }
 
 func (m *middleware) wrap(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		id := m.o.identify(r)
 		req := m.request(r, id)
-		d, err := m.d.Decide(r.Context(), req)
+		d, err := m.decide(r.Context(), req)
 		if err != nil {
 			m.fail(w, err)
 			return
 		}
+		defer m.recycle(d) // runs last: after the handler and the slots' release
 		if id.Authenticated && m.cfg.AdvertiseLimits {
 			advertise(w.Header(), d)
 		}
@@ -189,6 +206,26 @@ func (m *middleware) wrap(next http.Handler) http.Handler {
 			reject(w, http.StatusServiceUnavailable, d.RetryAfter, body{Error: "limiter_unavailable", DecisionID: d.ID})
 		}
 	})
+}
+
+// decide asks the decider, into a pooled Decision when it can.
+func (m *middleware) decide(ctx context.Context, req *admission.Request) (*admission.Decision, error) {
+	if m.into == nil {
+		return m.d.Decide(ctx, req)
+	}
+	d := m.pool.Get().(*admission.Decision)
+	if err := m.into.DecideInto(ctx, req, d); err != nil {
+		m.pool.Put(d)
+		return nil, err
+	}
+	return d, nil
+}
+
+// recycle returns a pooled decision once nothing refers to it.
+func (m *middleware) recycle(d *admission.Decision) {
+	if m.into != nil {
+		m.pool.Put(d)
+	}
 }
 
 func (m *middleware) request(r *http.Request, id Identity) *admission.Request {

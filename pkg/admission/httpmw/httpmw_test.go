@@ -3,6 +3,7 @@ package httpmw_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -306,5 +307,77 @@ func TestBadRequest(t *testing.T) {
 	}
 	if _, err := httpmw.New(g.e, httpmw.Config{}); err == nil {
 		t.Fatal("zero config accepted")
+	}
+}
+
+// decideOnly hides the engine's DecideInto: the middleware then takes
+// Decide's fresh Decisions, as with any other Decider.
+type decideOnly struct{ e *admission.Engine }
+
+func (d decideOnly) Decide(ctx context.Context, req *admission.Request) (*admission.Decision, error) {
+	return d.e.Decide(ctx, req)
+}
+
+func (d decideOnly) Release(ctx context.Context, dec *admission.Decision) error {
+	return d.e.Release(ctx, dec)
+}
+
+// TestPooledDecisionsAnswerAsDecide: with the engine (pooled Decisions) and
+// with a Decider that only has Decide, the same requests get the same
+// statuses and headers, and the pooled path allocates less per request.
+func TestPooledDecisionsAnswerAsDecide(t *testing.T) {
+	doc, err := policy.Parse(examples.Northstar)
+	if err != nil {
+		t.Fatal(err)
+	}
+	handler := func(pooled bool) http.Handler {
+		e, err := admission.New(admission.DefaultConfig(), memStore(t), doc, 7)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { e.Close() })
+		var d httpmw.Decider = e
+		if !pooled {
+			d = decideOnly{e}
+		}
+		mw, err := httpmw.New(d, httpmw.DefaultConfig(), httpmw.WithIdentity(identify))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return auth(mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") })))
+	}
+	serve := func(h http.Handler, path, token string) *httptest.ResponseRecorder {
+		req := httptest.NewRequest("GET", path, nil)
+		req.RemoteAddr = "192.0.2.7:4000"
+		if token != "" {
+			req.Header.Set("Authorization", "Bearer "+token)
+		}
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, req)
+		return rec
+	}
+	pooled, plain := handler(true), handler(false)
+	for i := 0; i < 25; i++ { // U-17 is denied after 20 reads
+		for _, tok := range []string{"cedar/U-17", ""} {
+			a, b := serve(pooled, "/catalog", tok), serve(plain, "/catalog", tok)
+			if a.Code != b.Code || a.Header().Get("RateLimit") != b.Header().Get("RateLimit") ||
+				a.Header().Get("Retry-After") != b.Header().Get("Retry-After") {
+				t.Fatalf("read %d (token %q): pooled %d %v, plain %d %v", i, tok, a.Code, a.Header(), b.Code, b.Header())
+			}
+		}
+	}
+	if got := serve(pooled, "/catalog", "cedar/U-17").Code; got != http.StatusTooManyRequests {
+		t.Fatalf("26th read: %d, want 429", got)
+	}
+	// Allocations per allowed request (a fresh user each run, so each is allowed).
+	n := 0
+	allocs := func(h http.Handler) float64 {
+		return testing.AllocsPerRun(200, func() {
+			n++
+			serve(h, "/catalog", fmt.Sprintf("birch/u%d", n))
+		})
+	}
+	if p, q := allocs(pooled), allocs(plain); p >= q {
+		t.Fatalf("pooled path: %.0f allocations per request, Decide's path %.0f: want fewer", p, q)
 	}
 }
