@@ -118,8 +118,10 @@ type answer struct {
 }
 
 // New returns a client that sends api's CheckBatch calls. api decides the
-// transport (HTTP client, protocol, interceptors): CheckBatch streams its
-// answers, so it needs HTTP/2 with the Connect and gRPC protocols.
+// transport (HTTP client, protocol, interceptors). CheckBatch streams its
+// answers from the server only, which the Connect protocol carries over
+// HTTP/1.1 and HTTP/2 and gRPC over HTTP/2; one HTTP/2 connection serves
+// every batch best.
 func New(api allotv1connect.AdmissionServiceClient, cfg Config) (*Client, error) {
 	if api == nil {
 		return nil, errors.New("checkclient: api is nil")

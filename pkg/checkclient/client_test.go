@@ -384,3 +384,38 @@ func TestConfig(t *testing.T) {
 		}
 	}
 }
+
+// TestProtocols: CheckBatch's answers stream over the Connect protocol on
+// HTTP/1.1 and HTTP/2 and over gRPC, so the client works on each.
+func TestProtocols(t *testing.T) {
+	f := &fakeAgent{answer: allowAll}
+	mux := http.NewServeMux()
+	mux.Handle(allotv1connect.NewAdmissionServiceHandler(f))
+	srv := httptest.NewUnstartedServer(mux)
+	srv.Config.Protocols = new(http.Protocols)
+	srv.Config.Protocols.SetHTTP1(true)
+	srv.Config.Protocols.SetUnencryptedHTTP2(true)
+	srv.Start()
+	defer srv.Close()
+	h1 := &http.Client{Transport: &http.Transport{}}
+	var p http.Protocols
+	p.SetUnencryptedHTTP2(true)
+	h2 := &http.Client{Transport: &http.Transport{Protocols: &p}}
+	defer h1.CloseIdleConnections()
+	defer h2.CloseIdleConnections()
+	for name, api := range map[string]allotv1connect.AdmissionServiceClient{
+		"connect over HTTP/1.1": allotv1connect.NewAdmissionServiceClient(h1, srv.URL),
+		"connect over HTTP/2":   allotv1connect.NewAdmissionServiceClient(h2, srv.URL),
+		"gRPC":                  allotv1connect.NewAdmissionServiceClient(h2, srv.URL, connect.WithGRPC()),
+	} {
+		c, err := New(api, Config{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp, err := c.Check(context.Background(), connect.NewRequest(&allotv1.CheckRequest{RequestId: "r1"}))
+		c.Close()
+		if err != nil || resp.Msg.GetRule() != "r1" {
+			t.Errorf("%s: %v %v", name, resp, err)
+		}
+	}
+}
