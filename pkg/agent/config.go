@@ -41,8 +41,9 @@ type Config struct {
 	Store admission.RedisConfig
 	// Lease configures the lease manager.
 	Lease LeaseConfig
-	// MaxRequestBytes caps one Check, ReleaseSlot or ShouldRateLimit
-	// message; larger ones are refused with ResourceExhausted.
+	// MaxRequestBytes caps one Check, CheckBatch (the whole batch),
+	// ReleaseSlot or ShouldRateLimit message; larger ones are refused with
+	// ResourceExhausted (pkg/checkclient then splits a refused batch).
 	MaxRequestBytes int
 	// StarveWait is the longest a request denied only for lack of leased
 	// tokens waits for a renewal the agent has asked for, before it is
