@@ -80,6 +80,12 @@ func standalone(t testing.TB, mut func(*agent.Config)) (*agent.Agent, *served) {
 // same service over the gRPC listener, bad input gets the right code and a
 // message naming the field, and debits nothing.
 func TestConnectBadInputIsRefusedWithoutDebit(t *testing.T) {
+	onBothListeners(t, badInput)
+}
+
+// onBothListeners runs f against a fresh standalone agent's Connect API and,
+// in another subtest, against the same service on its gRPC listener.
+func onBothListeners(t *testing.T, f func(t *testing.T, c allotv1connect.AdmissionServiceClient)) {
 	for _, api := range []string{"connect", "grpc"} {
 		t.Run(api, func(t *testing.T) {
 			_, s := standalone(t, nil)
@@ -87,7 +93,7 @@ func TestConnectBadInputIsRefusedWithoutDebit(t *testing.T) {
 			if api == "grpc" {
 				c = s.grpc
 			}
-			badInput(t, c)
+			f(t, c)
 		})
 	}
 }
