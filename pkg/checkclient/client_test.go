@@ -115,29 +115,51 @@ func waitPending(t *testing.T, c *Client, n int) {
 	}
 }
 
+// queueBehindFirst runs a client with one slot (MaxInFlight 1, a long
+// SlotHold, and maxBatch) against f: its first call, "first", is held by
+// the agent until ids have all queued behind it, then answered by
+// allowAll, and the queued calls are answered by f.answer. It returns the
+// channel every call's result arrives on, "first" included.
+func queueBehindFirst(t *testing.T, f *fakeAgent, maxBatch int, opts []connect.HandlerOption, ids ...string) <-chan result {
+	t.Helper()
+	gate := make(chan struct{})
+	rest := f.answer
+	f.answer = func(ctx context.Context, checks []*allotv1.CheckRequest, send func(...*allotv1.CheckOutcome) error) error {
+		if checks[0].GetRequestId() == "first" {
+			<-gate
+			return allowAll(ctx, checks, send)
+		}
+		return rest(ctx, checks, send)
+	}
+	c := start(t, f, Config{MaxInFlight: 1, MaxBatch: maxBatch, SlotHold: time.Minute}, opts...)
+	out := make(chan result, 1+len(ids))
+	checkAsync(context.Background(), c, "first", out)
+	for len(f.seen()) == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	for _, id := range ids {
+		checkAsync(context.Background(), c, id, out)
+	}
+	waitPending(t, c, len(ids))
+	close(gate)
+	return out
+}
+
+// letters returns n request ids, "a", "b", ...
+func letters(n int) []string {
+	ids := make([]string, n)
+	for i := range ids {
+		ids[i] = string(rune('a' + i))
+	}
+	return ids
+}
+
 // TestCallsThatWaitGoTogether: a lone call goes at once; the calls that
 // arrive while the only slot is taken go in one batch when it frees, and
 // each caller gets its own answer.
 func TestCallsThatWaitGoTogether(t *testing.T) {
-	gate := make(chan struct{})
-	f := &fakeAgent{answer: func(ctx context.Context, checks []*allotv1.CheckRequest, send func(...*allotv1.CheckOutcome) error) error {
-		if checks[0].GetRequestId() == "first" {
-			<-gate
-		}
-		return allowAll(ctx, checks, send)
-	}}
-	c := start(t, f, Config{MaxInFlight: 1, SlotHold: time.Minute})
-	ctx := context.Background()
-	out := make(chan result, 11)
-	checkAsync(ctx, c, "first", out)
-	for len(f.seen()) == 0 {
-		time.Sleep(time.Millisecond)
-	}
-	for i := range 10 {
-		checkAsync(ctx, c, string(rune('a'+i)), out)
-	}
-	waitPending(t, c, 10)
-	close(gate)
+	f := &fakeAgent{answer: allowAll}
+	out := queueBehindFirst(t, f, 0, nil, letters(10)...)
 	for range 11 {
 		r := <-out
 		if r.err != nil || !r.resp.GetAllowed() || r.resp.GetRule() != r.id {
@@ -151,24 +173,8 @@ func TestCallsThatWaitGoTogether(t *testing.T) {
 
 // TestMaxBatchSplitsWaitingCalls: at most MaxBatch checks go per call.
 func TestMaxBatchSplitsWaitingCalls(t *testing.T) {
-	gate := make(chan struct{})
-	f := &fakeAgent{answer: func(ctx context.Context, checks []*allotv1.CheckRequest, send func(...*allotv1.CheckOutcome) error) error {
-		if checks[0].GetRequestId() == "first" {
-			<-gate
-		}
-		return allowAll(ctx, checks, send)
-	}}
-	c := start(t, f, Config{MaxInFlight: 1, MaxBatch: 4, SlotHold: time.Minute})
-	out := make(chan result, 11)
-	checkAsync(context.Background(), c, "first", out)
-	for len(f.seen()) == 0 {
-		time.Sleep(time.Millisecond)
-	}
-	for i := range 10 {
-		checkAsync(context.Background(), c, string(rune('a'+i)), out)
-	}
-	waitPending(t, c, 10)
-	close(gate)
+	f := &fakeAgent{answer: allowAll}
+	out := queueBehindFirst(t, f, 4, nil, letters(10)...)
 	for range 11 {
 		if r := <-out; r.err != nil || r.resp.GetRule() != r.id {
 			t.Fatalf("call %s: %v %v", r.id, r.resp, r.err)
@@ -228,12 +234,7 @@ func TestSlowBatchFreesItsSlot(t *testing.T) {
 // error Check would give; a check the agent never answered fails Internal;
 // indexes out of range or answered twice are ignored.
 func TestOutcomesBecomeCheckErrors(t *testing.T) {
-	gate := make(chan struct{})
-	f := &fakeAgent{answer: func(ctx context.Context, checks []*allotv1.CheckRequest, send func(...*allotv1.CheckOutcome) error) error {
-		if checks[0].GetRequestId() == "first" {
-			<-gate
-			return allowAll(ctx, checks, send)
-		}
+	f := &fakeAgent{answer: func(_ context.Context, checks []*allotv1.CheckRequest, send func(...*allotv1.CheckOutcome) error) error {
 		var os []*allotv1.CheckOutcome
 		for i, c := range checks {
 			switch c.GetRequestId() {
@@ -251,17 +252,7 @@ func TestOutcomesBecomeCheckErrors(t *testing.T) {
 		os = append(os, &allotv1.CheckOutcome{Index: 99, Response: &allotv1.CheckResponse{}})
 		return send(os...)
 	}}
-	c := start(t, f, Config{MaxInFlight: 1, SlotHold: time.Minute})
-	out := make(chan result, 6)
-	checkAsync(context.Background(), c, "first", out)
-	for len(f.seen()) == 0 {
-		time.Sleep(time.Millisecond)
-	}
-	for _, id := range []string{"bad", "odd", "twice", "empty", "unanswered"} {
-		checkAsync(context.Background(), c, id, out)
-	}
-	waitPending(t, c, 5)
-	close(gate)
+	out := queueBehindFirst(t, f, 0, nil, "bad", "odd", "twice", "empty", "unanswered")
 	got := map[string]result{}
 	for range 6 {
 		r := <-out
@@ -290,25 +281,9 @@ func TestOutcomesBecomeCheckErrors(t *testing.T) {
 // client sends each half on its own, so only the oversized check fails
 // (ResourceExhausted) and its neighbours are decided.
 func TestOversizedCheckFailsAlone(t *testing.T) {
-	gate := make(chan struct{})
-	f := &fakeAgent{answer: func(ctx context.Context, checks []*allotv1.CheckRequest, send func(...*allotv1.CheckOutcome) error) error {
-		if checks[0].GetRequestId() == "first" {
-			<-gate
-		}
-		return allowAll(ctx, checks, send)
-	}}
-	c := start(t, f, Config{MaxInFlight: 1, SlotHold: time.Minute}, connect.WithReadMaxBytes(4096))
-	out := make(chan result, 6)
-	checkAsync(context.Background(), c, "first", out)
-	for len(f.seen()) == 0 {
-		time.Sleep(time.Millisecond)
-	}
-	ids := []string{"a", "b", strings.Repeat("x", 8192), "c", "d"}
-	for _, id := range ids {
-		checkAsync(context.Background(), c, id, out)
-	}
-	waitPending(t, c, len(ids))
-	close(gate)
+	f := &fakeAgent{answer: allowAll}
+	out := queueBehindFirst(t, f, 0, []connect.HandlerOption{connect.WithReadMaxBytes(4096)},
+		"a", "b", strings.Repeat("x", 8192), "c", "d")
 	for range 6 {
 		r := <-out
 		if len(r.id) > 100 {
