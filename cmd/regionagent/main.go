@@ -66,6 +66,7 @@ func run(ctx context.Context, args []string) error {
 	fs.StringVar(&redisAddr, "redis", "127.0.0.1:6379", "the region's Redis address")
 	fs.IntVar(&memoryKeys, "memory-keys", admission.DefaultMemoryConfig().MaxKeys, "most keys the embedded store holds")
 	fs.IntVar(&redisPoolSize, "redis-pool", 64, "Redis connections")
+	fs.StringVar(&cfg.Store.StateForm, "redis-state", cfg.Store.StateForm, "form counters are written in: binary, or text while gateways of builds that read only text share the Redis")
 	fs.StringVar(&cfg.DataDir, "data-dir", "", "directory for the last-known-good policy")
 	fs.StringVar(&cfg.PolicyFile, "policy", "", "policy file in force (as version 0) until the allocator's arrives")
 	fs.StringVar(&apiAddr, "api-addr", "127.0.0.1:8081", "Connect API, /metrics, /healthz, /readyz address")

@@ -128,6 +128,11 @@ func TestConfigValidate(t *testing.T) {
 	if err := admission.DefaultRedisConfig().Validate(); err != nil {
 		t.Fatal(err)
 	}
+	rc := admission.DefaultRedisConfig()
+	rc.StateForm = "json"
+	if err := rc.Validate(); err == nil || !strings.Contains(err.Error(), `StateForm must be "binary" or "text", got "json"`) {
+		t.Fatalf("StateForm json: %v", err)
+	}
 }
 
 // FuzzDecide: arbitrary descriptors never panic; they either decide or fail

@@ -18,6 +18,8 @@ func (e *Engine) ScriptCalls(req *Request) ([]ScriptCall, error) {
 	if member == "" {
 		member = id
 	}
+	rs, _ := e.store.(*RedisStore)
+	text := rs != nil && rs.cfg.StateForm == StateText
 	var out []ScriptCall
 	for _, g := range groupItems(nil, items) {
 		if g.local {
@@ -25,7 +27,7 @@ func (e *Engine) ScriptCalls(req *Request) ([]ScriptCall, error) {
 		}
 		o := e.decideOp(&g, items, req, id, member, time.Time{})
 		o.now = 0
-		out = append(out, ScriptCall{Keys: o.keys, Args: o.args()})
+		out = append(out, ScriptCall{Keys: o.keys, Args: o.args(text)})
 	}
 	return out, nil
 }

@@ -53,6 +53,19 @@
 // server or a Redis Cluster. A conformance suite runs the same tests on all
 // three. RedisStore batches concurrent calls into pipelines.
 //
+// # Counter state
+//
+// A bucket or a window is one Redis string. RedisStore writes it in a
+// binary form (25 bytes: a tag and three numbers) and reads both that and
+// the decimal text ("tokens:stamp:expiry", "index:count[:prev]") that builds
+// before the binary form wrote and read; parsing and formatting text cost
+// the script about a microsecond per rule. Upgrading gateways that share a
+// Redis with such older builds takes two steps: roll out the new build with
+// RedisConfig.StateForm = StateText (regionagent -redis-state text), so
+// every gateway reads both forms and all still write text; then switch to
+// StateBinary. An older script meeting binary state fails that rule's call,
+// and its fail mode decides.
+//
 // # Latency and the Go collector
 //
 // A Redis-backed decision allocates about 1.3 KB (one rule) on the caller's

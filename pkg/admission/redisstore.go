@@ -46,10 +46,25 @@ type RedisConfig struct {
 	// when the client does not time out by itself. Callers give up earlier,
 	// at their own deadline.
 	PipelineTimeout time.Duration
+	// StateForm is how buckets and windows are written: StateBinary (the
+	// default) or StateText. Both are always read.
+	StateForm string
 }
 
+// The forms of counter state in Redis (RedisConfig.StateForm).
+const (
+	// StateBinary writes a bucket or a window as 25 bytes (a tag and three
+	// numbers), which costs the script ~1 µs less per rule than text.
+	StateBinary = "binary"
+	// StateText writes decimal text ("tokens:stamp:expiry"), the only form
+	// builds before StateBinary read. Keep it while such gateways share the
+	// Redis, then switch (package doc, "Counter state").
+	StateText = "text"
+)
+
 // DefaultRedisConfig returns batches of up to 16 calls, 4 pipelines in
-// flight, no added delay, 4096 pending calls and a 1 s pipeline timeout.
+// flight, no added delay, 4096 pending calls, a 1 s pipeline timeout and
+// binary counter state.
 func DefaultRedisConfig() RedisConfig {
 	return RedisConfig{
 		BatchSize:       16,
@@ -57,6 +72,7 @@ func DefaultRedisConfig() RedisConfig {
 		MaxPipelines:    4,
 		MaxPending:      4096,
 		PipelineTimeout: time.Second,
+		StateForm:       StateBinary,
 	}
 }
 
@@ -77,6 +93,9 @@ func (c RedisConfig) Validate() error {
 	}
 	if c.PipelineTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("PipelineTimeout must be positive, got %s", c.PipelineTimeout))
+	}
+	if c.StateForm != StateBinary && c.StateForm != StateText {
+		errs = append(errs, fmt.Errorf("StateForm must be %q or %q, got %q", StateBinary, StateText, c.StateForm))
 	}
 	if len(errs) > 0 {
 		return fmt.Errorf("redis store config: %w", errors.Join(errs...))
@@ -247,7 +266,7 @@ func (s *RedisStore) exec(batch []*op) {
 		for _, k := range o.keys {
 			c.args = append(c.args, k)
 		}
-		c.args = o.appendArgs(c.args)
+		c.args = o.appendArgs(c.args, s.cfg.StateForm == StateText)
 		c.cmd = evalCmd(ctx, c.args)
 		_ = pipe.Process(ctx, c.cmd)
 	}

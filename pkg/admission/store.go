@@ -123,10 +123,11 @@ type op struct {
 func (o *op) finish() { o.done <- struct{}{} }
 
 // args encodes o's ARGV for the script.
-func (o *op) args() []any { return o.appendArgs(nil) }
+func (o *op) args(text bool) []any { return o.appendArgs(nil, text) }
 
-// appendArgs appends o's ARGV for the script to a.
-func (o *op) appendArgs(a []any) []any {
+// appendArgs appends o's ARGV for the script to a; text asks a decide or a
+// refund to write counter state in the text form (RedisConfig.StateForm).
+func (o *op) appendArgs(a []any, text bool) []any {
 	switch o.code {
 	case opDecide, opRefund:
 		a = slices.Grow(a, 7+len(o.rules))
@@ -134,7 +135,11 @@ func (o *op) appendArgs(a []any) []any {
 		if o.member == o.id {
 			member = id // box the string once
 		}
-		a = append(a, opName(o.code), o.now, id, member, o.idemTTL, len(o.rules), o.strKeys)
+		name := opName(o.code)
+		if text {
+			name = textOpName(o.code)
+		}
+		a = append(a, name, o.now, id, member, o.idemTTL, len(o.rules), o.strKeys)
 		for _, r := range o.rules {
 			if b := r.box; b != nil && r.c == b.unit && r.key >= 2 && r.key-2 < len(b.byKey) {
 				a = append(a, b.byKey[r.key-2])
@@ -187,6 +192,15 @@ func (c ScriptCall) String() string {
 		}
 	}
 	return s
+}
+
+// textOpName returns ARGV[1] of a decide or a refund that writes counter
+// state in the text form.
+func textOpName(code byte) any {
+	if code == opRefund {
+		return "R"
+	}
+	return "D"
 }
 
 // opName returns the operation's ARGV[1] as a constant string, which boxes

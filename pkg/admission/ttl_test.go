@@ -2,7 +2,6 @@ package admission_test
 
 import (
 	"context"
-	"strings"
 	"testing"
 	"time"
 )
@@ -46,8 +45,10 @@ rules:
 						t.Fatalf("request %d denied", i)
 					}
 					v, ttl := pttl()
-					if f := strings.Split(v, ":"); len(f) != 3 {
-						t.Fatalf("bucket value %q: want tokens:stamp:expiry", v)
+					if tokens, stamp, expiry := decodeBucket(t, v); tokens != float64(20-i)*1000 || stamp != float64(t0.UnixMilli()) ||
+						time.Duration(expiry-stamp)*time.Millisecond < ttl {
+						t.Fatalf("request %d: bucket (%v millitokens, stamp %v, expiry %v), want %d tokens at t0 and an expiry past the key's TTL %s",
+							i, tokens, stamp, expiry, 20-i, ttl)
 					}
 					refill := time.Duration(rule(t, d, "read").Reset) * time.Second
 					if ttl < refill+time.Second-500*time.Millisecond {

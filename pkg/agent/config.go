@@ -37,7 +37,8 @@ type Config struct {
 	// negative cache off: a pool denied for lack of leased tokens must be
 	// spendable the moment a renewal lands (see doc.go).
 	Engine admission.Config
-	// Store configures the Redis store's auto-batcher.
+	// Store configures the Redis store: its auto-batcher and the form of
+	// counter state it writes.
 	Store admission.RedisConfig
 	// Lease configures the lease manager.
 	Lease LeaseConfig
