@@ -53,6 +53,7 @@ func run(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.NodeID, "id", "", "Raft server ID of this node (unique, stable)")
 	fs.StringVar(&cfg.RaftAddr, "raft-addr", "127.0.0.1:7001", "Raft transport address (bind and advertise)")
 	fs.StringVar(&cfg.APIAddr, "api-addr", "127.0.0.1:8001", "Connect API address")
+	fs.StringVar(&ro.GRPCAddr, "grpc-addr", "", "also serve Acquire and Release on grpc-go at this address (region agents' -allocators-grpc); empty: off")
 	fs.StringVar(&cfg.DataDir, "data-dir", "", "directory for the Raft log, stable store and snapshots")
 	fs.BoolVar(&cfg.Bootstrap, "bootstrap", false, "bootstrap a new cluster from -peer when the data dir is empty")
 	fs.Var(&peers, "peer", "initial member id=raft_addr=api_addr (repeat; include this node)")

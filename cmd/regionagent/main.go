@@ -51,6 +51,7 @@ func run(ctx context.Context, args []string) error {
 	cfg := agent.DefaultConfig()
 	var (
 		allocators, clearKeys string
+		allocatorsGRPC        string
 		redisAddr, apiAddr    string
 		envoyAddr, storeKind  string
 		redisPoolSize         int
@@ -62,6 +63,7 @@ func run(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("regionagent", flag.ContinueOnError)
 	fs.StringVar(&cfg.Region, "region", "", "region this agent leases for (one of the policy's regions)")
 	fs.StringVar(&allocators, "allocators", "", "comma-separated allocator API addresses (empty: standalone on -policy)")
+	fs.StringVar(&allocatorsGRPC, "allocators-grpc", "", "comma-separated allocator gRPC addresses (allocator -grpc-addr) for Acquire and Release; empty: the Connect API")
 	fs.StringVar(&storeKind, "store", "redis", "where counters live: redis (-redis) or embedded (in this process; one agent per region)")
 	fs.StringVar(&redisAddr, "redis", "127.0.0.1:6379", "the region's Redis address")
 	fs.IntVar(&memoryKeys, "memory-keys", admission.DefaultMemoryConfig().MaxKeys, "most keys the embedded store holds")
@@ -95,6 +97,9 @@ func run(ctx context.Context, args []string) error {
 	fs.Var(&logLevel, "log-level", "log level: debug, info, warn, error")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if allocatorsGRPC != "" {
+		cfg.AllocatorGRPCEndpoints = strings.Split(allocatorsGRPC, ",")
 	}
 	if allocators != "" {
 		cfg.AllocatorEndpoints = strings.Split(allocators, ",")

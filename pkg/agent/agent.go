@@ -36,6 +36,7 @@ type Agent struct {
 	rstore *admission.RedisStore // the store New made on rdb; nil with WithStore
 	rdb    redis.UniversalClient // nil with WithStore
 	client *allocator.Client
+	owned  bool // client was made by New (and is closed by Run)
 	leases *leases
 	dlog   *decisionLog
 	slots  *slotTable
@@ -88,14 +89,19 @@ func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) 
 		}
 		store = rstore
 	}
-	client := o.client
+	client, owned := o.client, false
 	if client == nil && len(cfg.AllocatorEndpoints) > 0 {
-		if client, err = allocator.NewClient(cfg.AllocatorEndpoints); err != nil {
+		var copts []allocator.ClientOption
+		if len(cfg.AllocatorGRPCEndpoints) > 0 {
+			copts = append(copts, allocator.WithGRPCEndpoints(cfg.AllocatorGRPCEndpoints...))
+		}
+		if client, err = allocator.NewClient(cfg.AllocatorEndpoints, copts...); err != nil {
 			return nil, err
 		}
+		owned = true
 	}
 	a := &Agent{
-		cfg: cfg, clock: o.clock, log: log, m: newMetrics(), store: store, rstore: rstore, rdb: rdb, client: client,
+		cfg: cfg, clock: o.clock, log: log, m: newMetrics(), store: store, rstore: rstore, rdb: rdb, client: client, owned: owned,
 		dlog:  newDecisionLog(log.Named("decisions"), cfg.DecisionLogSample, cfg.LogSalt, cfg.LogClearKeys),
 		slots: newSlotTable(cfg.MaxTrackedSlots),
 		items: gopool.New(idleWorker),
@@ -245,6 +251,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	if a.rstore != nil {
 		err = errors.Join(err, a.rstore.Close())
+	}
+	if a.owned {
+		a.client.Close()
 	}
 	return err
 }

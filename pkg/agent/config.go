@@ -26,6 +26,11 @@ type Config struct {
 	// standalone on PolicyFile: no policy watch and no leases, so a global
 	// quota spends only its fallback allowance and then answers unavailable.
 	AllocatorEndpoints []string
+	// AllocatorGRPCEndpoints, when set, are the allocator nodes' gRPC
+	// listeners (allocator -grpc-addr): Acquire and Release go there over
+	// grpc-go, the cheaper transport, while the policy watch stays on
+	// AllocatorEndpoints. It needs AllocatorEndpoints.
+	AllocatorGRPCEndpoints []string
 	// DataDir holds the last-known-good policy (policy.json), so a restarted
 	// agent decides under the version it last accepted even when the
 	// allocator is unreachable. Empty keeps it in memory only.
@@ -195,6 +200,14 @@ func (c Config) Validate() error {
 		if e == "" {
 			bad("AllocatorEndpoints[%d] is empty", i)
 		}
+	}
+	for i, e := range c.AllocatorGRPCEndpoints {
+		if e == "" {
+			bad("AllocatorGRPCEndpoints[%d] is empty", i)
+		}
+	}
+	if len(c.AllocatorGRPCEndpoints) > 0 && len(c.AllocatorEndpoints) == 0 {
+		bad("AllocatorGRPCEndpoints needs AllocatorEndpoints (the policy watch uses the Connect API)")
 	}
 	if err := c.Engine.Validate(); err != nil {
 		bad("Engine: %w", err)

@@ -31,6 +31,11 @@ func TestConfigValidate(t *testing.T) {
 	}{
 		{"no region", func(c *agent.Config) { c.Region = "" }, "Region"},
 		{"empty endpoint", func(c *agent.Config) { c.AllocatorEndpoints = []string{""} }, "AllocatorEndpoints[0]"},
+		{"empty gRPC endpoint", func(c *agent.Config) { c.AllocatorGRPCEndpoints = []string{"127.0.0.1:9001", ""} }, "AllocatorGRPCEndpoints[1]"},
+		{"gRPC endpoints alone", func(c *agent.Config) {
+			c.AllocatorEndpoints, c.AllocatorGRPCEndpoints = nil, []string{"127.0.0.1:9001"}
+		}, "AllocatorGRPCEndpoints needs AllocatorEndpoints"},
+		{"state form", func(c *agent.Config) { c.Store.StateForm = "json" }, "StateForm"},
 		{"engine", func(c *agent.Config) { c.Engine.StoreTimeout = 0 }, "StoreTimeout"},
 		{"store", func(c *agent.Config) { c.Store.BatchSize = 0 }, "BatchSize"},
 		{"tick", func(c *agent.Config) { c.Lease.Tick = 0 }, "Tick"},

@@ -528,6 +528,7 @@ type cluster struct {
 
 type clusterNode struct {
 	cfg    allocator.Config
+	grpc   string // the node's gRPC listener (RunOptions.GRPCAddr)
 	cancel context.CancelFunc
 	done   chan error
 }
@@ -548,6 +549,10 @@ func startCluster(t testing.TB, n int) *cluster {
 		if err != nil {
 			t.Fatal(err)
 		}
+		grpcAddr, err := topology.FreePort("127.0.0.1")
+		if err != nil {
+			t.Fatal(err)
+		}
 		cfg := allocator.DefaultConfig()
 		cfg.NodeID = fmt.Sprintf("a%d", i+1)
 		cfg.RaftAddr, cfg.APIAddr = raftAddr, apiAddr
@@ -560,7 +565,7 @@ func startCluster(t testing.TB, n int) *cluster {
 		cfg.MaxLeaderSkew = 10 * time.Millisecond
 		cfg.MaxOneWayDelay = 10 * time.Millisecond
 		peers = append(peers, allocator.Peer{ID: cfg.NodeID, RaftAddr: raftAddr, APIAddr: apiAddr})
-		c.nodes = append(c.nodes, &clusterNode{cfg: cfg})
+		c.nodes = append(c.nodes, &clusterNode{cfg: cfg, grpc: grpcAddr})
 	}
 	for _, nd := range c.nodes {
 		nd.cfg.Peers = peers
@@ -574,9 +579,9 @@ func startCluster(t testing.TB, n int) *cluster {
 func (c *cluster) start(nd *clusterNode) {
 	ctx, cancel := context.WithCancel(context.Background())
 	nd.cancel, nd.done = cancel, make(chan error, 1)
-	cfg := nd.cfg
+	cfg, ro := nd.cfg, allocator.RunOptions{ShutdownGrace: time.Second, GRPCAddr: nd.grpc}
 	go func() {
-		nd.done <- allocator.Run(ctx, cfg, allocator.RunOptions{ShutdownGrace: time.Second}, zap.NewNop())
+		nd.done <- allocator.Run(ctx, cfg, ro, zap.NewNop())
 	}()
 }
 
@@ -601,6 +606,15 @@ func (c *cluster) endpoints() []string {
 	var out []string
 	for _, nd := range c.nodes {
 		out = append(out, nd.cfg.APIAddr)
+	}
+	return out
+}
+
+// grpcEndpoints are the nodes' gRPC listeners, in node order.
+func (c *cluster) grpcEndpoints() []string {
+	var out []string
+	for _, nd := range c.nodes {
+		out = append(out, nd.grpc)
 	}
 	return out
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"net"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -14,6 +15,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/allot-dev/allot/pkg/agent"
+	"github.com/allot-dev/allot/pkg/faultproxy"
 	"github.com/allot-dev/allot/pkg/policy"
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
 )
@@ -443,6 +445,53 @@ func TestFollowsTheAllocatorLeader(t *testing.T) {
 	c.publish(doc, 1)
 	cfg := testConfig("eu", c.endpoints()...)
 	a := runAgent(t, newAgent(t, cfg, rdb))
+	followLeader(t, c, a)
+}
+
+// TestFollowsTheAllocatorLeaderOverGRPC is the same with the agent's own
+// allocator client sending Acquire and Release to the nodes' gRPC
+// listeners (AllocatorGRPCEndpoints), through proxies that show the
+// traffic took that route.
+func TestFollowsTheAllocatorLeaderOverGRPC(t *testing.T) {
+	rdb := sharedRedis(t)
+	c := startCluster(t, 3)
+	doc := quotasPolicy(t, "5", "30s", "1h", 0, "closed")
+	c.publish(doc, 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var proxies []*faultproxy.Proxy
+	cfg := testConfig("eu", c.endpoints()...)
+	for _, addr := range c.grpcEndpoints() {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := faultproxy.New(ln, func(ctx context.Context) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "tcp", addr)
+		}, faultproxy.Config{}, 1)
+		go func() { _ = p.Run(ctx) }()
+		proxies = append(proxies, p)
+		cfg.AllocatorGRPCEndpoints = append(cfg.AllocatorGRPCEndpoints, p.Addr().String())
+	}
+	ag, err := agent.New(cfg, rdb, agent.WithLogger(testLogger(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := runAgent(t, ag)
+	followLeader(t, c, a)
+	var chunks int64
+	for _, p := range proxies {
+		chunks += p.Stats().Chunks
+	}
+	if chunks == 0 {
+		t.Fatal("no Acquire went through the gRPC listeners")
+	}
+}
+
+// followLeader checks that a's renewals continue when c's leader stops.
+func followLeader(t *testing.T, c *cluster, a *running) {
+	t.Helper()
 	waitFor(t, 10*time.Second, "policy v1", func() bool { return a.PolicyVersion() == 1 })
 	if v := mustCheck(t, a.Agent, tenant("a")); !v.Allowed {
 		t.Fatalf("before the failover: %+v", v)

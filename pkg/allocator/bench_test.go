@@ -23,11 +23,13 @@ import (
 )
 
 // BenchmarkAllocator measures, in one run on the same machine, Acquire through
-// a 3-node loopback cluster (BoltDB with fsync, TCP transport, Connect over
-// h2c) and, as the ceiling, a bare hashicorp/raft Apply loop on the same
-// stores and transport with a no-op FSM, and between the two the same
-// Acquires proposed straight to the leader's Node (node-apply: group commit
-// and FSM without the API). Run it with:
+// a 3-node loopback cluster (BoltDB with fsync, TCP transport) on the
+// Connect API over h2c (acquire) and on the gRPC listener over grpc-go
+// (acquire-grpc, what agents with -allocators-grpc use) and, as the
+// ceiling, a bare hashicorp/raft Apply loop on the same stores and
+// transport with a no-op FSM, and between the two the same Acquires
+// proposed straight to the leader's Node (node-apply: group commit and FSM
+// without the API). Run it with:
 //
 //	go test -run '^$' -bench BenchmarkAllocator -benchtime 3s ./pkg/allocator
 func BenchmarkAllocator(b *testing.B) {
@@ -40,7 +42,10 @@ func BenchmarkAllocator(b *testing.B) {
 		})
 		for _, batch := range []int{1, 100} {
 			b.Run(fmt.Sprintf("acquire/batch=%d/callers=%d", batch, callers), func(b *testing.B) {
-				benchAcquire(b, batch, callers)
+				benchAcquire(b, batch, callers, false)
+			})
+			b.Run(fmt.Sprintf("acquire-grpc/batch=%d/callers=%d", batch, callers), func(b *testing.B) {
+				benchAcquire(b, batch, callers, true)
 			})
 		}
 	}
@@ -112,7 +117,8 @@ func freeAddr(b *testing.B) string {
 type benchCluster struct {
 	nodes   []*allocator.Node
 	servers []func()
-	addrs   []string
+	addrs   []string // the leader's Connect API
+	grpc    []string // the leader's gRPC listener
 }
 
 var benchCommitDelay = flag.Duration("bench.commit-delay", allocator.DefaultConfig().CommitDelay, "BenchmarkAllocator: the nodes' Config.CommitDelay")
@@ -125,7 +131,8 @@ func startBenchCluster(b *testing.B) *benchCluster {
 		peers = append(peers, allocator.Peer{ID: fmt.Sprintf("b%d", i), RaftAddr: freeAddr(b), APIAddr: freeAddr(b)})
 	}
 	bc := &benchCluster{}
-	for _, p := range peers {
+	grpcAddrs := make([]string, len(peers))
+	for i, p := range peers {
 		cfg := allocator.DefaultConfig()
 		cfg.NodeID, cfg.RaftAddr, cfg.APIAddr = p.ID, p.RaftAddr, p.APIAddr
 		cfg.DataDir = filepath.Join(dir, p.ID)
@@ -139,10 +146,18 @@ func startBenchCluster(b *testing.B) *benchCluster {
 		if err != nil {
 			b.Fatal(err)
 		}
-		srv := allocator.HTTPServer(p.APIAddr, allocator.Mux(allocator.NewServer(n, nil, allocator.NewMetrics(nil)), nil))
+		api := allocator.NewServer(n, nil, allocator.NewMetrics(nil))
+		srv := allocator.HTTPServer(p.APIAddr, allocator.Mux(api, nil))
 		go func() { _ = srv.Serve(ln) }()
+		gln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			b.Fatal(err)
+		}
+		g := allocator.NewGRPCServer(api)
+		go func() { _ = g.Serve(gln) }()
+		grpcAddrs[i] = gln.Addr().String()
 		bc.nodes = append(bc.nodes, n)
-		bc.servers = append(bc.servers, func() { _ = srv.Close() })
+		bc.servers = append(bc.servers, func() { _ = srv.Close() }, g.Stop)
 	}
 	b.Cleanup(func() {
 		for _, s := range bc.servers {
@@ -157,6 +172,7 @@ func startBenchCluster(b *testing.B) *benchCluster {
 		for i, n := range bc.nodes {
 			if n.IsLeader() {
 				bc.addrs = []string{peers[i].APIAddr}
+				bc.grpc = []string{grpcAddrs[i]}
 				return bc
 			}
 		}
@@ -185,12 +201,17 @@ func benchPolicy(quotas int) string {
 	return sb.String()
 }
 
-func benchAcquire(b *testing.B, batch, callers int) {
+func benchAcquire(b *testing.B, batch, callers int, overGRPC bool) {
 	bc := startBenchCluster(b)
-	client, err := allocator.NewClient(bc.addrs)
+	var opts []allocator.ClientOption
+	if overGRPC {
+		opts = append(opts, allocator.WithGRPCEndpoints(bc.grpc...))
+	}
+	client, err := allocator.NewClient(bc.addrs, opts...)
 	if err != nil {
 		b.Fatal(err)
 	}
+	defer client.Close()
 	ctx := context.Background()
 	if _, err := client.Operator().PublishPolicy(ctx, &allotv1.PublishPolicyRequest{Document: []byte(benchPolicy(100)), ExpectedVersion: 1, Author: "bench", Reason: "bench"}); err != nil {
 		b.Fatal(err)

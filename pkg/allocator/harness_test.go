@@ -11,6 +11,7 @@ import (
 
 	"github.com/hashicorp/raft"
 	"go.uber.org/zap/zaptest"
+	"google.golang.org/grpc"
 
 	"github.com/allot-dev/allot/fsm"
 )
@@ -23,7 +24,9 @@ type testCluster struct {
 	nodes   []*Node
 	trans   []*raft.InmemTransport
 	servers []*http.Server
+	grpcs   []*grpc.Server
 	addrs   []string
+	gaddrs  []string // each node's gRPC listener (NewGRPCServer)
 	clock   *fakeClock
 }
 
@@ -90,15 +93,27 @@ func (tc *testCluster) startNode(cfg Config, tr *raft.InmemTransport, store *raf
 	if err != nil {
 		tc.t.Fatal(err)
 	}
-	srv := HTTPServer(cfg.APIAddr, Mux(NewServer(node, zaptest.NewLogger(tc.t), m), nil))
+	api := NewServer(node, zaptest.NewLogger(tc.t), m)
+	srv := HTTPServer(cfg.APIAddr, Mux(api, nil))
 	go func() { _ = srv.Serve(ln) }()
 	tc.servers = append(tc.servers, srv)
+	gln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tc.t.Fatal(err)
+	}
+	g := NewGRPCServer(api)
+	go func() { _ = g.Serve(gln) }()
+	tc.grpcs = append(tc.grpcs, g)
+	tc.gaddrs = append(tc.gaddrs, gln.Addr().String())
 	return node
 }
 
 func (tc *testCluster) close() {
 	for _, s := range tc.servers {
 		_ = s.Close()
+	}
+	for _, g := range tc.grpcs {
+		g.Stop()
 	}
 	for _, n := range tc.nodes {
 		if n != nil {

@@ -544,3 +544,81 @@ func freePort(t *testing.T) string {
 	}
 	return a
 }
+
+// TestProcessGRPCListener runs Acquire and Release on the processes'
+// -grpc-addr listeners through a Client with WithGRPCEndpoints, across a
+// graceful stop of the leader: the stop hands leadership over and drains
+// the gRPC calls in flight, so no call fails.
+func TestProcessGRPCListener(t *testing.T) {
+	pc := startProcCluster(t, 3)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	leader, _ := pc.waitLeader(ctx)
+	client, err := allocator.NewClient(pc.endpoints(), allocator.WithGRPCEndpoints(pc.GRPCEndpoints()...),
+		allocator.WithAttempts(20), allocator.WithBackoff(50*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	if _, err := client.Operator().PublishPolicy(ctx, &allotv1.PublishPolicyRequest{Document: []byte(stormPolicy), ExpectedVersion: 1, Author: "t", Reason: "grpc"}); err != nil {
+		t.Fatal(err)
+	}
+	acquire := func(id string) *allotv1.Grant {
+		t.Helper()
+		resp, err := client.Acquire(ctx, &allotv1.AcquireRequest{Region: "eu", RequestId: id, Wants: []*allotv1.Want{{Quota: "roomy", Tokens: 10}}})
+		if err != nil {
+			t.Fatalf("acquire %s: %v", id, err)
+		}
+		return resp.GetGrants()[0]
+	}
+	g := acquire("before")
+	if g.GetTokens() != 10 {
+		t.Fatalf("granted %v", g)
+	}
+	// Calls keep flowing while the leader stops gracefully.
+	var (
+		wg     sync.WaitGroup
+		failed atomic.Int64
+		calls  atomic.Int64
+	)
+	stop := make(chan struct{})
+	for w := 0; w < 4; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				_, err := client.Acquire(ctx, &allotv1.AcquireRequest{Region: "eu", RequestId: fmt.Sprintf("w%d-%d", w, i), Wants: []*allotv1.Want{{Quota: "roomy", Tokens: 1}}})
+				calls.Add(1)
+				if err != nil {
+					failed.Add(1)
+					t.Errorf("acquire during the leader's stop: %v", err)
+				}
+			}
+		}()
+	}
+	time.Sleep(200 * time.Millisecond)
+	if err := leader.Proc.Stop(15 * time.Second); err != nil {
+		t.Errorf("graceful stop: %v", err)
+	}
+	time.Sleep(300 * time.Millisecond)
+	close(stop)
+	wg.Wait()
+	if calls.Load() == 0 || failed.Load() > 0 {
+		t.Fatalf("%d of %d calls failed", failed.Load(), calls.Load())
+	}
+	if _, err := client.Release(ctx, &allotv1.ReleaseRequest{Region: "eu", GrantId: g.GetGrantId(), Tokens: 10, RequestId: "rel"}); err != nil {
+		t.Fatalf("release after the stop: %v", err)
+	}
+	w, err := client.Operator().GetWindow(ctx, &allotv1.GetWindowRequest{Quota: "roomy"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w.GetGranted() != 10+calls.Load() || w.GetReleased() != 10 {
+		t.Fatalf("window granted %d released %d; want %d and 10", w.GetGranted(), w.GetReleased(), 10+calls.Load())
+	}
+}

@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"go.uber.org/zap"
+	"google.golang.org/grpc"
 
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
 )
@@ -23,6 +24,10 @@ type RunOptions struct {
 	ShutdownGrace time.Duration
 	// Ready, when set, is called once the API listens.
 	Ready func(apiAddr string)
+	// GRPCAddr, when set, is where AllocatorService (Acquire and Release)
+	// is also served on grpc-go (NewGRPCServer), for callers that make many
+	// calls; empty: the Connect API only.
+	GRPCAddr string
 }
 
 // Run runs one allocator node with its HTTP server (Connect API, /metrics,
@@ -40,12 +45,32 @@ func Run(ctx context.Context, cfg Config, ro RunOptions, log *zap.Logger) error 
 	if err != nil {
 		return fmt.Errorf("listen api %s: %w", cfg.APIAddr, err)
 	}
+	var grpcLn net.Listener
+	if ro.GRPCAddr != "" {
+		if grpcLn, err = net.Listen("tcp", ro.GRPCAddr); err != nil {
+			ln.Close()
+			return fmt.Errorf("listen grpc %s: %w", ro.GRPCAddr, err)
+		}
+	}
 	node, err := NewNode(cfg, WithLogger(log), WithMetrics(metrics))
 	if err != nil {
 		ln.Close()
+		if grpcLn != nil {
+			grpcLn.Close()
+		}
 		return err
 	}
 	srv := NewServer(node, log, metrics)
+	var grpcSrv *grpc.Server
+	if grpcLn != nil {
+		grpcSrv = NewGRPCServer(srv)
+		go func() {
+			if err := grpcSrv.Serve(grpcLn); err != nil {
+				log.Error("gRPC listener stopped", zap.Error(err))
+			}
+		}()
+		log.Info("allocator gRPC listening", zap.String("grpc", ro.GRPCAddr))
+	}
 	httpSrv := HTTPServer(cfg.APIAddr, Mux(srv, reg))
 	serveCtx, stopServe := context.WithCancel(context.Background())
 	serveErr := make(chan error, 1)
@@ -68,11 +93,30 @@ func Run(ctx context.Context, cfg Config, ro RunOptions, log *zap.Logger) error 
 	}
 	log.Info("shutting down", zap.String("node", cfg.NodeID))
 	node.TransferLeadership()
+	if grpcSrv != nil {
+		stopGRPC(grpcSrv, ro.ShutdownGrace)
+	}
 	stopServe()
 	if runErr == nil {
 		runErr = <-serveErr
 	}
 	return errors.Join(runErr, node.Close())
+}
+
+// stopGRPC lets the calls in flight on g finish, for at most grace, then
+// closes it.
+func stopGRPC(g *grpc.Server, grace time.Duration) {
+	done := make(chan struct{})
+	go func() {
+		g.GracefulStop()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(grace):
+		g.Stop()
+		<-done
+	}
 }
 
 // join asks the cluster (through any member) to add this node, retrying until

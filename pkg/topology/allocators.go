@@ -21,8 +21,9 @@ import (
 type AllocatorNode struct {
 	// ID is the node's Raft server ID.
 	ID string
-	// RaftAddr and APIAddr are its listen addresses.
-	RaftAddr, APIAddr string
+	// RaftAddr and APIAddr are its listen addresses; GRPCAddr is its
+	// AllocatorService gRPC listener (-grpc-addr).
+	RaftAddr, APIAddr, GRPCAddr string
 	// DataDir holds its Raft state.
 	DataDir string
 	// Args are the command-line arguments it was started with.
@@ -107,11 +108,14 @@ func StartAllocators(ctx context.Context, cfg AllocatorConfig) (*Allocators, err
 		if n.APIAddr, err = FreePort(cfg.Host); err != nil {
 			return nil, err
 		}
+		if n.GRPCAddr, err = FreePort(cfg.Host); err != nil {
+			return nil, err
+		}
 		peers = append(peers, "-peer", n.ID+"="+n.RaftAddr+"="+n.APIAddr)
 		a.Nodes = append(a.Nodes, n)
 	}
 	for _, n := range a.Nodes {
-		n.Args = append([]string{"-id", n.ID, "-raft-addr", n.RaftAddr, "-api-addr", n.APIAddr, "-data-dir", n.DataDir, "-bootstrap"}, peers...)
+		n.Args = append([]string{"-id", n.ID, "-raft-addr", n.RaftAddr, "-api-addr", n.APIAddr, "-grpc-addr", n.GRPCAddr, "-data-dir", n.DataDir, "-bootstrap"}, peers...)
 		n.Args = append(n.Args, cfg.ExtraArgs...)
 	}
 	if err := a.startAll(ctx); err != nil {
@@ -151,6 +155,15 @@ func (a *Allocators) Endpoints() []string {
 	out := make([]string, len(a.Nodes))
 	for i, n := range a.Nodes {
 		out[i] = n.APIAddr
+	}
+	return out
+}
+
+// GRPCEndpoints returns the nodes' gRPC listeners, in node order.
+func (a *Allocators) GRPCEndpoints() []string {
+	out := make([]string, len(a.Nodes))
+	for i, n := range a.Nodes {
+		out[i] = n.GRPCAddr
 	}
 	return out
 }
