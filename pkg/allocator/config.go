@@ -75,8 +75,9 @@ type Config struct {
 	// CommitDelay is how long the leader may hold a batch of Acquire and
 	// Release calls for companions before proposing it, under load only (see
 	// CommitSiblings): fewer, larger Raft entries (each costs an fsync on
-	// every replica) at the price of up to this much latency. 0 proposes at
-	// once.
+	// every replica) at the price of up to this much latency. The hold ends
+	// early once as many calls wait as the previous entry carried. 0
+	// proposes at once.
 	CommitDelay time.Duration
 	// CommitSiblings is the load that turns CommitDelay on: the previous
 	// entry carried at least this many calls.

@@ -109,7 +109,11 @@ func (p *proposer) propose(ctx context.Context, cmd fsm.Command) (any, error) {
 // a batch that could go because nothing is in flight waits up to the delay
 // for companions, but only under load: when the previous entry carried at
 // least Config.CommitSiblings calls (PostgreSQL's commit_delay and
-// commit_siblings). A lone caller is never delayed.
+// commit_siblings). A lone caller is never delayed, and the wait ends as
+// soon as as many calls are waiting as the previous entry carried: under a
+// steady load those are its callers back again, and waiting longer would
+// only lengthen the round (the timer also fires late, Go's timers being
+// coarse on an idle P).
 func (p *proposer) run() {
 	defer p.wg.Done()
 	var (
@@ -131,7 +135,7 @@ func (p *proposer) run() {
 	}()
 	for {
 		full := len(next) >= fsm.MaxBatch || wants >= fsm.MaxWants
-		idle := inFlight == 0 && (full || delay <= 0 || lastBatch < siblings || lingerDone)
+		idle := inFlight == 0 && (full || delay <= 0 || lastBatch < siblings || lingerDone || len(next) >= lastBatch)
 		if len(next) > 0 && (idle || full && inFlight < maxProposalsInFlight) {
 			batch := next
 			next, wants = make([]*proposal, 0, fsm.MaxBatch), 0

@@ -89,7 +89,7 @@ func TestProposerCapsEntriesByWants(t *testing.T) {
 // wave of concurrent calls lands in ONE entry instead of a lone first call
 // followed by the rest.
 func TestProposerCommitDelay(t *testing.T) {
-	tc := newTestCluster(t, 3, func(c *Config) { c.CommitDelay, c.CommitSiblings = 300*time.Millisecond, 2 })
+	tc := newTestCluster(t, 3, func(c *Config) { c.CommitDelay, c.CommitSiblings = time.Second, 2 })
 	publishTest(t, []string{tc.addrs[tc.index(tc.leader())]}, templatePolicy, 1)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
@@ -129,23 +129,30 @@ func TestProposerCommitDelay(t *testing.T) {
 		}
 		return out
 	}
-	// Load first: a wave whose last entry carried at least 2 calls.
-	loaded := false
-	for try := 0; try < 5 && !loaded; try++ {
+	// Load first: a wave whose last entry carried c >= 2 calls.
+	c := 0
+	for try := 0; try < 5 && c < 2; try++ {
 		idx := wave(8)
 		last := slices.MaxFunc(idx, func(a, b string) int { return cmpIndex(a, b) })
-		loaded = count(idx, last) >= 2
+		c = count(idx, last)
 	}
-	if !loaded {
+	if c < 2 {
 		t.Fatal("no wave of 8 concurrent calls shared an entry")
 	}
-	idx := wave(16)
+	// c calls at once: the first is held for companions (one entry, not
+	// c), and the hold ends when all c are in, not after the 1 s delay.
+	began := time.Now()
+	idx := wave(c)
+	took := time.Since(began)
 	entries := map[string]int{}
 	for _, i := range idx {
 		entries[i]++
 	}
 	if len(entries) != 1 {
-		t.Fatalf("16 concurrent calls under load landed in %d entries %v, want 1 (held for the commit delay)", len(entries), entries)
+		t.Fatalf("%d concurrent calls under load landed in %d entries %v, want 1 (held for companions)", c, len(entries), entries)
+	}
+	if took >= 500*time.Millisecond {
+		t.Fatalf("%d calls took %s: the hold ran (most of) the whole 1 s delay though the previous entry's %d calls were all in", c, took, c)
 	}
 }
 
