@@ -281,7 +281,7 @@ func checkTarget(checks []*allotv1.CheckRequest, client func(w int) allotv1conne
 		case err != nil:
 			return err
 		case !resp.Msg.Allowed:
-			return fmt.Errorf("denied by %s", resp.Msg.Rule)
+			return refusal(resp.Msg)
 		}
 		return nil
 	}
@@ -296,7 +296,7 @@ func grpcCheckTarget(checks []*allotv1.CheckRequest, clients []allotv1.Admission
 		case err != nil:
 			return err
 		case !resp.Allowed:
-			return fmt.Errorf("denied by %s", resp.Rule)
+			return refusal(resp)
 		}
 		return nil
 	}
@@ -334,4 +334,13 @@ func SummarizeAgent(out io.Writer, figs []Figure) {
 			fmt.Fprintf(out, "  %s / (a): %.2f (target >= 0.5)\n", f.Name, f.PerSecond/a)
 		}
 	}
+}
+
+// refusal describes a Check that did not allow: a denial, or the rule's
+// fail mode answering because the store could not decide in time.
+func refusal(r *allotv1.CheckResponse) error {
+	if r.GetUnavailable() {
+		return fmt.Errorf("unavailable: rule %s could not be decided (decision %s)", r.GetRule(), r.GetDecisionId())
+	}
+	return fmt.Errorf("denied by %s (remaining %d, retry after %ds, decision %s)", r.GetRule(), r.GetRemaining(), r.GetRetryAfterSeconds(), r.GetDecisionId())
 }
