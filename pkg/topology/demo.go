@@ -305,9 +305,14 @@ func (d *Demo) start(ctx context.Context, doc []byte) error {
 	wanCtx, stopWAN := context.WithCancel(context.Background())
 	d.stopWAN = stopWAN
 	for i, name := range cfg.Regions {
-		endpoints := eps
+		// The agents lease over the allocators' gRPC listeners, the
+		// cheaper transport, and watch the policy over the Connect API.
+		endpoints, grpcEps := eps, d.allocs.GRPCEndpoints()
 		if cfg.WANLatency > 0 {
-			if endpoints, err = d.startWAN(wanCtx, i, eps); err != nil {
+			if endpoints, err = d.startWAN(wanCtx, i, 0, eps); err != nil {
+				return err
+			}
+			if grpcEps, err = d.startWAN(wanCtx, i, len(eps), grpcEps); err != nil {
 				return err
 			}
 		}
@@ -318,6 +323,7 @@ func (d *Demo) start(ctx context.Context, doc []byte) error {
 		r, err := StartRegion(startCtx, RegionConfig{
 			Name: name, AgentBin: d.bins["./cmd/regionagent"], Dir: filepath.Join(d.Dir, "regions", name),
 			EmbeddedStore: d.embedded, AllocatorEndpoints: endpoints, Output: rlog,
+			AgentArgs: []string{"-allocators-grpc", strings.Join(grpcEps, ",")},
 		})
 		if err != nil {
 			return err
@@ -480,8 +486,9 @@ func (d *Demo) publish(ctx context.Context, doc []byte) error {
 }
 
 // startWAN starts one fault proxy per allocator endpoint for region i, each
-// adding cfg.WANLatency in both directions, and returns their addresses.
-func (d *Demo) startWAN(ctx context.Context, i int, eps []string) ([]string, error) {
+// adding cfg.WANLatency in both directions, and returns their addresses;
+// seed0 keeps the seeds of one region's several sets of proxies apart.
+func (d *Demo) startWAN(ctx context.Context, i, seed0 int, eps []string) ([]string, error) {
 	var addrs []string
 	for j, target := range eps {
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -491,7 +498,7 @@ func (d *Demo) startWAN(ctx context.Context, i int, eps []string) ([]string, err
 		dialer := &net.Dialer{Timeout: 2 * time.Second}
 		p := faultproxy.New(ln, func(ctx context.Context) (net.Conn, error) {
 			return dialer.DialContext(ctx, "tcp", target)
-		}, faultproxy.Config{DelayMin: d.cfg.WANLatency, DelayMax: d.cfg.WANLatency}, uint64(i*100+j+1))
+		}, faultproxy.Config{DelayMin: d.cfg.WANLatency, DelayMax: d.cfg.WANLatency}, uint64(i*100+seed0+j+1))
 		d.wan.Add(1)
 		go func() {
 			defer d.wan.Done()
