@@ -10,7 +10,10 @@
 // once, and answer Unavailable with a LeaderHint when they cannot. Client is
 // the matching failover client; Run wires a node, its HTTP server (Connect,
 // gRPC and gRPC-Web over h2c, /metrics, /healthz, /readyz) and a graceful
-// shutdown that transfers leadership first.
+// shutdown that transfers leadership first. With RunOptions.GRPCAddr it
+// also serves AllocatorService on grpc-go (NewGRPCServer), which costs
+// callers and the node about half the CPU per call of net/http's HTTP/2;
+// Client sends Acquire and Release there with WithGRPCEndpoints.
 //
 // # Usage
 //
