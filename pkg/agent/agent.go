@@ -96,6 +96,9 @@ func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) 
 			copts = append(copts, allocator.WithGRPCEndpoints(cfg.AllocatorGRPCEndpoints...))
 		}
 		if client, err = allocator.NewClient(cfg.AllocatorEndpoints, copts...); err != nil {
+			if rstore != nil {
+				_ = rstore.Close()
+			}
 			return nil, err
 		}
 		owned = true
@@ -106,6 +109,12 @@ func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) 
 		slots: newSlotTable(cfg.MaxTrackedSlots),
 		items: gopool.New(idleWorker),
 	}
+	made := false
+	defer func() {
+		if !made {
+			_ = a.release() // New failed: free what it made
+		}
+	}()
 	a.leases = newLeases(cfg.Lease, cfg.Region, client, o.clock, log, a.m, hex.EncodeToString(idb[:]),
 		newWithdrawer(rdb, cfg.Engine.Namespace), cfg.ShutdownTimeout)
 	a.leases.journal = o.observer
@@ -149,7 +158,24 @@ func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) 
 	if a.engine.Load() == nil && client == nil {
 		return nil, fmt.Errorf("%w: no allocator endpoints and no policy (PolicyFile, WithPolicy or a last-known-good one)", ErrConfig)
 	}
+	made = true
 	return a, nil
+}
+
+// release closes what the agent made: the engine, the Redis store New
+// created and the allocator client New created.
+func (a *Agent) release() error {
+	if eng := a.engine.Load(); eng != nil {
+		_ = eng.Close()
+	}
+	var err error
+	if a.rstore != nil {
+		err = a.rstore.Close()
+	}
+	if a.owned {
+		a.client.Close()
+	}
+	return err
 }
 
 // install puts doc in force as version: it creates the engine on the first
@@ -246,16 +272,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	g.Go(func() error { return a.leases.Run(gctx) })
 	err := g.Wait()
-	if eng := a.engine.Load(); eng != nil {
-		_ = eng.Close()
-	}
-	if a.rstore != nil {
-		err = errors.Join(err, a.rstore.Close())
-	}
-	if a.owned {
-		a.client.Close()
-	}
-	return err
+	return errors.Join(err, a.release())
 }
 
 // Ready reports whether a policy is in force.

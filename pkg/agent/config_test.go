@@ -8,10 +8,12 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/goleak"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/allot-dev/allot/internal/redistest"
+	"github.com/allot-dev/allot/pkg/admission"
 	"github.com/allot-dev/allot/pkg/agent"
 	"github.com/allot-dev/allot/pkg/policy"
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
@@ -160,5 +162,32 @@ func TestMetricsAndDecisionLogs(t *testing.T) {
 		if ctx["decision_id"] == "" || ctx["policy_version"] == nil {
 			t.Fatalf("decision log %v: want the decision id and policy version", ctx)
 		}
+	}
+}
+
+// TestFailedNewLeavesNothingRunning: when New fails after it made its Redis
+// store, its engine and its allocator client (here the metrics registry
+// already holds another agent's), it closes them: no goroutine is left.
+func TestFailedNewLeavesNothingRunning(t *testing.T) {
+	rdb := sharedRedis(t) // its client's goroutines end with the test, later
+	if err := rdb.Ping(context.Background()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+	reg := prometheus.NewRegistry()
+	ms, err := admission.NewMemoryStore(admission.DefaultMemoryConfig(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, err := agent.New(testConfig("eu"), nil, agent.WithStore(ms), agent.WithRegisterer(reg), agent.WithPolicy(mustParse(t, apiPolicy), 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer first.Engine().Close()
+	cfg := testConfig("eu", "127.0.0.1:1")
+	cfg.AllocatorGRPCEndpoints = []string{"127.0.0.1:1"}
+	_, err = agent.New(cfg, rdb, agent.WithRegisterer(reg), agent.WithPolicy(mustParse(t, apiPolicy), 0))
+	if err == nil || !strings.Contains(err.Error(), "register metrics") {
+		t.Fatalf("second agent on one registry: %v, want a registration error", err)
 	}
 }
