@@ -98,7 +98,7 @@ func agentArgs(env RegionEnv, journal string) ([]string, error) {
 		}
 		ttl = min(ttl, q.TTL)
 	}
-	return []string{
+	args := []string{
 		"-log-level", "warn",
 		"-lease-margin", env.Margin.String(),
 		"-lease-lead", (ttl / 2).String(),
@@ -108,7 +108,12 @@ func agentArgs(env RegionEnv, journal string) ([]string, error) {
 		// 50 ms under load, and a fail-closed quota would answer 503. The
 		// suite checks the lease protocol, not the store's latency.
 		"-store-timeout", "500ms",
-	}, nil
+	}
+	if len(env.AllocatorsGRPC) > 0 {
+		// Leases over the allocators' gRPC listeners, as the demo does.
+		args = append(args, "-allocators-grpc", strings.Join(env.AllocatorsGRPC, ","))
+	}
+	return args, nil
 }
 
 // Start implements Region: it starts Redis and the agent in env.Host, waits

@@ -126,6 +126,9 @@ func TestChaos(t *testing.T) {
 		t.Skipf("the machine's wall clock stepped %s against CLOCK_MONOTONIC during the run (more than %s): "+
 			"%d violations are void; replay with -chaos.seed=%d", d, maxWallStep, len(res.Violations), seed)
 	}
+	if s.cfg.RegionKind == RegionAgent && s.cfg.NewRegion == nil && s.GRPCChunks() == 0 {
+		t.Errorf("the agents' leases never crossed the allocators' gRPC listeners")
+	}
 	// The checkers must have had something to check.
 	if res.Grants == 0 || res.LedgerReads == 0 || res.Replays == 0 {
 		t.Fatalf("vacuous history: %d grants, %d ledger reads, %d replays", res.Grants, res.LedgerReads, res.Replays)

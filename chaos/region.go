@@ -59,6 +59,9 @@ type RegionEnv struct {
 	// (iptables DNAT in the region's namespace), so the region dials them
 	// as they are.
 	Allocators []string
+	// AllocatorsGRPC are the gRPC addresses (-grpc-addr) of every allocator
+	// host, steered through the same WAN proxies' twins; agents lease there.
+	AllocatorsGRPC []string
 	// Quotas are the loads to offer.
 	Quotas []QuotaLoad
 	// Clock is the suite's true clock; Record takes every event it stamps.

@@ -137,6 +137,7 @@ type Suite struct {
 	client      *allocator.Client
 	regions     []Region
 	proxies     []*faultproxy.Proxy
+	grpcProxies []*faultproxy.Proxy // the proxies of the allocators' gRPC ports
 	ctl         *control
 	obs         *observer
 	quotas      []check.Quota
@@ -229,9 +230,10 @@ func Start(ctx context.Context, cfg Config) (s *Suite, err error) {
 	if err != nil {
 		return s, err
 	}
-	var eps []string
+	var eps, grpcEps []string
 	for _, h := range s.allocHosts {
 		eps = append(eps, apiAddr(h))
+		grpcEps = append(grpcEps, grpcAddr(h))
 	}
 	if s.client, err = allocator.NewClient(eps, allocator.WithAttempts(8), allocator.WithBackoff(50*time.Millisecond)); err != nil {
 		return s, err
@@ -267,7 +269,7 @@ func Start(ctx context.Context, cfg Config) (s *Suite, err error) {
 		r := newRegion(name)
 		s.regions = append(s.regions, r)
 		env := RegionEnv{
-			Host: s.regionHosts[name], Allocators: eps, Clock: s.clock, Record: s.rec.Record,
+			Host: s.regionHosts[name], Allocators: eps, AllocatorsGRPC: grpcEps, Clock: s.clock, Record: s.rec.Record,
 			Margin: allocator.DefaultConfig().LeaseMargin, Dir: s.dir, Log: s.logw, LogDir: logDir, Seed: uint64(cfg.Seed)*31 + uint64(i),
 		}
 		for _, q := range cfg.Quotas {
@@ -291,6 +293,8 @@ func allocatorArgs() []string {
 }
 
 func apiAddr(h *topology.Host) string { return fmt.Sprintf("%s:%d", h.IP, topology.LabAPIPort) }
+
+func grpcAddr(h *topology.Host) string { return fmt.Sprintf("%s:%d", h.IP, topology.LabGRPCPort) }
 
 func hostIPs(hs []*topology.Host) string {
 	var ips []string
@@ -355,34 +359,50 @@ func (s *Suite) publish(ctx context.Context) error {
 	return nil
 }
 
-// startProxies puts a fault proxy on every region-to-allocator link: it
-// listens in the region's namespace, dials the allocator from there (so the
-// region's iptables rules cut it), and a DNAT rule in the region steers the
-// region's own connections to the allocator through it.
+// startProxies puts a fault proxy on every region-to-allocator link, one
+// for the Connect API port and one for the gRPC port: it listens in the
+// region's namespace, dials the allocator from there (so the region's
+// iptables rules cut it), and a DNAT rule in the region steers the region's
+// own connections to that port through it.
 func (s *Suite) startProxies(ctx, runCtx context.Context) error {
 	for i, name := range s.cfg.Regions {
 		rh := s.regionHosts[name]
 		for j, ah := range s.allocHosts {
-			listen := fmt.Sprintf("%s:%d", rh.IP, proxyBasePort+j)
-			ln, err := rh.Listen("tcp", listen)
-			if err != nil {
-				return err
-			}
-			target := apiAddr(ah)
-			dialer := topology.MarkedDialer(proxyMark, 2*time.Second)
-			p := faultproxy.New(ln, func(ctx context.Context) (net.Conn, error) {
-				return rh.DialContext(ctx, dialer, "tcp", target)
-			}, s.cfg.WAN, uint64(s.cfg.Seed)*1000+uint64(i*10+j))
-			s.proxies = append(s.proxies, p)
-			s.bg.Add(1)
-			go func() { defer s.bg.Done(); _ = p.Run(runCtx) }()
-			if err := rh.IPTables(ctx, "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "-d", ah.IP, "--dport", strconv.Itoa(topology.LabAPIPort),
-				"-m", "mark", "!", "--mark", fmt.Sprintf("0x%x", proxyMark), "-j", "DNAT", "--to-destination", listen); err != nil {
-				return err
+			for k, port := range []int{topology.LabAPIPort, topology.LabGRPCPort} {
+				listen := fmt.Sprintf("%s:%d", rh.IP, proxyBasePort+100*k+j)
+				ln, err := rh.Listen("tcp", listen)
+				if err != nil {
+					return err
+				}
+				target := fmt.Sprintf("%s:%d", ah.IP, port)
+				dialer := topology.MarkedDialer(proxyMark, 2*time.Second)
+				p := faultproxy.New(ln, func(ctx context.Context) (net.Conn, error) {
+					return rh.DialContext(ctx, dialer, "tcp", target)
+				}, s.cfg.WAN, uint64(s.cfg.Seed)*1000+uint64(500*k+i*10+j))
+				s.proxies = append(s.proxies, p)
+				if port == topology.LabGRPCPort {
+					s.grpcProxies = append(s.grpcProxies, p)
+				}
+				s.bg.Add(1)
+				go func() { defer s.bg.Done(); _ = p.Run(runCtx) }()
+				if err := rh.IPTables(ctx, "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "-d", ah.IP, "--dport", strconv.Itoa(port),
+					"-m", "mark", "!", "--mark", fmt.Sprintf("0x%x", proxyMark), "-j", "DNAT", "--to-destination", listen); err != nil {
+					return err
+				}
 			}
 		}
 	}
 	return nil
+}
+
+// GRPCChunks is how many chunks the WAN proxies carried between regions
+// and the allocators' gRPC listeners (agents lease there).
+func (s *Suite) GRPCChunks() int64 {
+	var n int64
+	for _, p := range s.grpcProxies {
+		n += p.Stats().Chunks
+	}
+	return n
 }
 
 // Close stops every process and removes everything the suite made. It is

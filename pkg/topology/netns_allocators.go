@@ -12,6 +12,9 @@ const (
 	LabRaftPort = 7000
 	// LabAPIPort is the Connect API port of an allocator in a Lab host.
 	LabAPIPort = 8000
+	// LabGRPCPort is the AllocatorService gRPC port (-grpc-addr) of an
+	// allocator in a Lab host.
+	LabGRPCPort = 8100
 )
 
 // AllocatorNodeIn describes allocator node h.Name running bin inside host h
@@ -24,9 +27,10 @@ func AllocatorNodeIn(h *Host, bin, dir string, args ...string) *AllocatorNode {
 		ID:       h.Name,
 		RaftAddr: fmt.Sprintf("%s:%d", h.IP, LabRaftPort),
 		APIAddr:  fmt.Sprintf("%s:%d", h.IP, LabAPIPort),
+		GRPCAddr: fmt.Sprintf("%s:%d", h.IP, LabGRPCPort),
 		DataDir:  filepath.Join(dir, h.Name),
 	}
-	own := []string{"-id", n.ID, "-raft-addr", n.RaftAddr, "-api-addr", n.APIAddr, "-data-dir", n.DataDir}
+	own := []string{"-id", n.ID, "-raft-addr", n.RaftAddr, "-api-addr", n.APIAddr, "-grpc-addr", n.GRPCAddr, "-data-dir", n.DataDir}
 	_, n.Args = h.Command(bin, append(own, args...)...)
 	return n
 }
