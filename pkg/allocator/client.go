@@ -31,10 +31,9 @@ type Client struct {
 
 	// With WithGRPCEndpoints: Acquire and Release go to AllocatorService's
 	// gRPC listeners over grpc-go instead.
-	grpcAddrs []string
-	fast      *route
-	grpc      map[string]allotv1.AllocatorServiceClient
-	conns     []*grpc.ClientConn
+	fast  *route
+	grpc  map[string]allotv1.AllocatorServiceClient
+	conns []*grpc.ClientConn
 }
 
 // route is a set of endpoints one call may try, and the one that answered
@@ -96,7 +95,12 @@ func WithBackoff(d time.Duration) ClientOption { return func(c *Client) { c.back
 // followed on this route; failover rotates over these endpoints. The other
 // calls keep using the Connect endpoints.
 func WithGRPCEndpoints(addrs ...string) ClientOption {
-	return func(c *Client) { c.grpcAddrs = append([]string(nil), addrs...) }
+	return func(c *Client) {
+		c.fast = nil
+		if len(addrs) > 0 {
+			c.fast = newRoute(addrs, false)
+		}
+	}
 }
 
 // NewClient returns a client for the given API addresses ("host:port" or URLs).
@@ -112,10 +116,9 @@ func NewClient(endpoints []string, opts ...ClientOption) (*Client, error) {
 		o(c)
 	}
 	c.peers = &peerClients{http: c.http, m: map[string]*peerClient{}}
-	if len(c.grpcAddrs) > 0 {
-		c.fast = newRoute(c.grpcAddrs, false)
-		c.grpc = make(map[string]allotv1.AllocatorServiceClient, len(c.grpcAddrs))
-		for _, addr := range c.grpcAddrs {
+	if c.fast != nil {
+		c.grpc = make(map[string]allotv1.AllocatorServiceClient, len(c.fast.endpoints))
+		for _, addr := range c.fast.endpoints {
 			if _, ok := c.grpc[addr]; ok {
 				continue
 			}
