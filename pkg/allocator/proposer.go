@@ -110,20 +110,23 @@ func (p *proposer) propose(ctx context.Context, cmd fsm.Command) (any, error) {
 // for companions, but only under load: when the previous entry carried at
 // least Config.CommitSiblings calls (PostgreSQL's commit_delay and
 // commit_siblings). A lone caller is never delayed, and the wait ends as
-// soon as as many calls are waiting as the previous entry carried: under a
-// steady load those are its callers back again, and waiting longer would
-// only lengthen the round (the timer also fires late, Go's timers being
-// coarse on an idle P).
+// soon as as many calls are waiting as the previous entry carried plus those
+// that waited beside it while it was in Raft: under a steady load those are
+// all the callers back again, and waiting longer would only lengthen the
+// round (the timer also fires late, Go's timers being coarse on an idle P).
+// Waiting for the previous entry's callers alone settles into two groups of
+// callers that take turns, each caller riding every other entry.
 func (p *proposer) run() {
 	defer p.wg.Done()
 	var (
 		next       = make([]*proposal, 0, fsm.MaxBatch)
 		wants      int // the wants in next
 		inFlight   int
-		finished   = make(chan struct{}, maxProposalsInFlight)
+		finished   = make(chan struct{})
 		delay      = p.node.cfg.CommitDelay
 		siblings   = max(p.node.cfg.CommitSiblings, 1)
 		lastBatch  int // calls in the last batch proposed
+		holdFor    int // calls a held batch waits for: the last batch's and those waiting beside it
 		linger     *time.Timer
 		lingerC    <-chan time.Time // armed while next waits for companions
 		lingerDone bool
@@ -135,7 +138,7 @@ func (p *proposer) run() {
 	}()
 	for {
 		full := len(next) >= fsm.MaxBatch || wants >= fsm.MaxWants
-		idle := inFlight == 0 && (full || delay <= 0 || lastBatch < siblings || lingerDone || len(next) >= lastBatch)
+		idle := inFlight == 0 && (full || delay <= 0 || lastBatch < siblings || lingerDone || len(next) >= holdFor)
 		if len(next) > 0 && (idle || full && inFlight < maxProposalsInFlight) {
 			batch := next
 			next, wants = make([]*proposal, 0, fsm.MaxBatch), 0
@@ -146,8 +149,12 @@ func (p *proposer) run() {
 			}
 			inFlight++
 			go func() {
-				p.commit(batch)
+				results := p.commit(batch)
+				// finished is unbuffered: the dispatcher has counted the
+				// calls that waited beside this batch before its callers,
+				// answered, can queue their next ones.
 				finished <- struct{}{}
+				deliver(batch, results)
 			}()
 			continue
 		}
@@ -169,6 +176,7 @@ func (p *proposer) run() {
 			wants += pr.weight()
 		case <-finished:
 			inFlight--
+			holdFor = min(lastBatch+len(next), fsm.MaxBatch)
 		case <-lingerC:
 			lingerC, lingerDone = nil, true
 		case <-p.stop:
@@ -183,49 +191,55 @@ func (p *proposer) run() {
 	}
 }
 
-// commit proposes the live proposals of batch as one entry and hands each
-// caller its own result.
-func (p *proposer) commit(batch []*proposal) {
-	live := batch[:0]
-	for _, pr := range batch {
+// commit proposes the live proposals of batch as one entry and returns each
+// caller's result, in batch order, for the caller to deliver (deliver).
+// Proposals whose context has ended are not proposed.
+func (p *proposer) commit(batch []*proposal) []proposalResult {
+	out := make([]proposalResult, len(batch))
+	live := make([]int, 0, len(batch)) // indexes into batch
+	for i, pr := range batch {
 		if pr.ctx.Err() != nil {
-			pr.done <- proposalResult{err: fmt.Errorf("apply: %w", pr.ctx.Err())}
+			out[i] = proposalResult{err: fmt.Errorf("apply: %w", pr.ctx.Err())}
 			continue
 		}
-		live = append(live, pr)
+		live = append(live, i)
 	}
-	if len(live) == 0 {
-		return
-	}
-	if len(live) == 1 {
-		res, err := p.node.applyNow(live[0].cmd)
-		live[0].done <- proposalResult{res: res, err: err}
-		return
+	switch len(live) {
+	case 0:
+		return out
+	case 1:
+		res, err := p.node.applyNow(batch[live[0]].cmd)
+		out[live[0]] = proposalResult{res: res, err: err}
+		return out
 	}
 	cmd := fsm.Command{Type: fsm.CmdBatch, Batch: make([]fsm.Command, len(live))}
-	for i, pr := range live {
-		cmd.Batch[i] = pr.cmd
+	for j, i := range live {
+		cmd.Batch[j] = batch[i].cmd
 	}
 	res, err := p.node.applyNow(cmd)
-	if err != nil {
-		for _, pr := range live {
-			pr.done <- proposalResult{err: err}
+	if err == nil {
+		if br, ok := res.(*fsm.BatchResult); !ok || len(br.Results) != len(live) {
+			err = fmt.Errorf("apply: batch of %d answered with %T", len(live), res)
+		} else {
+			for j, i := range live {
+				if e, isErr := br.Results[j].(error); isErr {
+					out[i] = proposalResult{err: e}
+				} else {
+					out[i] = proposalResult{res: br.Results[j]}
+				}
+			}
+			return out
 		}
-		return
 	}
-	br, ok := res.(*fsm.BatchResult)
-	if !ok || len(br.Results) != len(live) {
-		err := fmt.Errorf("apply: batch of %d answered with %T", len(live), res)
-		for _, pr := range live {
-			pr.done <- proposalResult{err: err}
-		}
-		return
+	for _, i := range live {
+		out[i] = proposalResult{err: err}
 	}
-	for i, pr := range live {
-		if e, isErr := br.Results[i].(error); isErr {
-			pr.done <- proposalResult{err: e}
-			continue
-		}
-		pr.done <- proposalResult{res: br.Results[i]}
+	return out
+}
+
+// deliver hands each caller of batch its result.
+func deliver(batch []*proposal, results []proposalResult) {
+	for i, pr := range batch {
+		pr.done <- results[i]
 	}
 }

@@ -156,6 +156,70 @@ func TestProposerCommitDelay(t *testing.T) {
 	}
 }
 
+// TestProposerHoldsForEveryCaller: callers in a closed loop (each sends its
+// next Acquire as soon as the last is answered) all ride every entry once
+// the load is steady. A hold that ended when as many calls waited as the
+// previous entry carried would leave behind, each round, a caller that had
+// come in while that entry was in Raft: 7 calls per entry out of 8 callers,
+// or two groups of callers taking turns.
+func TestProposerHoldsForEveryCaller(t *testing.T) {
+	const callers, rounds, settle = 8, 24, 8
+	tc := newTestCluster(t, 3, func(c *Config) { c.CommitDelay, c.CommitSiblings = time.Second, 2 })
+	publishTest(t, []string{tc.addrs[tc.index(tc.leader())]}, templatePolicy, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	l := tc.leader()
+	idx := make([][]string, callers) // the entry of each caller's rounds
+	errs := make([]error, callers)
+	var wg sync.WaitGroup
+	for c := range callers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for r := range rounds {
+				cmd := fsm.Command{Type: fsm.CmdAcquire, Acquire: &fsm.Acquire{Region: "eu", RequestID: fmt.Sprintf("c%d-r%d", c, r),
+					Wants: []fsm.Want{{Quota: policy.InstanceName("standard", []string{fmt.Sprintf("t%d", c)}), Tokens: 1}}}}
+				res, err := l.Apply(ctx, cmd)
+				if err != nil {
+					errs[c] = err
+					return
+				}
+				g := res.(*fsm.AcquireResult).Grants
+				if len(g) != 1 {
+					errs[c] = fmt.Errorf("round %d: %d grants", r, len(g))
+					return
+				}
+				i, _, _ := strings.Cut(g[0].GrantID, "-")
+				idx[c] = append(idx[c], i)
+			}
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	entries := map[string]int{}
+	calls := 0
+	for c := range callers {
+		for _, i := range idx[c][settle:] {
+			entries[i]++
+			calls++
+		}
+	}
+	// The last rounds' entries: all but the one the first caller to finish
+	// left last carry every caller.
+	short := 0
+	for _, n := range entries {
+		if n < callers {
+			short++
+		}
+	}
+	if short > 1 {
+		t.Fatalf("after %d rounds, %d calls of %d closed-loop callers landed in %d entries (%d of them short of a caller): %v; want every caller in every entry",
+			settle, calls, callers, len(entries), short, entries)
+	}
+}
+
 func cmpIndex(a, b string) int {
 	x, _ := strconv.ParseUint(a, 10, 64)
 	y, _ := strconv.ParseUint(b, 10, 64)
