@@ -67,8 +67,9 @@ func (v *Verdict) verdictName() string {
 
 // Check decides in. Bad input is an error wrapping ErrInvalidRequest or
 // admission.ErrInvalidRequest (nothing debited); before the first policy it
-// is ErrNotReady. Everything else is a Verdict: store trouble is decided by
-// each rule's fail mode, and a leased pool that is short waits up to
+// is ErrNotReady; when ctx ends before the store answers, ctx's error.
+// Everything else is a Verdict: store trouble is decided by each rule's fail
+// mode, and a leased pool that is short waits up to
 // Config.StarveWait for a renewal this call asks for, then answers 429 when
 // the global pool is exhausted for the window (Retry-After to its end) or
 // 503 when the allocator cannot supply tokens.
@@ -90,6 +91,16 @@ func (a *Agent) Check(ctx context.Context, in *Input) (*Verdict, error) {
 		d, err := eng.Decide(ctx, req)
 		if err != nil {
 			return nil, err
+		}
+		if d.Source == admission.SourceFailMode && ctx.Err() != nil {
+			// The store had not answered when the caller's deadline passed
+			// (or the caller left): the caller gets its context's error,
+			// not a fail mode's verdict it can no longer use, which would
+			// also read as the store failing.
+			if d.HasSlots() {
+				_ = eng.Release(context.WithoutCancel(ctx), d)
+			}
+			return nil, fmt.Errorf("decide: the call ended before the store answered: %w", ctx.Err())
 		}
 		rule, pool := poolDenial(d)
 		if pool == "" {

@@ -3,16 +3,21 @@ package agent_test
 import (
 	"context"
 	"errors"
+	"net"
 	"sync"
 	"testing"
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/allot-dev/allot/internal/redistest"
 	"github.com/allot-dev/allot/pkg/agent"
+	"github.com/allot-dev/allot/pkg/faultproxy"
+	"github.com/allot-dev/allot/pkg/policy"
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
 )
 
@@ -158,5 +163,44 @@ func TestUnsureDepositIsNotHandedBackTwice(t *testing.T) {
 	if got := ps.Available + ps.Consumed + released(); got != g.Tokens {
 		t.Fatalf("grant %s of %d tokens: %d spendable + %d spent + %d handed back = %d: tokens lost",
 			g.GrantId, g.Tokens, ps.Available, ps.Consumed, released(), got)
+	}
+}
+
+// TestCallerDeadlineIsAnErrorNotAVerdict: when the caller's deadline passes
+// before a slow Redis answers, Check returns the deadline's error (Connect
+// and gRPC map it to DEADLINE_EXCEEDED), not the verdict of the rule's fail
+// mode, which the caller could no longer use and which would read as the
+// store failing; a caller with time to wait gets the store's decision.
+func TestCallerDeadlineIsAnErrorNotAVerdict(t *testing.T) {
+	redistest.Require(t, shared.err)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	slow := faultproxy.New(ln, func(ctx context.Context) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "tcp", shared.redis.Addr())
+	}, faultproxy.Config{DelayMin: 150 * time.Millisecond, DelayMax: 150 * time.Millisecond}, 1)
+	go func() { _ = slow.Run(ctx) }()
+	rdb := redis.NewClient(&redis.Options{Addr: slow.Addr().String(), ReadTimeout: 5 * time.Second})
+	defer rdb.Close()
+	cfg := testConfig("eu")
+	cfg.Engine.StoreTimeout = 3 * time.Second // the store decides whoever waits for it
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(mustParse(t, apiPolicy), 0))).Agent
+	in := &agent.Input{Descriptors: []policy.Entry{{Key: "tenant", Value: "atlas"}, {Key: "user", Value: "u1"}}, Cost: 1}
+
+	short, stop := context.WithTimeout(ctx, 50*time.Millisecond)
+	v, err := a.Check(short, in)
+	stop()
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Check past the caller's deadline: verdict %+v, error %v; want context.DeadlineExceeded", v, err)
+	}
+	long, stop := context.WithTimeout(ctx, 10*time.Second)
+	defer stop()
+	v, err = a.Check(long, in)
+	if err != nil || !v.Allowed || v.Unavailable {
+		t.Fatalf("Check with time to wait: verdict %+v, error %v; want allowed by the store", v, err)
 	}
 }
