@@ -48,6 +48,9 @@ With -suite agent, the region agent's APIs beside the raw ceiling:
   connect-batch (cb) the same Check calls through pkg/checkclient, which coalesces
                 concurrent callers' checks into CheckBatch calls (one client)
   connect-http1 (c') the same over HTTP/1.1, one keep-alive connection per worker
+  connect-lean  (cl) the same over HTTP/1.1 from a lean load generator (prepared
+                requests, one write and one read per call): the agent's Connect
+                server without the CPU of Go's HTTP client on the same cores
   connect-grpc  (c'') the same Connect client with WithGRPC() against the gRPC listener
   grpc          (c*) Check from a grpc-go client on the gRPC listener
   envoy         (d)  the agent's Envoy RLS endpoint over gRPC (-connections connections)

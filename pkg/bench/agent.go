@@ -37,6 +37,10 @@ import (
 //	              (one coalescing client on one HTTP/2 connection)
 //	connect-http1 (c') the same over HTTP/1.1 keep-alive connections, one per
 //	              concurrent caller: how gateways with a connection pool call it
+//	connect-lean (cl) the same requests on the same HTTP/1.1 listener from a
+//	              lean load generator (leanH1: prepared request bytes, one
+//	              write and one read per call, as wrk drives a server): the
+//	              agent's Connect server without the CPU of Go's HTTP client
 //	connect-grpc (c'') the same Connect client with connect.WithGRPC() against
 //	              the agent's gRPC listener, where grpc-go's transport serves
 //	              AdmissionService (agent.GRPCAdmissionService)
@@ -53,7 +57,7 @@ import (
 
 // AgentModes lists the agent suite's modes in the order it runs them.
 func AgentModes() []string {
-	return []string{"raw", "connect", "connect-batch", "connect-http1", "connect-grpc", "grpc-connect", "grpc", "envoy"}
+	return []string{"raw", "connect", "connect-batch", "connect-http1", "connect-lean", "connect-grpc", "grpc-connect", "grpc", "envoy"}
 }
 
 // AgentSuiteConfig configures the agent suite.
@@ -240,6 +244,14 @@ func RunAgentSuite(ctx context.Context, client redis.UniversalClient, cfg AgentS
 		case "connect-http1":
 			c.Name = "(c') agent Check, Connect h1"
 			target = checkTarget(checks, func(int) allotv1connect.AdmissionServiceClient { return h1Client })
+		case "connect-lean":
+			c.Name = "(cl) agent Check, Connect h1, lean generator"
+			lean, err := newLeanH1(ln.Addr().String(), checks, cfg.Workers)
+			if err != nil {
+				return figs, err
+			}
+			defer lean.close()
+			target = lean.target()
 		case "connect-grpc":
 			c.Name = "(c'') agent Check, Connect gRPC"
 			target = checkTarget(checks, func(w int) allotv1connect.AdmissionServiceClient { return viaGRPC[w%len(viaGRPC)] })
