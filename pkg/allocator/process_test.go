@@ -1,11 +1,14 @@
 package allocator_test
 
 import (
+	"bufio"
 	"context"
 	"fmt"
+	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -265,6 +268,45 @@ func TestProcessClusterStormFailoverRestart(t *testing.T) {
 		t.Errorf("tight: the storm should have exhausted the pool exactly: granted %d of 500", got)
 	}
 
+	// What the nodes export: the grants and tokens they handed out, the
+	// exhausted pool, the new leader's applies, leadership change and pool
+	// gauges, and the health endpoints.
+	newLeader, _ := pc.waitLeader(ctx)
+	var grants, tokens, exhausted float64
+	for _, nd := range pc.Nodes {
+		if nd == leader {
+			continue // killed
+		}
+		m := scrape(t, ctx, nd.APIAddr)
+		grants += m["allot_allocator_grants_total"]
+		tokens += m["allot_allocator_tokens_granted_total"]
+		exhausted += m["allot_allocator_pool_exhausted_total"]
+		if nd == newLeader {
+			for name, want := range map[string]float64{
+				"allot_allocator_is_leader":                     1,
+				`allot_allocator_pool_remaining{quota="tight"}`: float64(ledgers["tight"].GetRemaining()),
+				`allot_allocator_pool_remaining{quota="roomy"}`: float64(ledgers["roomy"].GetRemaining()),
+			} {
+				if got, ok := m[name]; !ok || got != want {
+					t.Errorf("leader %s: %s = %v (exported %v), want %v", nd.ID, name, got, ok, want)
+				}
+			}
+			for _, name := range []string{"allot_allocator_apply_seconds_count", "allot_allocator_leader_changes_total", "allot_allocator_applied_index"} {
+				if m[name] < 1 {
+					t.Errorf("leader %s: %s = %v, want at least 1", nd.ID, name, m[name])
+				}
+			}
+		}
+		for path, want := range map[string]int{"/healthz": http.StatusOK, "/readyz": http.StatusOK} {
+			if code := getStatus(t, ctx, nd.APIAddr, path); code != want {
+				t.Errorf("%s %s: %d, want %d", nd.ID, path, code, want)
+			}
+		}
+	}
+	if grants < 1 || tokens < grants || exhausted < 1 {
+		t.Errorf("live nodes exported %v grants, %v tokens granted, %v exhausted answers; want grants, tokens and the tight pool's exhaustion", grants, tokens, exhausted)
+	}
+
 	// Retries with the same request id return the recorded grants.
 	checked := 0
 	for id, a := range acks {
@@ -317,6 +359,61 @@ func TestProcessClusterStormFailoverRestart(t *testing.T) {
 	if got.GetPolicy().GetVersion() != pub.GetPolicy().GetVersion() || got.GetPolicy().GetDigest() != pub.GetPolicy().GetDigest() {
 		t.Errorf("policy after restart: v%d %s, before v%d %s", got.GetPolicy().GetVersion(), got.GetPolicy().GetDigest(), pub.GetPolicy().GetVersion(), pub.GetPolicy().GetDigest())
 	}
+}
+
+// scrape reads a node's /metrics into a map from series (name and labels,
+// as written) to value.
+func scrape(t *testing.T, ctx context.Context, addr string) map[string]float64 {
+	t.Helper()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/metrics", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("scrape %s: %v", addr, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("scrape %s: %s", addr, resp.Status)
+	}
+	out := map[string]float64{}
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		i := strings.LastIndexByte(line, ' ')
+		if i < 0 {
+			continue
+		}
+		v, err := strconv.ParseFloat(line[i+1:], 64)
+		if err != nil {
+			t.Fatalf("scrape %s: bad line %q", addr, line)
+		}
+		out[line[:i]] = v
+	}
+	if err := sc.Err(); err != nil {
+		t.Fatalf("scrape %s: %v", addr, err)
+	}
+	return out
+}
+
+// getStatus returns the status code of GET path on addr.
+func getStatus(t *testing.T, ctx context.Context, addr, path string) int {
+	t.Helper()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("GET %s%s: %v", addr, path, err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
 }
 
 func sameGrants(a, b []*allotv1.Grant) bool {
