@@ -150,9 +150,10 @@ func (p *proposer) run() {
 			inFlight++
 			go func() {
 				results := p.commit(batch)
-				// finished is unbuffered: the dispatcher has counted the
-				// calls that waited beside this batch before its callers,
-				// answered, can queue their next ones.
+				// finished is unbuffered: once it is received, the
+				// dispatcher has counted the calls that waited beside this
+				// batch, and only then are its callers answered (and free
+				// to queue their next calls, which must not be counted).
 				finished <- struct{}{}
 				deliver(batch, results)
 			}()
@@ -192,8 +193,8 @@ func (p *proposer) run() {
 }
 
 // commit proposes the live proposals of batch as one entry and returns each
-// caller's result, in batch order, for the caller to deliver (deliver).
-// Proposals whose context has ended are not proposed.
+// proposal's result in batch order, for deliver to hand out. Proposals whose
+// context has ended are not proposed.
 func (p *proposer) commit(batch []*proposal) []proposalResult {
 	out := make([]proposalResult, len(batch))
 	live := make([]int, 0, len(batch)) // indexes into batch
