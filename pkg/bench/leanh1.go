@@ -31,10 +31,11 @@ type leanH1 struct {
 }
 
 type leanConn struct {
-	c   net.Conn
-	r   *bufio.Reader
-	msg allotv1.CheckResponse
-	buf []byte
+	c        net.Conn
+	r        *bufio.Reader
+	deadline time.Time // set on c: the run's, changed only between runs
+	msg      allotv1.CheckResponse
+	buf      []byte
 }
 
 func newLeanH1(addr string, checks []*allotv1.CheckRequest, workers int) (*leanH1, error) {
@@ -101,10 +102,12 @@ func (l *leanH1) target() Target {
 		if err != nil {
 			return err
 		}
-		if dl, ok := ctx.Deadline(); ok {
-			c.c.SetDeadline(dl)
-		} else {
-			c.c.SetDeadline(time.Time{})
+		if dl, _ := ctx.Deadline(); !dl.Equal(c.deadline) {
+			if err := c.c.SetDeadline(dl); err != nil {
+				l.drop(w)
+				return err
+			}
+			c.deadline = dl
 		}
 		if err := c.call(l.reqs[keyOf(w, i, len(l.reqs))]); err != nil {
 			l.drop(w)
