@@ -15,6 +15,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+	"github.com/allot-dev/allot/proto/allot/v1/allotv1connect"
 )
 
 // leanH1 is a load generator for Check over Connect's unary protocol on
@@ -30,6 +31,7 @@ type leanH1 struct {
 	conns []*leanConn // per worker; nil until dialled
 }
 
+// leanConn is one worker's connection and the buffers its calls reuse.
 type leanConn struct {
 	c        net.Conn
 	r        *bufio.Reader
@@ -38,6 +40,8 @@ type leanConn struct {
 	buf      []byte
 }
 
+// newLeanH1 prepares the HTTP request of every check for workers
+// connections to addr.
 func newLeanH1(addr string, checks []*allotv1.CheckRequest, workers int) (*leanH1, error) {
 	l := &leanH1{addr: addr, reqs: make([][]byte, len(checks)), conns: make([]*leanConn, workers)}
 	for i, c := range checks {
@@ -46,7 +50,8 @@ func newLeanH1(addr string, checks []*allotv1.CheckRequest, workers int) (*leanH
 			return nil, err
 		}
 		var b bytes.Buffer
-		fmt.Fprintf(&b, "POST /allot.v1.AdmissionService/Check HTTP/1.1\r\nHost: %s\r\nContent-Type: application/proto\r\nConnect-Protocol-Version: 1\r\nContent-Length: %d\r\n\r\n", addr, len(body))
+		fmt.Fprintf(&b, "POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/proto\r\nConnect-Protocol-Version: 1\r\nContent-Length: %d\r\n\r\n",
+			allotv1connect.AdmissionServiceCheckProcedure, addr, len(body))
 		b.Write(body)
 		l.reqs[i] = b.Bytes()
 	}
