@@ -104,23 +104,12 @@ func TestProposerCommitDelay(t *testing.T) {
 		errs := make([]error, n)
 		for i := range n {
 			seq++
-			cmd := fsm.Command{Type: fsm.CmdAcquire, Acquire: &fsm.Acquire{Region: "eu", RequestID: fmt.Sprintf("w-%d", seq),
-				Wants: []fsm.Want{{Quota: policy.InstanceName("standard", []string{fmt.Sprintf("t%d", seq)}), Tokens: 1}}}}
+			id, tenant := fmt.Sprintf("w-%d", seq), fmt.Sprintf("t%d", seq)
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
 				<-start
-				res, err := l.Apply(ctx, cmd)
-				if err != nil {
-					errs[i] = err
-					return
-				}
-				g := res.(*fsm.AcquireResult).Grants
-				if len(g) != 1 {
-					errs[i] = fmt.Errorf("%d grants", len(g))
-					return
-				}
-				out[i], _, _ = strings.Cut(g[0].GrantID, "-")
+				out[i], errs[i] = acquireEntry(ctx, l, id, tenant)
 			}()
 		}
 		close(start)
@@ -180,19 +169,11 @@ func TestProposerHoldsForEveryCaller(t *testing.T) {
 			defer wg.Done()
 			<-start
 			for r := range rounds {
-				cmd := fsm.Command{Type: fsm.CmdAcquire, Acquire: &fsm.Acquire{Region: "eu", RequestID: fmt.Sprintf("c%d-r%d", c, r),
-					Wants: []fsm.Want{{Quota: policy.InstanceName("standard", []string{fmt.Sprintf("t%d", c)}), Tokens: 1}}}}
-				res, err := l.Apply(ctx, cmd)
+				i, err := acquireEntry(ctx, l, fmt.Sprintf("c%d-r%d", c, r), fmt.Sprintf("t%d", c))
 				if err != nil {
-					errs[c] = err
+					errs[c] = fmt.Errorf("round %d: %w", r, err)
 					return
 				}
-				g := res.(*fsm.AcquireResult).Grants
-				if len(g) != 1 {
-					errs[c] = fmt.Errorf("round %d: %d grants", r, len(g))
-					return
-				}
-				i, _, _ := strings.Cut(g[0].GrantID, "-")
 				idx[c] = append(idx[c], i)
 			}
 		}()
@@ -221,6 +202,23 @@ func TestProposerHoldsForEveryCaller(t *testing.T) {
 				i, entries[i], callers, entries)
 		}
 	}
+}
+
+// acquireEntry applies, on l, an Acquire of one token of tenant's instance
+// of templatePolicy's "standard" template and returns the Raft index of the
+// entry it landed in (a grant id is "<index>-<want number>").
+func acquireEntry(ctx context.Context, l *Node, requestID, tenant string) (string, error) {
+	res, err := l.Apply(ctx, fsm.Command{Type: fsm.CmdAcquire, Acquire: &fsm.Acquire{Region: "eu", RequestID: requestID,
+		Wants: []fsm.Want{{Quota: policy.InstanceName("standard", []string{tenant}), Tokens: 1}}}})
+	if err != nil {
+		return "", err
+	}
+	g := res.(*fsm.AcquireResult).Grants
+	if len(g) != 1 {
+		return "", fmt.Errorf("%d grants", len(g))
+	}
+	i, _, _ := strings.Cut(g[0].GrantID, "-")
+	return i, nil
 }
 
 func cmpIndex(a, b string) int {
