@@ -9,7 +9,6 @@ import (
 	"io"
 	"net"
 	"strconv"
-	"sync"
 	"time"
 
 	"google.golang.org/protobuf/proto"
@@ -24,10 +23,12 @@ import (
 // reads of its response. It measures the agent's Connect server without
 // the CPU of Go's HTTP client (connect-go on net/http), which on this
 // machine shares the cores with the server it loads.
+//
+// Worker w alone uses conns[w] while a mode runs, and close runs after it,
+// so the calls take no lock.
 type leanH1 struct {
 	addr  string
-	reqs  [][]byte // the whole HTTP request per key
-	mu    sync.Mutex
+	reqs  [][]byte    // the whole HTTP request per key
 	conns []*leanConn // per worker; nil until dialled
 }
 
@@ -58,9 +59,8 @@ func newLeanH1(addr string, checks []*allotv1.CheckRequest, workers int) (*leanH
 	return l, nil
 }
 
+// close closes every worker's connection; the mode has finished.
 func (l *leanH1) close() {
-	l.mu.Lock()
-	defer l.mu.Unlock()
 	for i, c := range l.conns {
 		if c != nil {
 			c.c.Close()
@@ -71,10 +71,7 @@ func (l *leanH1) close() {
 
 // conn returns worker w's connection, dialling it when needed.
 func (l *leanH1) conn(ctx context.Context, w int) (*leanConn, error) {
-	l.mu.Lock()
-	c := l.conns[w]
-	l.mu.Unlock()
-	if c != nil {
+	if c := l.conns[w]; c != nil {
 		return c, nil
 	}
 	var d net.Dialer
@@ -82,17 +79,13 @@ func (l *leanH1) conn(ctx context.Context, w int) (*leanConn, error) {
 	if err != nil {
 		return nil, err
 	}
-	c = &leanConn{c: nc, r: bufio.NewReaderSize(nc, 4096)}
-	l.mu.Lock()
+	c := &leanConn{c: nc, r: bufio.NewReaderSize(nc, 4096)}
 	l.conns[w] = c
-	l.mu.Unlock()
 	return c, nil
 }
 
 // drop closes worker w's connection after a failed call.
 func (l *leanH1) drop(w int) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
 	if c := l.conns[w]; c != nil {
 		c.c.Close()
 		l.conns[w] = nil
