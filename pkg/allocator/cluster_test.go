@@ -180,19 +180,28 @@ func TestClusterSnapshotInstall(t *testing.T) {
 	for i := 0; i < 9; i++ {
 		acquireOn(t, l, []string{"eu", "us"}[i%2], fmt.Sprintf("r%d", i), 100)
 	}
-	if err := l.raft.Snapshot().Error(); err != nil {
-		t.Fatalf("snapshot: %v", err)
+	// Compact the log of every node of the majority, so that whichever of
+	// them leads when the follower is back (a busy machine may move the
+	// leadership) cannot send it entries.
+	majority := make([]*Node, 0, 2)
+	for i, n := range tc.nodes {
+		if i != lagger {
+			majority = append(majority, n)
+		}
 	}
-	// Compact the log so the follower cannot be sent entries.
-	rc := l.raft.ReloadableConfig()
-	rc.TrailingLogs = 1
-	rc.SnapshotThreshold = 1
-	if err := l.raft.ReloadConfig(rc); err != nil {
-		t.Fatal(err)
+	for _, n := range majority {
+		rc := n.raft.ReloadableConfig()
+		rc.TrailingLogs = 1
+		rc.SnapshotThreshold = 1
+		if err := n.raft.ReloadConfig(rc); err != nil {
+			t.Fatal(err)
+		}
 	}
-	acquireOn(t, l, "eu", "r-last", 50)
-	if err := l.raft.Snapshot().Error(); err != nil {
-		t.Fatalf("snapshot: %v", err)
+	acquireOn(t, tc.leader(), "eu", "r-last", 50)
+	for _, n := range majority {
+		if err := n.raft.Snapshot().Error(); err != nil {
+			t.Fatalf("snapshot on %s: %v", n.ID(), err)
+		}
 	}
 	tc.heal()
 	tc.waitSame()
