@@ -521,9 +521,14 @@ func (e *Engine) call(ctx context.Context, o *op, mono int64, timeout time.Durat
 	switch {
 	case err == nil:
 		e.brk.done(mono, false)
+	case callerLeft(ctx, err):
+		// The caller left before the store answered: neither the store's
+		// failure nor a fail mode's engagement, and counted as neither.
+		e.m.storeCanceled.Add(1)
+		e.brk.abort()
 	case errors.Is(err, ErrOverloaded) || errors.Is(err, ErrClosed) || ctx.Err() != nil:
-		// Our own queue, our own shutdown or the caller giving up: not the
-		// store's fault, so the breaker does not count it.
+		// Our own queue, our own shutdown or the caller's deadline passing
+		// first: not the store's fault, so the breaker does not count it.
 		e.m.storeErrors.Add(1)
 		e.brk.abort()
 	default:
@@ -534,16 +539,25 @@ func (e *Engine) call(ctx context.Context, o *op, mono int64, timeout time.Durat
 	return false, err
 }
 
+// callerLeft reports whether a store call that failed with err ended
+// because the caller's context was canceled: the caller left (a client
+// disconnected), which says nothing about the store. A caller's deadline
+// is different: the store did not answer within the caller's budget, and
+// the fail modes decide as they do at StoreTimeout.
+func callerLeft(ctx context.Context, err error) bool {
+	return err != nil && errors.Is(ctx.Err(), context.Canceled)
+}
+
 // runStore decides group g in one store call, or by the fail modes.
 func (e *Engine) runStore(ctx context.Context, g *group, items []item, req *Request, d *Decision,
 	member string, now time.Time, mono int64) (Outcome, int, int64) {
 	o := e.decideOp(g, items, req, d.ID, member, now)
 	if _, err := e.call(ctx, o, mono, e.cfg.StoreTimeout); err != nil {
-		return e.failGroup(g, items, now, mono)
+		return e.failGroup(g, items, now, mono, !callerLeft(ctx, err))
 	}
 	n := len(g.idx)
 	if len(o.out) < 2 {
-		return e.failGroup(g, items, now, mono)
+		return e.failGroup(g, items, now, mono, true)
 	}
 	replay := o.out[0] == 1
 	if replay {
@@ -554,7 +568,7 @@ func (e *Engine) runStore(ctx context.Context, g *group, items []item, req *Requ
 		}
 	} else if len(o.out) != 2+4*n {
 		e.log.Warn("malformed store reply", zap.Int("len", len(o.out)), zap.Int("rules", n))
-		return e.failGroup(g, items, now, mono)
+		return e.failGroup(g, items, now, mono, true)
 	}
 	if d.Source == SourceLocal || d.Source == SourceNone {
 		d.Source = SourceStore
@@ -605,8 +619,14 @@ func (e *Engine) remember(hash uint64, retryMs, mono int64) {
 // failGroup decides group g by its rules' fail modes: the first rule in
 // order that does not admit decides; closed answers Unavailable, a fallback
 // bucket that is empty answers Deny; open admits (counted). Fallback debits
-// happen only when the whole group admits.
-func (e *Engine) failGroup(g *group, items []item, now time.Time, mono int64) (Outcome, int, int64) {
+// happen only when the whole group admits. The fail-mode counters count
+// the rules decided unless count is false (the caller has left).
+func (e *Engine) failGroup(g *group, items []item, now time.Time, mono int64, count bool) (Outcome, int, int64) {
+	add := func(c *atomic.Uint64, n uint64) {
+		if count {
+			c.Add(n)
+		}
+	}
 	var fbItems []fbItem
 	var fbIdx []int
 	for _, i := range g.idx {
@@ -625,7 +645,7 @@ func (e *Engine) failGroup(g *group, items []item, now time.Time, mono int64) (O
 		default:
 			it.res.FailMode = policy.FailClosed
 			it.res.Allowed = false
-			e.m.failClosed.Add(1)
+			add(&e.m.failClosed, 1)
 			return Unavailable, i, e.unavailableRetry(mono)
 		}
 	}
@@ -636,15 +656,15 @@ func (e *Engine) failGroup(g *group, items []item, now time.Time, mono int64) (O
 			it := &items[fbIdx[deny]]
 			it.res.Allowed = false
 			it.res.RetryAfter = msToRetry(retryMs)
-			e.m.fallback.Add(1)
+			add(&e.m.fallback, 1)
 			return Deny, fbIdx[deny], it.res.RetryAfter
 		}
 		g.fb, g.fbIdx = states, fbIdx
-		e.m.fallback.Add(uint64(len(fbItems)))
+		add(&e.m.fallback, uint64(len(fbItems)))
 	}
 	for _, i := range g.idx {
 		if items[i].res.FailMode == policy.FailOpen {
-			e.m.failOpen.Add(1)
+			add(&e.m.failOpen, 1)
 		}
 	}
 	return Allow, -1, 0
@@ -664,8 +684,8 @@ func (e *Engine) unavailableRetry(mono int64) int64 {
 func (e *Engine) runLocal(ctx context.Context, g *group, items []item, now time.Time, mono int64) (Outcome, int64) {
 	it := &items[g.idx[0]]
 	c := it.sp.chunk
-	failMode := func() (Outcome, int64) {
-		out, _, retry := e.failGroup(g, items, now, e.mono(now))
+	failMode := func(count bool) (Outcome, int64) {
+		out, _, retry := e.failGroup(g, items, now, e.mono(now), count)
 		return out, retry
 	}
 	for attempt := 0; attempt < 3; attempt++ {
@@ -689,7 +709,7 @@ func (e *Engine) runLocal(ctx context.Context, g *group, items []item, now time.
 			case <-ch:
 				continue
 			case <-ctx.Done():
-				return failMode()
+				return failMode(!callerLeft(ctx, ctx.Err()))
 			}
 		}
 		ch := make(chan struct{})
@@ -725,7 +745,7 @@ func (e *Engine) runLocal(ctx context.Context, g *group, items []item, now time.
 		}
 		c.mu.Unlock()
 		if err != nil || len(o.out) != 3 {
-			return failMode()
+			return failMode(!callerLeft(ctx, err))
 		}
 	}
 	it.res.Allowed, it.res.Remaining = false, 0

@@ -1,5 +1,7 @@
 package admission
 
+import "github.com/prometheus/client_golang/prometheus"
+
 // UseStoreClock makes e pass its own clock to the store instead of letting
 // the store read Redis TIME, so that one fake clock drives every backend in
 // the conformance suite. Production engines never do this.
@@ -42,3 +44,7 @@ func (c *localChunk) Available(now int64) int64 { return c.available(now) }
 
 // NegCacheEntries returns the fixed number of entries c holds.
 func NegCacheEntries(c *negCache) int { return len(c.entries) }
+
+// MetricsOf returns e's Prometheus collector, which production engines
+// register with WithRegisterer.
+func MetricsOf(e *Engine) prometheus.Collector { return &collector{e: e} }

@@ -2,10 +2,12 @@ package admission_test
 
 import (
 	"context"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap/zaptest"
 
@@ -202,6 +204,98 @@ func TestFailModesPaused(t *testing.T) {
 	if d.Source != admission.SourceStore || h.e.BreakerOpen() {
 		t.Fatalf("after resume: %+v, breaker open %v; want the store deciding again", d, h.e.BreakerOpen())
 	}
+}
+
+// TestCallerLeavingIsNotAStoreError: a caller that leaves (its context
+// canceled) while Redis is stuck is counted as canceled, neither as a store
+// error nor as a fail mode's engagement, and does not open the breaker; a
+// caller whose deadline passes first is a store that did not answer in
+// time: the fail mode decides and is counted.
+func TestCallerLeavingIsNotAStoreError(t *testing.T) {
+	srv := redistest.NewServer(t)
+	h, _ := failHarness(t, srv.Addr(), northstar(t), nil)
+	wantAllowed(t, h.decide(export("cedar")...), "before the pause")
+	if err := srv.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = srv.Resume() }()
+	req := &admission.Request{Descriptors: entries(export("cedar")...)}
+	before := h.e.Stats()
+
+	// Five callers that leave after 20 ms: more than BreakerFailures (3).
+	for i := 0; i < 5; i++ {
+		ctx, cancel := context.WithCancel(context.Background())
+		time.AfterFunc(20*time.Millisecond, cancel)
+		d, err := h.e.Decide(ctx, req)
+		cancel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Outcome != admission.Unavailable || d.Source != admission.SourceFailMode {
+			t.Fatalf("caller left: %s from %s, want unavailable from the fail mode", d.Outcome, d.Source)
+		}
+	}
+	s := h.e.Stats()
+	if got := s.StoreCanceled - before.StoreCanceled; got != 5 {
+		t.Errorf("StoreCanceled +%d, want +5", got)
+	}
+	if s.StoreErrors != before.StoreErrors || s.FailClosed != before.FailClosed {
+		t.Errorf("callers leaving counted as failures: store errors +%d, fail closed +%d",
+			s.StoreErrors-before.StoreErrors, s.FailClosed-before.FailClosed)
+	}
+	if h.e.BreakerOpen() {
+		t.Error("callers leaving opened the breaker")
+	}
+	wantMetric(t, h.e, `allot_admission_store_calls_total{result="canceled"}`, float64(s.StoreCanceled))
+
+	// A deadline shorter than StoreTimeout: the store did not answer within
+	// the caller's budget.
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	d, err := h.e.Decide(ctx, req)
+	cancel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.Outcome != admission.Unavailable {
+		t.Fatalf("deadline passed: %s, want unavailable (p-export fails closed)", d.Outcome)
+	}
+	after := h.e.Stats()
+	if after.StoreErrors != s.StoreErrors+1 || after.FailClosed != s.FailClosed+1 || after.StoreCanceled != s.StoreCanceled {
+		t.Errorf("deadline passed: store errors +%d, fail closed +%d, canceled +%d; want +1, +1, +0",
+			after.StoreErrors-s.StoreErrors, after.FailClosed-s.FailClosed, after.StoreCanceled-s.StoreCanceled)
+	}
+}
+
+// wantMetric checks one sample of the engine's Prometheus collector.
+func wantMetric(t *testing.T, e *admission.Engine, sample string, want float64) {
+	t.Helper()
+	reg := prometheus.NewPedanticRegistry()
+	if err := reg.Register(admission.MetricsOf(e)); err != nil {
+		t.Fatal(err)
+	}
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		for _, m := range f.GetMetric() {
+			name := f.GetName()
+			if len(m.GetLabel()) > 0 {
+				var labels []string
+				for _, l := range m.GetLabel() {
+					labels = append(labels, l.GetName()+`="`+l.GetValue()+`"`)
+				}
+				name += "{" + strings.Join(labels, ",") + "}"
+			}
+			if name == sample {
+				if got := m.GetCounter().GetValue(); got != want {
+					t.Errorf("%s = %v, want %v", sample, got, want)
+				}
+				return
+			}
+		}
+	}
+	t.Errorf("no sample %s", sample)
 }
 
 // TestNoScriptReload: after SCRIPT FLUSH the next call meets NOSCRIPT,

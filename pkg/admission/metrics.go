@@ -16,8 +16,10 @@ type Stats struct {
 	NegativeCacheHits uint64
 	// Replays counts retries answered from an idempotency record.
 	Replays uint64
-	// StoreCalls and StoreErrors count store calls and the failed ones.
-	StoreCalls, StoreErrors uint64
+	// StoreCalls counts store calls; StoreErrors the failed ones, and
+	// StoreCanceled those the caller left (its context canceled) before the
+	// store answered, which are not errors and engage no fail mode.
+	StoreCalls, StoreErrors, StoreCanceled uint64
 	// FailOpen, FailClosed and Fallback count rules decided by each fail mode.
 	FailOpen, FailClosed, Fallback uint64
 	// BreakerOpens counts how often the circuit breaker opened.
@@ -32,7 +34,7 @@ type Stats struct {
 type counters struct {
 	decisions, allowed, denied, unavailable atomic.Uint64
 	negHits, replays                        atomic.Uint64
-	storeCalls, storeErrors                 atomic.Uint64
+	storeCalls, storeErrors, storeCanceled  atomic.Uint64
 	failOpen, failClosed, fallback          atomic.Uint64
 	localSpends, localTakes                 atomic.Uint64
 	refundErrors                            atomic.Uint64
@@ -50,6 +52,7 @@ func (e *Engine) Stats() Stats {
 		Replays:           m.replays.Load(),
 		StoreCalls:        m.storeCalls.Load(),
 		StoreErrors:       m.storeErrors.Load(),
+		StoreCanceled:     m.storeCanceled.Load(),
 		FailOpen:          m.failOpen.Load(),
 		FailClosed:        m.failClosed.Load(),
 		Fallback:          m.fallback.Load(),
@@ -99,8 +102,12 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	counter(descDecisions, s.Unavailable, "unavailable")
 	counter(descNeg, s.NegativeCacheHits)
 	counter(descReplays, s.Replays)
-	counter(descStore, s.StoreCalls-s.StoreErrors, "ok")
+	// The counters are read one by one while calls finish: never let a call
+	// counted as failed but not yet as made wrap the difference around.
+	ok := s.StoreCalls - min(s.StoreCalls, s.StoreErrors+s.StoreCanceled)
+	counter(descStore, ok, "ok")
 	counter(descStore, s.StoreErrors, "error")
+	counter(descStore, s.StoreCanceled, "canceled")
 	counter(descFail, s.FailOpen, "open")
 	counter(descFail, s.FailClosed, "closed")
 	counter(descFail, s.Fallback, "fallback")
