@@ -293,6 +293,7 @@ func TestNorthstarScenario(t *testing.T) {
 	}
 	eu, us := regions[0], regions[1]
 	split0, split1 := at(0, 100*time.Millisecond), at(0, 5600*time.Millisecond)
+	splitStall := watchStalls(at(0, 0), at(1, 0))
 	run("atlas split eu", 4, 900, split0, split1, atlasTarget(eu))
 	run("atlas split us", 1, 100, split0, split1, atlasTarget(us))
 	flood := int64(2 * W.Seconds())
@@ -368,7 +369,17 @@ func TestNorthstarScenario(t *testing.T) {
 		// The paced generator sends fewer when the machine cannot keep up.
 		t.Errorf("split window: offered EU %d US %d, want about 900 and 100", oe, ou)
 	}
-	if ae < oe-tol || au < ou-tol || ae+au < oe+ou-tol {
+	stall := splitStall()
+	t.Logf("split window: this process's longest stall %s", stall.Round(time.Millisecond))
+	if stall > maxSplitStall {
+		// Serving the demand without idle tokens needs renewals to land
+		// within the lease lead (1 s); a machine that stops this process
+		// for a good part of it delays them, and the paced generator then
+		// sends what it owes in a burst. Safety (<= G + bound, Birch) is
+		// judged whatever the machine did; this efficiency figure is not.
+		t.Logf("split window: void, this process stalled %s (more than %s); EU admitted %d of %d, US %d of %d",
+			stall.Round(time.Millisecond), maxSplitStall, ae, oe, au, ou)
+	} else if ae < oe-tol || au < ou-tol || ae+au < oe+ou-tol {
 		t.Errorf("split window: EU admitted %d of %d, US %d of %d; want each, and both together, within %d of the demand", ae, oe, au, ou, tol)
 	}
 
@@ -410,6 +421,31 @@ func TestNorthstarScenario(t *testing.T) {
 			}
 		}
 	}
+}
+
+// maxSplitStall is the longest stall of the test process during the split
+// window under which its no-idle-tokens check is judged: a quarter of the
+// lease lead.
+const maxSplitStall = 250 * time.Millisecond
+
+// watchStalls measures, between from and to, the longest time a goroutine
+// waking every 10 ms went without running: how long the machine stopped
+// this process. The returned function waits until to and reports it.
+func watchStalls(from, to time.Time) func() time.Duration {
+	done := make(chan time.Duration, 1)
+	go func() {
+		time.Sleep(time.Until(from))
+		var longest time.Duration
+		last := time.Now()
+		for last.Before(to) {
+			time.Sleep(10 * time.Millisecond)
+			now := time.Now()
+			longest = max(longest, now.Sub(last)-10*time.Millisecond)
+			last = now
+		}
+		done <- longest
+	}()
+	return func() time.Duration { return <-done }
 }
 
 // maxWallStep is how far the wall clock may move against the monotonic clock
