@@ -135,9 +135,7 @@ func checkLeases(h history.History) ([]Violation, []history.Event) {
 		}
 		fromLedger := false
 		if len(gs) == 0 {
-			for _, g := range ledger[reqKey{k.region, k.quota}] {
-				gs = append(gs, g)
-			}
+			gs = append(gs, ledger[reqKey{k.region, k.quota}]...)
 			fromLedger = true
 		}
 		miss, left := unmatched(adm, gs)

@@ -165,14 +165,13 @@ type chunk struct {
 }
 
 type quotaState struct {
-	cfg        QuotaConfig
-	rate       float64
-	owed       float64
-	chunks     []*chunk
-	noAskUntil int64 // region wall ms: the pool said exhausted until then
-	noAskTrue  int64 // true ns: minimum pause after an exhausted answer
-	cutOff     bool
-	exhausted  bool
+	cfg       QuotaConfig
+	rate      float64
+	owed      float64
+	chunks    []*chunk
+	noAskTrue int64 // true ns: minimum pause after an exhausted answer
+	cutOff    bool
+	exhausted bool
 	// clampEndMs and clampDeadline are the window end (allocator clock) and
 	// the deadline (true ns) of the latest grant clamped to its window's end:
 	// every later grant of that window dies at the same moment.
@@ -188,7 +187,6 @@ type state struct {
 	names    []string
 	lastTick int64
 	stopping bool
-	answered int
 }
 
 type want struct {
