@@ -83,9 +83,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs.DurationVar(&cfg.Warmup, "warmup", cfg.Warmup, "warmup before each mode")
 	fs.IntVar(&cfg.Pipeline, "pipeline", cfg.Pipeline, "decisions per round trip in the pipelined mode")
 	fs.Float64Var(&cfg.Rate, "rate", 0, "paced mode's rate in decisions/s; 0 = half of the sdk mode's")
-	fs.IntVar(&cfg.Redis.BatchSize, "batch", cfg.Redis.BatchSize, "SDK: most decisions per pipeline")
-	fs.IntVar(&cfg.Redis.MaxPipelines, "pipelines", cfg.Redis.MaxPipelines, "SDK: most pipelines in flight")
-	fs.DurationVar(&cfg.Redis.BatchDelay, "batch-delay", cfg.Redis.BatchDelay, "SDK: how long a partial batch may wait while pipelines are in flight")
+	fs.IntVar(&cfg.Redis.BatchSize, "batch", cfg.Redis.BatchSize, "SDK and agent: most decisions per pipeline (-suite agent: the agent's default unless set)")
+	fs.IntVar(&cfg.Redis.MaxPipelines, "pipelines", cfg.Redis.MaxPipelines, "SDK and agent: most pipelines in flight (-suite agent: the agent's default unless set)")
+	fs.DurationVar(&cfg.Redis.BatchDelay, "batch-delay", cfg.Redis.BatchDelay, "SDK and agent: how long a partial batch may wait while pipelines are in flight (-suite agent: the agent's default, 300µs, unless set)")
 	cpuprofile := fs.String("cpuprofile", "", "write a CPU profile of the benchmark client to this file")
 	memprofile := fs.String("memprofile", "", "write an allocation profile of the benchmark client to this file at the end")
 	suite := fs.String("suite", "admission", "admission: the engine's modes (a), (a'), (b); agent: the region agent's Connect (c) and Envoy RLS (d) beside the raw ceiling (a)")
@@ -118,7 +118,17 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	acfg := bench.DefaultAgentSuiteConfig()
 	acfg.Workers, acfg.Keys, acfg.Requests, acfg.Duration, acfg.Warmup = cfg.Workers, cfg.Keys, cfg.Requests, cfg.Duration, cfg.Warmup
-	acfg.Connections, acfg.Redis = *connections, cfg.Redis
+	acfg.Connections = *connections
+	fs.Visit(func(f *flag.Flag) { // the agent's store defaults, but what was set
+		switch f.Name {
+		case "batch":
+			acfg.Redis.BatchSize = cfg.Redis.BatchSize
+		case "pipelines":
+			acfg.Redis.MaxPipelines = cfg.Redis.MaxPipelines
+		case "batch-delay":
+			acfg.Redis.BatchDelay = cfg.Redis.BatchDelay
+		}
+	})
 	if *mode != "all" {
 		cfg.Modes = strings.Split(*mode, ",")
 		acfg.Modes = cfg.Modes
@@ -152,6 +162,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	version, _ := client.Info(ctx, "server").Result()
 	fmt.Fprintf(stdout, "allotbench: redis %s at %s, %d workers, %d keys, GOMAXPROCS %d of %d CPUs, %s\n",
 		field(version, "redis_version"), *addr, cfg.Workers, cfg.Keys, runtime.GOMAXPROCS(0), runtime.NumCPU(), time.Now().UTC().Format(time.RFC3339))
+	store := cfg.Redis
+	if *suite == "agent" {
+		store = acfg.Redis
+	}
+	fmt.Fprintf(stdout, "allotbench: store batcher: %d decisions per pipeline, %d pipelines in flight, a partial batch waits up to %s\n",
+		store.BatchSize, store.MaxPipelines, store.BatchDelay)
 	var (
 		figs []bench.Figure
 		err  error

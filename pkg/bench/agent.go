@@ -76,7 +76,8 @@ type AgentSuiteConfig struct {
 	// Connections is how many HTTP/2 connections the Connect and gRPC
 	// clients spread their callers over.
 	Connections int
-	// Redis configures the agent's store and batcher.
+	// Redis configures the agent's store and batcher; the default is the
+	// agent's (agent.DefaultStoreConfig).
 	Redis admission.RedisConfig
 }
 
@@ -85,7 +86,7 @@ type AgentSuiteConfig struct {
 func DefaultAgentSuiteConfig() AgentSuiteConfig {
 	return AgentSuiteConfig{
 		Modes: AgentModes(), Workers: 64, Keys: 10_000, Requests: 3_000_000, Duration: 10 * time.Second,
-		Warmup: time.Second, Connections: 4, Redis: admission.DefaultRedisConfig(),
+		Warmup: time.Second, Connections: 4, Redis: agent.DefaultStoreConfig(),
 	}
 }
 
