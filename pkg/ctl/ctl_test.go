@@ -133,3 +133,44 @@ func TestCtlAgainstAllocator(t *testing.T) {
 		t.Errorf("json bound: %+v", parsed)
 	}
 }
+
+// TestCtlRollback is the operator's rollback (docs/operations.md): what
+// `policy get -version N` prints is a file `policy publish` takes, so an old
+// version comes back as a new, higher one with the same rules.
+func TestCtlRollback(t *testing.T) {
+	addr := startNode(t)
+	dir := t.TempDir()
+	northstar := filepath.Join(dir, "northstar.yaml")
+	tighter := filepath.Join(dir, "tighter.yaml")
+	if err := os.WriteFile(northstar, examples.Northstar, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(tighter, bytes.Replace(examples.Northstar, []byte("limit: 1000\n"), []byte("limit: 800\n"), 1), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []string{northstar, tighter} {
+		if out, err := runCtl(t, addr, "policy", "publish", f, "-author", "alice", "-reason", "plan"); err != nil {
+			t.Fatalf("publish %s: %v\n%s", f, err, out)
+		}
+	}
+	old, err := runCtl(t, addr, "policy", "get", "-version", "1")
+	if err != nil {
+		t.Fatalf("get version 1: %v\n%s", err, old)
+	}
+	saved := filepath.Join(dir, "v1.yaml")
+	if err := os.WriteFile(saved, []byte(old), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out, err := runCtl(t, addr, "policy", "publish", saved, "-author", "bob", "-reason", "rollback to v1")
+	if err != nil || !strings.Contains(out, "published version 3") {
+		t.Fatalf("publish the saved version 1: %v\n%s", err, out)
+	}
+	out, err = runCtl(t, addr, "policy", "diff", northstar)
+	if err != nil || !strings.Contains(out, "no changes against version 3") {
+		t.Fatalf("version 3 against version 1's file: %v\n%s", err, out)
+	}
+	out, err = runCtl(t, addr, "window", "p-tenant-atlas")
+	if err != nil || !strings.Contains(out, "limit 1000") {
+		t.Fatalf("window after the rollback: %v\n%s", err, out)
+	}
+}
