@@ -17,6 +17,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/allot-dev/allot/pkg/admission"
 	"github.com/allot-dev/allot/pkg/agent"
@@ -41,6 +42,9 @@ import (
 //	              lean load generator (leanH1: prepared request bytes, one
 //	              write and one read per call, as wrk drives a server): the
 //	              agent's Connect server without the CPU of Go's HTTP client
+//	connect-lean-h2 (cl2) the same requests on the same listener over
+//	              cleartext HTTP/2 from a lean multiplexing generator (leanH2,
+//	              as h2load drives a server: -connections connections)
 //	connect-grpc (c'') the same Connect client with connect.WithGRPC() against
 //	              the agent's gRPC listener, where grpc-go's transport serves
 //	              AdmissionService (agent.GRPCAdmissionService)
@@ -49,6 +53,8 @@ import (
 //	              with a lighter load generator than connect-go's client
 //	grpc     (c*) AdmissionService.Check from a grpc-go client on that listener
 //	envoy    (d)  the agent's Envoy RLS endpoint (gRPC ShouldRateLimit)
+//	envoy-lean (dl) the same ShouldRateLimit calls from the lean HTTP/2
+//	              generator speaking gRPC, a client as light as Envoy's own
 //
 // The agent runs in this process on its own listeners, deciding the same
 // requests (one token bucket per user, 100 tenants) as the raw mode, so (c)
@@ -57,7 +63,7 @@ import (
 
 // AgentModes lists the agent suite's modes in the order it runs them.
 func AgentModes() []string {
-	return []string{"raw", "connect", "connect-batch", "connect-http1", "connect-lean", "connect-grpc", "grpc-connect", "grpc", "envoy"}
+	return []string{"raw", "connect", "connect-batch", "connect-http1", "connect-lean", "connect-lean-h2", "connect-grpc", "grpc-connect", "grpc", "envoy", "envoy-lean"}
 }
 
 // AgentSuiteConfig configures the agent suite.
@@ -253,6 +259,15 @@ func RunAgentSuite(ctx context.Context, client redis.UniversalClient, cfg AgentS
 			}
 			defer lean.close()
 			target = lean.target()
+		case "connect-lean-h2":
+			c.Name = "(cl2) agent Check, Connect h2c, lean generator"
+			msgs, err := marshalAll(checks)
+			if err != nil {
+				return figs, err
+			}
+			lean := newLeanH2(ln.Addr().String(), allotv1connect.AdmissionServiceCheckProcedure, false, msgs, cfg.Workers, cfg.Connections, checkResponses(cfg.Workers))
+			defer lean.close()
+			target = lean.target()
 		case "connect-grpc":
 			c.Name = "(c'') agent Check, Connect gRPC"
 			target = checkTarget(checks, func(w int) allotv1connect.AdmissionServiceClient { return viaGRPC[w%len(viaGRPC)] })
@@ -274,6 +289,27 @@ func RunAgentSuite(ctx context.Context, client redis.UniversalClient, cfg AgentS
 				}
 				return nil
 			}
+		case "envoy-lean":
+			c.Name = "(dl) agent Envoy RLS, gRPC, lean generator"
+			msgs, err := marshalAll(rls)
+			if err != nil {
+				return figs, err
+			}
+			resps := make([]rlsv3.RateLimitResponse, cfg.Workers)
+			lean := newLeanH2(gln.Addr().String(), rlsv3.RateLimitService_ShouldRateLimit_FullMethodName, true, msgs, cfg.Workers, cfg.Connections,
+				func(w int, b []byte) error {
+					m := &resps[w]
+					m.Reset()
+					if err := proto.Unmarshal(b, m); err != nil {
+						return err
+					}
+					if m.GetOverallCode() != rlsv3.RateLimitResponse_OK {
+						return fmt.Errorf("code %s", m.GetOverallCode())
+					}
+					return nil
+				})
+			defer lean.close()
+			target = lean.target()
 		}
 		f, err := measure(ctx, client, c, target)
 		if err != nil {
@@ -283,6 +319,37 @@ func RunAgentSuite(ctx context.Context, client redis.UniversalClient, cfg AgentS
 		fmt.Fprintln(out, f)
 	}
 	return figs, nil
+}
+
+// marshalAll marshals every message, for generators that send prepared
+// bytes.
+func marshalAll[M proto.Message](msgs []M) ([][]byte, error) {
+	out := make([][]byte, len(msgs))
+	for i, m := range msgs {
+		b, err := proto.Marshal(m)
+		if err != nil {
+			return nil, err
+		}
+		out[i] = b
+	}
+	return out, nil
+}
+
+// checkResponses returns a check of Check responses for a lean generator:
+// worker w decodes into its own message; a denial is an error.
+func checkResponses(workers int) func(w int, b []byte) error {
+	resps := make([]allotv1.CheckResponse, workers)
+	return func(w int, b []byte) error {
+		m := &resps[w]
+		m.Reset()
+		if err := proto.Unmarshal(b, m); err != nil {
+			return err
+		}
+		if !m.Allowed {
+			return refusal(m)
+		}
+		return nil
+	}
 }
 
 // checkTarget sends Check requests through the Connect client worker w
