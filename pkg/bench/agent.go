@@ -410,7 +410,7 @@ func SummarizeAgent(out io.Writer, figs []Figure) {
 	}
 	fmt.Fprintln(out, "summary:")
 	for _, f := range figs {
-		if a > 0 && (strings.HasPrefix(f.Name, "(c") || strings.HasPrefix(f.Name, "(d) ")) {
+		if a > 0 && (strings.HasPrefix(f.Name, "(c") || strings.HasPrefix(f.Name, "(d")) {
 			fmt.Fprintf(out, "  %s / (a): %.2f (target >= 0.5)\n", f.Name, f.PerSecond/a)
 		}
 	}
