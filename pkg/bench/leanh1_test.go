@@ -16,23 +16,34 @@ import (
 
 // TestLeanConnectMode runs the agent suite's lean HTTP/1.1 mode briefly
 // against a real agent and Redis: every call is decided and allowed.
-func TestLeanConnectMode(t *testing.T) {
+func TestLeanConnectMode(t *testing.T) { runAgentModes(t, "connect-lean") }
+
+// runAgentModes runs the agent suite's modes briefly (8 workers, 100 keys,
+// 2 connections) against a real agent and a private Redis, and wants calls
+// and no errors from each.
+func runAgentModes(t *testing.T, modes ...string) {
+	t.Helper()
 	srv, err := redistest.StartServer(context.Background())
 	redistest.Require(t, err)
 	defer srv.Close()
 	client := redis.NewClient(&redis.Options{Addr: srv.Addr()})
 	defer client.Close()
 	cfg := DefaultAgentSuiteConfig()
-	cfg.Modes = []string{"connect-lean"}
-	cfg.Workers, cfg.Keys, cfg.Requests = 8, 100, 2000
+	cfg.Modes = modes
+	cfg.Workers, cfg.Keys, cfg.Requests, cfg.Connections = 8, 100, 3000, 2
 	cfg.Duration, cfg.Warmup = 5*time.Second, 100*time.Millisecond
 	var out strings.Builder
 	figs, err := RunAgentSuite(context.Background(), client, cfg, &out)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(figs) != 1 || figs[0].Calls == 0 || figs[0].Errors != 0 {
-		t.Fatalf("want one figure with calls and no errors, got %+v\n%s", figs, out.String())
+	if len(figs) != len(modes) {
+		t.Fatalf("want %d figures, got %d\n%s", len(modes), len(figs), out.String())
+	}
+	for _, f := range figs {
+		if f.Calls == 0 || f.Errors != 0 {
+			t.Errorf("%s: %d calls, %d errors; want calls and no errors\n%s", f.Name, f.Calls, f.Errors, out.String())
+		}
 	}
 }
 

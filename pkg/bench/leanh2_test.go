@@ -7,39 +7,12 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/redis/go-redis/v9"
-
-	"github.com/allot-dev/allot/internal/redistest"
 )
 
 // TestLeanH2Modes runs the agent suite's lean HTTP/2 modes briefly against
 // a real agent and Redis: Check over Connect on h2c and Envoy's
 // ShouldRateLimit over gRPC, every call decided and allowed.
-func TestLeanH2Modes(t *testing.T) {
-	srv, err := redistest.StartServer(context.Background())
-	redistest.Require(t, err)
-	defer srv.Close()
-	client := redis.NewClient(&redis.Options{Addr: srv.Addr()})
-	defer client.Close()
-	cfg := DefaultAgentSuiteConfig()
-	cfg.Modes = []string{"connect-lean-h2", "envoy-lean"}
-	cfg.Workers, cfg.Keys, cfg.Requests, cfg.Connections = 8, 100, 3000, 2
-	cfg.Duration, cfg.Warmup = 5*time.Second, 100*time.Millisecond
-	var out strings.Builder
-	figs, err := RunAgentSuite(context.Background(), client, cfg, &out)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(figs) != 2 {
-		t.Fatalf("want two figures, got %d\n%s", len(figs), out.String())
-	}
-	for _, f := range figs {
-		if f.Calls == 0 || f.Errors != 0 {
-			t.Errorf("%s: %d calls, %d errors; want calls and no errors\n%s", f.Name, f.Calls, f.Errors, out.String())
-		}
-	}
-}
+func TestLeanH2Modes(t *testing.T) { runAgentModes(t, "connect-lean-h2", "envoy-lean") }
 
 // TestLeanH2Errors: a response that is not a successful one the generator
 // can read is an error naming what was wrong, never a decision, and a
