@@ -6,6 +6,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -90,6 +91,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	memprofile := fs.String("memprofile", "", "write an allocation profile of the benchmark client to this file at the end")
 	suite := fs.String("suite", "admission", "admission: the engine's modes (a), (a'), (b); agent: the region agent's Connect (c) and Envoy RLS (d) beside the raw ceiling (a)")
 	procs := fs.Int("procs", 0, "GOMAXPROCS of this process; 0: for -suite admission one fewer than the machine's CPUs when Redis runs on this machine (a loopback address, or the private server), so that the single-threaded Redis keeps a core as on a host of its own; for -suite agent all of them (the agent's RPC servers and clients share this process)")
+	bracket := fs.Bool("bracket", false, "agent suite: measure (a) before the first mode and after each, and compare each mode with the (a)s beside it")
 	connections := fs.Int("connections", bench.DefaultAgentSuiteConfig().Connections, "agent suite: HTTP/2 connections the clients spread over")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -132,6 +134,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if *mode != "all" {
 		cfg.Modes = strings.Split(*mode, ",")
 		acfg.Modes = cfg.Modes
+	}
+	if *bracket {
+		if *suite != "agent" {
+			return errors.New("-bracket: only with -suite agent")
+		}
+		acfg.Modes = bench.Bracket(acfg.Modes)
 	}
 	if *suite == "agent" {
 		if err := acfg.Validate(); err != nil {

@@ -34,6 +34,7 @@ func TestBadFlagsAreRefused(t *testing.T) {
 		// The batcher flags reach the agent suite, over the agent's defaults.
 		{"-suite agent -batch-delay 11ms", "BatchDelay must be in [0, 10ms], got 11ms"},
 		{"-suite agent -pipelines 0", "MaxPipelines must be at least 1, got 0"},
+		{"-bracket", "-bracket: only with -suite agent"},
 	} {
 		err := run(context.Background(), strings.Fields(tt.args), io.Discard, io.Discard)
 		if err == nil || !strings.Contains(err.Error(), tt.want) {

@@ -3,6 +3,7 @@ package bench
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -137,6 +138,31 @@ func TestHistogram(t *testing.T) {
 	for i := 0; i < len(h.counts)-1; i++ {
 		if bucketOf(upper(i)) != i || bucketOf(upper(i)+1) != i+1 {
 			t.Fatalf("bucket %d: upper %d maps to %d, next to %d", i, upper(i), bucketOf(upper(i)), bucketOf(upper(i)+1))
+		}
+	}
+}
+
+// TestSummarizeAgentBrackets: each mode is compared with the (a)s measured
+// next to it, their mean when there are two.
+func TestSummarizeAgentBrackets(t *testing.T) {
+	fig := func(name string, rate float64) Figure {
+		return Figure{Result: Result{Name: name, PerSecond: rate}}
+	}
+	if got, want := Bracket([]string{"raw", "connect-lean", "envoy"}), []string{"raw", "connect-lean", "raw", "envoy", "raw"}; !slices.Equal(got, want) {
+		t.Fatalf("Bracket: %v, want %v", got, want)
+	}
+	var out strings.Builder
+	SummarizeAgent(&out, []Figure{
+		fig("(a) raw", 100), fig("(cl) lean", 52.5), fig("(a) raw", 110), fig("(d) envoy", 44), fig("(a) raw", 90),
+		fig("(dl) envoy lean", 45),
+	})
+	for _, want := range []string{
+		"(cl) lean / (a): 0.50 (target >= 0.5; (a) 100/s before, 110/s after: 10% apart)",
+		"(d) envoy / (a): 0.44 (target >= 0.5; (a) 110/s before, 90/s after: 20% apart)",
+		"(dl) envoy lean / (a): 0.50 (target >= 0.5)\n",
+	} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("summary lacks %q:\n%s", want, out.String())
 		}
 	}
 }
