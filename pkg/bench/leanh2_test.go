@@ -1,12 +1,18 @@
 package bench
 
 import (
+	"bytes"
 	"context"
+	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"golang.org/x/sync/errgroup"
 )
 
 // TestLeanH2Modes runs the agent suite's lean HTTP/2 modes briefly against
@@ -62,5 +68,55 @@ func TestLeanH2Errors(t *testing.T) {
 				t.Fatalf("got %v, want an error containing %q", err, tc.want)
 			}
 		})
+	}
+}
+
+// TestLeanH2FlowControl moves more than both connection windows over one
+// connection: 100 requests of 4 KiB (the server's initial window is 64 KiB,
+// so sends wait for its WINDOW_UPDATEs) and responses of 1 MiB (100 MiB in
+// all, so the generator must credit what it reads). Every call completes.
+func TestLeanH2FlowControl(t *testing.T) {
+	reply := bytes.Repeat([]byte{'r'}, 1<<20)
+	s := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, err := io.ReadAll(r.Body)
+		if err != nil || len(body) != 4096 {
+			w.WriteHeader(http.StatusBadRequest)
+			return
+		}
+		_, _ = w.Write(reply)
+	}))
+	s.Config.Protocols = new(http.Protocols)
+	s.Config.Protocols.SetUnencryptedHTTP2(true)
+	s.Start()
+	defer s.Close()
+	var got atomic.Int64
+	l := newLeanH2(strings.TrimPrefix(s.URL, "http://"), "/x.Y/Z", false, [][]byte{bytes.Repeat([]byte{'q'}, 4096)}, 4, 1,
+		func(_ int, msg []byte) error {
+			if len(msg) != len(reply) {
+				return fmt.Errorf("response of %d bytes, want %d", len(msg), len(reply))
+			}
+			got.Add(1)
+			return nil
+		})
+	defer l.close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	target := l.target()
+	var g errgroup.Group
+	for w := 0; w < 4; w++ {
+		g.Go(func() error {
+			for i := 0; i < 25; i++ {
+				if err := target(ctx, w, uint64(i)); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+	}
+	if err := g.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	if got.Load() != 100 {
+		t.Fatalf("%d calls completed, want 100", got.Load())
 	}
 }
