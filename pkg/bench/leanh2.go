@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net"
 	"sync"
+	"sync/atomic"
 
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
@@ -29,9 +30,9 @@ type leanH2 struct {
 	bodies [][]byte // per key: the request's DATA payload
 	check  func(w int, msg []byte) error
 
-	mu    sync.Mutex
-	conns []*h2Conn // worker w uses conns[w%len]; nil until dialled
-	calls []*h2Call // per worker, reused
+	dial  sync.Mutex               // serialises dialling and close
+	conns []atomic.Pointer[h2Conn] // worker w uses conns[w%len]; nil until dialled
+	calls []*h2Call                // per worker, reused
 }
 
 // newLeanH2 prepares requests for path on addr: msgs are the marshalled
@@ -57,7 +58,7 @@ func newLeanH2(addr, path string, grpc bool, msgs [][]byte, workers, conns int, 
 		_ = enc.WriteField(f) // writes to a bytes.Buffer cannot fail
 	}
 	l := &leanH2{addr: addr, grpc: grpc, block: block.Bytes(), bodies: make([][]byte, len(msgs)), check: check,
-		conns: make([]*h2Conn, conns), calls: make([]*h2Call, workers)}
+		conns: make([]atomic.Pointer[h2Conn], conns), calls: make([]*h2Call, workers)}
 	for i, m := range msgs {
 		if grpc {
 			b := make([]byte, 5, 5+len(m))
@@ -74,29 +75,32 @@ func newLeanH2(addr, path string, grpc bool, msgs [][]byte, workers, conns int, 
 
 // close closes every connection; the mode has finished.
 func (l *leanH2) close() {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	for i, c := range l.conns {
-		if c != nil {
+	l.dial.Lock()
+	defer l.dial.Unlock()
+	for i := range l.conns {
+		if c := l.conns[i].Swap(nil); c != nil {
 			c.close(errors.New("lean HTTP/2 client closed"))
-			l.conns[i] = nil
 		}
 	}
 }
 
 // conn returns the live connection worker w uses, dialling it when needed.
+// A call takes no lock unless the connection must be dialled.
 func (l *leanH2) conn(ctx context.Context, w int) (*h2Conn, error) {
-	i := w % len(l.conns)
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if c := l.conns[i]; c != nil && !c.failed() {
+	slot := &l.conns[w%len(l.conns)]
+	if c := slot.Load(); c != nil && !c.failed() {
 		return c, nil
+	}
+	l.dial.Lock()
+	defer l.dial.Unlock()
+	if c := slot.Load(); c != nil && !c.failed() {
+		return c, nil // another worker dialled it meanwhile
 	}
 	c, err := dialH2(ctx, l.addr)
 	if err != nil {
 		return nil, err
 	}
-	l.conns[i] = c
+	slot.Store(c)
 	return c, nil
 }
 
