@@ -87,7 +87,9 @@ type LeaseConfig struct {
 	// leased tokens waits up to a Tick (plus the Acquire) for its renewal.
 	Tick time.Duration
 	// Lead is how long before a pool runs dry, at its measured demand, the
-	// agent renews: the low watermark is demand x Lead.
+	// agent renews: the low watermark is demand x Lead. A pool whose grants
+	// are spendable for less than about two Leads uses a shorter one
+	// (lease.LeadWithin), or it would hold tokens it cannot spend in time.
 	Lead time.Duration
 	// MinChunk is the smallest chunk asked for (the policy's chunk is the
 	// largest).

@@ -23,6 +23,9 @@
 //     Acquire (more only beyond Config.Lease.MaxWantsPerCall, 16,384 by
 //     default as the allocator's limit per call), each asking
 //     lease.Sizing.Chunk(demand) tokens, at most the policy's chunk. A pool
+//     whose grants live briefly (a TTL of a few Leads) renews with a
+//     shorter lead (lease.LeadWithin), so it never holds more than it can
+//     spend before its grants expire. A pool
 //     whose demand decayed under 0.01 tokens/s is renewed only when a
 //     request starves.
 //   - Quota templates. A global_quota rule with a match entry without a

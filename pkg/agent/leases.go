@@ -784,8 +784,14 @@ func sanitizeRate(r float64) float64 {
 	return r
 }
 
+// sizing sizes q's chunks. Its lead is Config.Lead, shortened for a pool
+// whose grants live too briefly to be spent from a stock that large
+// (lease.LeadWithin): a fresh grant is spendable in the store for its TTL
+// less the margin, the deposit bound and the round trip it took.
 func (l *leases) sizing(q *quota) lease.Sizing {
-	return lease.Sizing{MinChunk: min(l.cfg.MinChunk, q.spec.Chunk), MaxChunk: q.spec.Chunk, Lead: l.cfg.Lead, RTT: l.acquireRTT}
+	life := q.spec.TTL - l.cfg.Margin - l.depositBound() - l.acquireRTT
+	lead := lease.LeadWithin(l.cfg.Lead, life, l.cfg.Tick, l.acquireRTT)
+	return lease.Sizing{MinChunk: min(l.cfg.MinChunk, q.spec.Chunk), MaxChunk: q.spec.Chunk, Lead: lead, RTT: l.acquireRTT}
 }
 
 // pollInterval is how long q can go unobserved: half the time its held

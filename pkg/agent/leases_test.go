@@ -14,6 +14,7 @@ import (
 	"connectrpc.com/connect"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/allot-dev/allot/pkg/admission"
 	"github.com/allot-dev/allot/pkg/agent"
 	"github.com/allot-dev/allot/pkg/faultproxy"
 	"github.com/allot-dev/allot/pkg/policy"
@@ -505,4 +506,54 @@ func followLeader(t *testing.T, c *cluster, a *running) {
 		mustCheck(t, a.Agent, tenant("a"))
 		return a.Leases()[0].Deposits > before
 	})
+}
+
+// TestShortLivedGrantsAreSpentBeforeTheyExpire: a pool whose grants are
+// spendable for about a second (TTL 1.5 s less the margin and the deposit
+// bound) at a steady 50 requests/s. With the default 1 s Lead the region
+// would renew at 50 tokens held and ask for 50 more, a stock that outlives
+// its grants, so tokens would expire unspent while requests waited; the
+// shortened lead (lease.LeadWithin) keeps the stock spendable. Judged after
+// a settling period: the first ask, before any demand is measured, is the
+// policy's chunk of 100.
+func TestShortLivedGrantsAreSpentBeforeTheyExpire(t *testing.T) {
+	rdb := sharedRedis(t)
+	fa := startFakeAllocator(t)
+	doc := quotasPolicy(t, "100", "1500ms", "1h", 0, "closed")
+	fa.publish(doc)
+	cfg := testConfig("eu", fa.addr)
+	cfg.Lease.Lead = time.Second
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
+
+	const rate, settle, measure = 50, 3 * time.Second, 4 * time.Second
+	tick := time.NewTicker(time.Second / rate)
+	defer tick.Stop()
+	start := time.Now()
+	var before admission.PoolStats
+	var offered, allowed int
+	for settled := false; time.Since(start) < settle+measure; <-tick.C {
+		if !settled && time.Since(start) >= settle {
+			settled = true
+			before = poolStats(t, rdb, cfg.Engine.Namespace, doc, "q-a")
+		}
+		v := mustCheck(t, a.Agent, tenant("a"))
+		if settled {
+			offered++
+			if v.Allowed {
+				allowed++
+			}
+		}
+	}
+	after := poolStats(t, rdb, cfg.Engine.Namespace, doc, "q-a")
+	expired, consumed := after.Expired-before.Expired, after.Consumed-before.Consumed
+	t.Logf("after settling: offered %d, allowed %d; consumed %d, expired %d, held %d at the end; %d Acquire calls in all",
+		offered, allowed, consumed, expired, after.Available, len(fa.acquireLog()))
+	// A tick's worth of demand (the renewal's timing) may expire at a
+	// chunk's end; a stock built for a 1 s lead loses most of each chunk.
+	if expired > rate/5 {
+		t.Errorf("%d tokens expired unspent while %d were consumed: the region holds more than it can spend before its grants expire", expired, consumed)
+	}
+	if allowed < offered*9/10 {
+		t.Errorf("allowed %d of %d: renewals did not keep up", allowed, offered)
+	}
 }

@@ -175,6 +175,24 @@ func (s Sizing) LowWatermark(ratePerSec float64) int64 {
 	return ceilTokens(ratePerSec, s.Lead)
 }
 
+// LeadWithin returns the renewal lead to use for a pool whose chunks stay
+// spendable for life after they land: lead, shortened when the stock it
+// keeps would outlive the grants. A region renews at lead's worth of demand
+// and asks for lead plus rtt's worth, so it holds up to about two leads plus
+// the round trip of demand; spent earliest-expiring first, the newest
+// chunk's last token goes that long after it lands, up to a tick late. So
+// the lead is at most (life - tick - rtt) / 2, and never below tick + rtt,
+// the least time a renewal needs to land (a life that short strands some
+// tokens rather than starve requests). Negative arguments count as zero.
+func LeadWithin(lead, life, tick, rtt time.Duration) time.Duration {
+	lead, life, tick, rtt = max(lead, 0), max(life, 0), max(tick, 0), max(rtt, 0)
+	fit := (life - tick - rtt) / 2
+	if fit >= lead {
+		return lead
+	}
+	return min(lead, max(fit, tick+rtt))
+}
+
 // ceilTokens returns ceil(rate x d) saturated to [0, MaxInt64].
 func ceilTokens(ratePerSec float64, d time.Duration) int64 {
 	if !(ratePerSec > 0) || d <= 0 { // also catches NaN

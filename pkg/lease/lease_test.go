@@ -285,3 +285,48 @@ func TestNotBeforeNeverBeforeStart(t *testing.T) {
 		t.Fatalf("NotBefore = %v, want 1 s after receipt + 1 ms", got)
 	}
 }
+
+func TestLeadWithin(t *testing.T) {
+	ms := time.Millisecond
+	cases := []struct {
+		name                  string
+		lead, life, tick, rtt time.Duration
+		want                  time.Duration
+	}{
+		{"long-lived grants keep the lead", time.Second, 14 * time.Second, 100 * ms, 5 * ms, time.Second},
+		{"exactly two leads fit", time.Second, 2100 * ms, 100 * ms, 0, time.Second},
+		{"a 1.5 s TTL halves what is left", time.Second, 1200 * ms, 100 * ms, 0, 550 * ms},
+		{"the round trip counts", time.Second, 1200 * ms, 100 * ms, 100 * ms, 500 * ms},
+		{"never below a tick and a round trip", time.Second, 200 * ms, 100 * ms, 20 * ms, 120 * ms},
+		{"nor above the configured lead", 50 * ms, 100 * ms, 100 * ms, 20 * ms, 50 * ms},
+		{"a life already gone", time.Second, -time.Second, 100 * ms, 0, 100 * ms},
+		{"no lead", 0, time.Second, 100 * ms, 0, 0},
+	}
+	for _, c := range cases {
+		if got := LeadWithin(c.lead, c.life, c.tick, c.rtt); got != c.want {
+			t.Errorf("%s: LeadWithin(%s, %s, %s, %s) = %s, want %s", c.name, c.lead, c.life, c.tick, c.rtt, got, c.want)
+		}
+	}
+}
+
+// TestLeadWithinStockFits: with the lead LeadWithin returns, the most a
+// region holds (the watermark plus one chunk, two leads and the round trip
+// of demand) is spent, a tick late at worst, before the newest chunk's life
+// ends; unless the floor applied, and the lead is never above the one
+// configured.
+func TestLeadWithinStockFits(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		d := func(label string, hi time.Duration) time.Duration {
+			return time.Duration(rapid.Int64Range(0, int64(hi)).Draw(t, label))
+		}
+		lead, life, tick, rtt := d("lead", time.Minute), d("life", time.Hour), d("tick", time.Second), d("rtt", time.Second)
+		got := LeadWithin(lead, life, tick, rtt)
+		if got > lead || got < 0 {
+			t.Fatalf("LeadWithin = %s outside [0, %s]", got, lead)
+		}
+		floored := got == min(lead, tick+rtt)
+		if !floored && 2*got+rtt+tick > life {
+			t.Fatalf("lead %s: a stock of two leads and the round trip (%s) plus a tick outlives a life of %s", got, 2*got+rtt, life)
+		}
+	})
+}
