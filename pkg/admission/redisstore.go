@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"sync"
 	"time"
@@ -333,29 +334,58 @@ func isNoScript(err error) bool {
 	return err != nil && redis.HasErrorPrefix(err, "NOSCRIPT")
 }
 
-// parseReply fills o from the script's array reply.
+// parseReply fills o from the script's reply: a packed string for a
+// decision or a refund (decision_reply in script.lua), an array of
+// integers for the other operations.
 func parseReply(c *redis.Cmd, o *op) error {
+	if o.code == opDecide || o.code == opRefund {
+		s, err := c.Text()
+		if err != nil {
+			return err
+		}
+		return parseDecision(s, o)
+	}
 	vals, err := c.Slice()
 	if err != nil {
 		return err
 	}
-	decide := o.code == opDecide || o.code == opRefund
 	out := slices.Grow(o.out[:0], len(vals)) // a reused op keeps its capacity
 	for i, v := range vals {
-		if decide && i == 1 {
-			s, ok := v.(string)
-			if !ok {
-				return fmt.Errorf("redis store: reply[1] is %T, want the decision id", v)
-			}
-			o.outID = s
-			continue
-		}
 		n, ok := v.(int64)
 		if !ok {
 			return fmt.Errorf("redis store: reply[%d] is %T, want an integer", i, v)
 		}
 		out = append(out, n)
 	}
+	o.out = out
+	return nil
+}
+
+// parseDecision decodes a packed decision: the id's length (2 bytes, little
+// endian), the id, then integers as little-endian doubles. The id shares
+// the reply's memory; nothing else is allocated when o.out has room.
+func parseDecision(s string, o *op) error {
+	if len(s) < 2 {
+		return fmt.Errorf("redis store: decision reply of %d bytes", len(s))
+	}
+	idLen := int(s[0]) | int(s[1])<<8
+	nums := len(s) - 2 - idLen
+	if nums < 0 || nums%8 != 0 {
+		return fmt.Errorf("redis store: decision reply of %d bytes with a %d-byte id", len(s), idLen)
+	}
+	out := slices.Grow(o.out[:0], nums/8)
+	for i := 2 + idLen; i < len(s); i += 8 {
+		var bits uint64
+		for j := 7; j >= 0; j-- {
+			bits = bits<<8 | uint64(s[i+j])
+		}
+		f := math.Float64frombits(bits)
+		if f != math.Trunc(f) || math.Abs(f) > 1<<53 { // also NaN and infinities
+			return fmt.Errorf("redis store: decision reply number %d is %v, want an integer", len(out), f)
+		}
+		out = append(out, int64(f))
+	}
+	o.outID = s[2 : 2+idLen]
 	o.out = out
 	return nil
 }

@@ -19,8 +19,9 @@
 --               string-state keys). One binary argument per rule costs a
 --               fraction of seven decimal ones to create and convert.
 --               Checks every rule in ARGV order, then debits all of them or
---               none. Returns
---               {replay, id, firstDeny, then per rule: ok remaining retry reset}.
+--               none. Returns ONE string (see decision_reply):
+--               {replay, firstDeny, then per rule: ok remaining retry reset}
+--               packed after the decision id.
 --   r  refund   same layout as d: gives back what a decide debited
 --   D, R        d and r writing state in the text form (see below)
 --   t  take     KEYS: pool z, pool h   ARGV: op now want -> {taken, ttl, retry}
@@ -158,6 +159,14 @@ local function pool_spend(h, ids, rem, exp, want)
   return first
 end
 
+-- decision_reply packs a decision: the id's length (u16) and the id, then
+-- the numbers as little-endian doubles (all integers below 2^53). One
+-- string costs Redis and the client less than an array of 2 + 4n integers
+-- (the client parses and keeps one value, not one per number).
+local function decision_reply(id, nums)
+  return struct.pack('<H', #id) .. id .. struct.pack('<' .. string.rep('d', #nums), unpack(nums))
+end
+
 local function pool_retry(h)
   local exh = tonumber(redis.call('HGET', h, 'exh')) or 0
   if exh > now then return exh - now end
@@ -171,9 +180,9 @@ if op == 'd' or op == 'r' then
     local prev = redis.call('GET', KEYS[1])
     if prev then
       local bar = string.find(prev, '|', 1, true)
-      local out = {1, string.sub(prev, 1, bar - 1)}
-      for v in string.gmatch(string.sub(prev, bar + 1), '[^,]+') do out[#out + 1] = tonumber(v) end
-      return out
+      local nums = {1}
+      for v in string.gmatch(string.sub(prev, bar + 1), '[^,]+') do nums[#nums + 1] = tonumber(v) end
+      return decision_reply(string.sub(prev, 1, bar - 1), nums)
     end
   end
   local member = ARGV[4]
@@ -183,8 +192,8 @@ if op == 'd' or op == 'r' then
   -- idempotency key: one MGET reads them all.
   local vals = {}
   if ns > 0 then vals = redis.call('MGET', unpack(KEYS, 2, 1 + ns)) end
-  local out = {0, ARGV[3], 0}
-  local o = 3
+  local out = {0, 0} -- replay, firstDeny, then four numbers per rule
+  local o = 2
   local wn, wk, wv, wt = 0, {}, {}, {} -- string writes: key, value, ttl
   local zn, zk, zd, zt = 0, {}, {}, {} -- slot acquisitions: key, deadline, ttl
   local pools = {}
@@ -351,8 +360,8 @@ if op == 'd' or op == 'r' then
       o = o + 4
     end
   end
-  if refund then return {0, ARGV[3], 0} end
-  out[3] = deny
+  if refund then return decision_reply(ARGV[3], {0, 0}) end
+  out[2] = deny
   if deny == 0 then
     -- every live rule allows: debit them all (and each allowing shadow rule)
     for j = 1, wn do
@@ -369,11 +378,11 @@ if op == 'd' or op == 'r' then
     for _, p in ipairs(pools) do pool_spend(p.h, p.ids, p.rem, p.exp, p.cost) end
     if idemTTL > 0 then
       local rest = {}
-      for j = 3, #out do rest[#rest + 1] = fmt(out[j]) end
+      for j = 2, #out do rest[#rest + 1] = fmt(out[j]) end
       redis.call('SET', KEYS[1], ARGV[3] .. '|' .. table.concat(rest, ','), 'PX', idemTTL)
     end
   end
-  return out
+  return decision_reply(ARGV[3], out)
 end
 
 if op == 't' then
