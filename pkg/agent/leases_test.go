@@ -61,9 +61,15 @@ func quotasPolicy(t testing.TB, chunk, ttl, window string, fallback int, mode st
 // 1 h windows, fail closed) and an agent config for region eu against it.
 func threeQuotasAgent(t testing.TB) (*redis.Client, *fakeAllocator, *policy.Document, agent.Config) {
 	t.Helper()
+	return quotasAgent(t, "10", "30s")
+}
+
+// quotasAgent is threeQuotasAgent with the quotas' chunk and TTL.
+func quotasAgent(t testing.TB, chunk, ttl string) (*redis.Client, *fakeAllocator, *policy.Document, agent.Config) {
+	t.Helper()
 	rdb := sharedRedis(t)
 	fa := startFakeAllocator(t)
-	doc := quotasPolicy(t, "10", "30s", "1h", 0, "closed")
+	doc := quotasPolicy(t, chunk, ttl, "1h", 0, "closed")
 	fa.publish(doc)
 	return rdb, fa, doc, testConfig("eu", fa.addr)
 }
@@ -125,11 +131,7 @@ func TestOneBatchedAcquireForEveryStarvedQuota(t *testing.T) {
 // grant is at or before the allocator's expiry minus the margin (same
 // machine, so the clocks agree), whatever the delays on the way.
 func TestDepositNeverOutlivesTheLease(t *testing.T) {
-	rdb := sharedRedis(t)
-	fa := startFakeAllocator(t)
-	doc := quotasPolicy(t, "10", "2s", "1h", 0, "closed")
-	fa.publish(doc)
-	cfg := testConfig("eu", fa.addr)
+	rdb, fa, doc, cfg := quotasAgent(t, "10", "2s")
 	cfg.Lease.Margin = 300 * time.Millisecond
 	cfg.StarveWait = 0
 	// Delay every answer: the deadline must count from the send, not the reply.
@@ -228,11 +230,7 @@ func TestLostAnswerIsRetriedWithTheSameRequestID(t *testing.T) {
 // gone, the region admits exactly what it was granted, then 503 (unavailable),
 // not 429: the pool is not exhausted, the limiter is cut off.
 func TestCutOffSpendsHeldTokensThenAnswersUnavailable(t *testing.T) {
-	rdb := sharedRedis(t)
-	fa := startFakeAllocator(t)
-	doc := quotasPolicy(t, "5", "30s", "1h", 0, "closed")
-	fa.publish(doc)
-	cfg := testConfig("eu", fa.addr)
+	rdb, fa, doc, cfg := quotasAgent(t, "5", "30s")
 	// The first Acquire is answered; then the allocator is partitioned away.
 	var calls atomic.Int32
 	fa.setHook(func(_ context.Context, _ *allotv1.AcquireRequest, commit func() (*allotv1.AcquireResponse, error)) (*allotv1.AcquireResponse, error) {
@@ -517,11 +515,7 @@ func followLeader(t *testing.T, c *cluster, a *running) {
 // a settling period: the first ask, before any demand is measured, is the
 // policy's chunk of 100.
 func TestShortLivedGrantsAreSpentBeforeTheyExpire(t *testing.T) {
-	rdb := sharedRedis(t)
-	fa := startFakeAllocator(t)
-	doc := quotasPolicy(t, "100", "1500ms", "1h", 0, "closed")
-	fa.publish(doc)
-	cfg := testConfig("eu", fa.addr)
+	rdb, fa, doc, cfg := quotasAgent(t, "100", "1500ms")
 	cfg.Lease.Lead = time.Second
 	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
 
