@@ -186,11 +186,7 @@ func (s Sizing) LowWatermark(ratePerSec float64) int64 {
 // tokens rather than starve requests). Negative arguments count as zero.
 func LeadWithin(lead, life, tick, rtt time.Duration) time.Duration {
 	lead, life, tick, rtt = max(lead, 0), max(life, 0), max(tick, 0), max(rtt, 0)
-	fit := (life - tick - rtt) / 2
-	if fit >= lead {
-		return lead
-	}
-	return min(lead, max(fit, tick+rtt))
+	return min(lead, max((life-tick-rtt)/2, tick+rtt))
 }
 
 // ceilTokens returns ceil(rate x d) saturated to [0, MaxInt64].
