@@ -42,6 +42,7 @@ Modes (-mode, comma-separated; "all" runs them in this order):
   sdk        (b)  the SDK: Engine.Decide on a RedisStore (auto-batched), 1 rule
   sdk3            the SDK with 3 rules per decision (tenant, user, route)
   paced           the SDK paced at -rate, or at half of sdk's rate: quote its p99
+  paced-raw       the control: (a)'s calls at the paced rate, without the SDK
 
 With -suite agent, the region agent's APIs beside the raw ceiling:
   raw           (a)  as above

@@ -28,6 +28,9 @@ import (
 //	sdk        (b)  the SDK (Engine.Decide on a RedisStore), 1 rule per decision
 //	sdk3            the SDK, 3 rules per decision (tenant, user, route)
 //	paced           the SDK at half of sdk's maximum rate: the latency to quote
+//	paced-raw       the script through go-redis, one EVALSHA per decision, at
+//	                the paced mode's rate: the same load without the SDK, the
+//	                control for the paced tail
 //
 // Every mode reports Redis CPU microseconds per decision from INFO
 // commandstats (the script's usec per call) and INFO cpu (the whole server,
@@ -35,11 +38,15 @@ import (
 // shared machine.
 
 // Modes lists the suite's modes in the order "all" runs them.
-func Modes() []string { return []string{"raw", "pipelined", "sdk", "sdk3", "paced"} }
+func Modes() []string { return []string{"raw", "pipelined", "sdk", "sdk3", "paced", "paced-raw"} }
+
+// rawModes are the modes that send prepared script calls themselves.
+var rawModes = []string{"raw", "pipelined", "paced-raw"}
 
 // SuiteConfig configures the admission suite.
 type SuiteConfig struct {
-	// Modes to run, from Modes(); "paced" without a Rate needs "sdk" first.
+	// Modes to run, from Modes(); "paced" and "paced-raw" without a Rate
+	// need "sdk" first.
 	Modes []string
 	// Workers is the number of concurrent callers.
 	Workers int
@@ -52,7 +59,7 @@ type SuiteConfig struct {
 	Warmup time.Duration
 	// Pipeline is the decisions per round trip of the pipelined mode.
 	Pipeline int
-	// Rate is the paced mode's rate; 0 means half of the sdk mode's.
+	// Rate is the paced modes' rate; 0 means half of the sdk mode's.
 	Rate float64
 	// Redis configures the SDK's store and batcher.
 	Redis admission.RedisConfig
@@ -222,15 +229,9 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 	reqs := requests(cfg.Keys)
 	// The raw modes' prepared calls (~8 MB of strings and argument lists
 	// for 10,000 keys) exist only while those modes run: kept alive, they
-	// would be marked by every GC cycle of the SDK modes after them, whose
-	// tail is what the paced mode quotes.
-	lastRaw := lastIndex(cfg.Modes, "raw", "pipelined")
+	// would be marked by every GC cycle of the SDK modes, whose tail is what
+	// the paced mode quotes.
 	var calls []admission.ScriptCall
-	if lastRaw >= 0 {
-		if calls, err = scriptCalls(engines["1"], reqs); err != nil {
-			return nil, err
-		}
-	}
 	sha := admission.ScriptSHA()
 	base := Config{Workers: cfg.Workers, Requests: cfg.Requests, Duration: cfg.Duration, Warmup: cfg.Warmup}
 	// Each worker decides into a Decision of its own, reused call after call
@@ -252,8 +253,22 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 	}
 	var figures []Figure
 	var sdkRate float64
-	for mi, mode := range cfg.Modes {
-		if mi > lastRaw && calls != nil {
+	pacedRate := func() (float64, error) {
+		switch {
+		case cfg.Rate > 0:
+			return cfg.Rate, nil
+		case sdkRate > 0:
+			return sdkRate / 2, nil
+		}
+		return 0, errors.New(`the paced modes need -rate or the "sdk" mode before them`)
+	}
+	for _, mode := range cfg.Modes {
+		switch raw := slices.Contains(rawModes, mode); {
+		case raw && calls == nil:
+			if calls, err = scriptCalls(engines["1"], reqs); err != nil {
+				return figures, err
+			}
+		case !raw && calls != nil:
 			calls = nil
 			runtime.GC() // start the SDK modes without the raw modes' garbage
 		}
@@ -263,10 +278,13 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 		switch mode {
 		case "raw":
 			c.Name = "(a) raw, 1 call/decision"
-			target = func(ctx context.Context, w int, i uint64) error {
-				k := calls[keyOf(w, i, len(calls))]
-				return client.EvalSha(ctx, sha, k.Keys, k.Args...).Err()
+			target = rawCall(client, sha, calls)
+		case "paced-raw":
+			if c.Rate, err = pacedRate(); err != nil {
+				return figures, err
 			}
+			c.Name = fmt.Sprintf("(a) raw paced at %.0f/s", c.Rate)
+			target = rawCall(client, sha, calls)
 		case "pipelined":
 			c.Name = fmt.Sprintf("(a') pipelined x%d", cfg.Pipeline)
 			c.OpsPerCall = cfg.Pipeline
@@ -287,12 +305,8 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 			c.Name = "(b) sdk, 3 rules"
 			target = decide(engines["3"])
 		case "paced":
-			c.Rate = cfg.Rate
-			if c.Rate == 0 {
-				if sdkRate == 0 {
-					return figures, errors.New(`mode "paced" needs -rate or the "sdk" mode before it`)
-				}
-				c.Rate = sdkRate / 2
+			if c.Rate, err = pacedRate(); err != nil {
+				return figures, err
 			}
 			c.Name = fmt.Sprintf("(b) sdk paced at %.0f/s", c.Rate)
 			target = decide(engines["1"])
@@ -308,6 +322,15 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 		fmt.Fprintln(out, f)
 	}
 	return figures, nil
+}
+
+// rawCall sends a prepared script call straight through go-redis, one
+// EVALSHA per decision.
+func rawCall(client redis.UniversalClient, sha string, calls []admission.ScriptCall) Target {
+	return func(ctx context.Context, w int, i uint64) error {
+		k := calls[keyOf(w, i, len(calls))]
+		return client.EvalSha(ctx, sha, k.Keys, k.Args...).Err()
+	}
 }
 
 // measure runs one mode between two readings of the server's statistics.
@@ -463,6 +486,8 @@ func Summarize(out io.Writer, figs []Figure) {
 	by := map[string]Figure{}
 	for _, f := range figs {
 		switch {
+		case strings.HasPrefix(f.Name, "(a) raw paced"):
+			by["paced-raw"] = f
 		case strings.HasPrefix(f.Name, "(a) "):
 			by["raw"] = f
 		case strings.HasPrefix(f.Name, "(a') "):
@@ -495,5 +520,9 @@ func Summarize(out io.Writer, figs []Figure) {
 	if p, ok := by["paced"]; ok {
 		fmt.Fprintf(out, "  paced p99: %s from the scheduled start, %s from arrival (the generator's timer lag, p99 %s, left out) (target < 2ms)\n",
 			round(p.P99), round(p.Arrival.P99), round(p.Lag.P99))
+	}
+	if r, ok := by["paced-raw"]; ok {
+		fmt.Fprintf(out, "  the same load without the SDK (go-redis, 1 EVALSHA per decision): p50 %s, p99 %s from the scheduled start, %s from arrival; redis server %.2f us, this process %.1f us per decision\n",
+			round(r.P50), round(r.P99), round(r.Arrival.P99), r.ServerUsec, r.ProcessUsec)
 	}
 }
