@@ -2,6 +2,7 @@ package admission
 
 import (
 	"fmt"
+	"runtime"
 	"sync"
 	"time"
 )
@@ -14,6 +15,15 @@ import (
 // approaches the throughput of a hand-pipelined client while each caller
 // still waits only for its own decision.
 //
+// A worker given a partial batch first yields the processor once
+// (runtime.Gosched) and then tops the batch up from the calls that came
+// meanwhile; while it gathers, new calls start no other pipeline. Callers
+// that are ready to run at the same moment (woken together by the network
+// or by timers) so share one round trip instead of each taking a pipeline
+// slot of its own, without waiting on a timer: at half of the maximum rate
+// a pipeline otherwise carried ~1.1 calls, and each decision paid a whole
+// round trip's system calls on both sides.
+//
 // Pipelines run on at most MaxPipelines worker goroutines, started on
 // demand: a worker takes the next batch itself when calls wait, and
 // otherwise waits up to workerIdle for one. (A goroutine per pipeline grew
@@ -25,20 +35,25 @@ type batcher struct {
 	work chan []*op // batches for idle workers; never more than idle
 	// idleFor is how long a worker waits for a batch (workerIdle).
 	idleFor time.Duration
+	// yield lets the callers that are ready to run submit before a partial
+	// batch is topped up and sent (runtime.Gosched; tests replace it).
+	yield func()
 
-	mu       sync.Mutex
-	pending  []*op
-	inflight int
-	idle     int // workers waiting on work
-	started  int // workers started so far, for tests
-	timer    *time.Timer
-	armed    bool
-	closed   bool
-	wg       sync.WaitGroup
+	mu        sync.Mutex
+	pending   []*op
+	inflight  int
+	gathering int     // partial batches handed out and not yet topped up
+	spare     [][]*op // sent batches' lists, empty, for the next batches
+	idle      int     // workers waiting on work
+	started   int     // workers started so far, for tests
+	timer     *time.Timer
+	armed     bool
+	closed    bool
+	wg        sync.WaitGroup
 }
 
 func newBatcher(cfg RedisConfig, exec func([]*op)) *batcher {
-	return &batcher{cfg: cfg, exec: exec, work: make(chan []*op, cfg.MaxPipelines), idleFor: workerIdle}
+	return &batcher{cfg: cfg, exec: exec, work: make(chan []*op, cfg.MaxPipelines), idleFor: workerIdle, yield: runtime.Gosched}
 }
 
 // submit queues o; the batcher closes o.done when it has a result.
@@ -79,21 +94,55 @@ func (b *batcher) dispatchLocked(force bool) {
 // nextLocked takes the next batch to send and counts it in flight, or
 // returns nil when none may go now (arming the timer for a partial batch
 // that waits).
+//
+// A partial batch is counted as gathering until its worker tops it up
+// (gather); meanwhile calls wait for it rather than start pipelines.
 func (b *batcher) nextLocked(force bool) []*op {
 	if len(b.pending) == 0 || b.inflight >= b.cfg.MaxPipelines {
 		return nil
+	}
+	if !force && b.gathering > 0 && len(b.pending) < b.cfg.BatchSize {
+		return nil // the gathering worker takes them
 	}
 	if !force && b.inflight > 0 && len(b.pending) < b.cfg.BatchSize && b.cfg.BatchDelay > 0 {
 		b.armLocked()
 		return nil
 	}
-	n := min(len(b.pending), b.cfg.BatchSize)
-	batch := make([]*op, n)
-	copy(batch, b.pending)
+	var list []*op
+	if n := len(b.spare); n > 0 {
+		list, b.spare = b.spare[n-1], b.spare[:n-1]
+	} else {
+		list = make([]*op, 0, b.cfg.BatchSize)
+	}
+	batch := b.takeLocked(list)
+	if len(batch) < b.cfg.BatchSize {
+		b.gathering++
+	}
+	b.inflight++
+	return batch
+}
+
+// takeLocked moves pending calls to batch until it holds BatchSize.
+func (b *batcher) takeLocked(batch []*op) []*op {
+	n := min(len(b.pending), b.cfg.BatchSize-len(batch))
+	batch = append(batch, b.pending[:n]...)
 	rest := copy(b.pending, b.pending[n:])
 	clear(b.pending[rest:])
 	b.pending = b.pending[:rest]
-	b.inflight++
+	return batch
+}
+
+// gather tops up a partial batch with the calls submitted while its worker
+// yielded, and sends on the calls that do not fit.
+func (b *batcher) gather(batch []*op) []*op {
+	b.yield()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.gathering--
+	if !b.closed {
+		batch = b.takeLocked(batch)
+		b.dispatchLocked(false)
+	}
 	return batch
 }
 
@@ -129,9 +178,14 @@ func (b *batcher) worker(batch []*op) {
 	defer b.wg.Done()
 	var idle *time.Timer
 	for {
+		if len(batch) < b.cfg.BatchSize {
+			batch = b.gather(batch)
+		}
 		b.exec(batch)
+		clear(batch) // the calls are answered: drop them
 		b.mu.Lock()
 		b.inflight--
+		b.spare = append(b.spare, batch[:0])
 		batch = nil
 		if !b.closed {
 			batch = b.nextLocked(false)

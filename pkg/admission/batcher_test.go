@@ -234,3 +234,70 @@ func TestBatcherWorkersAreReusedAndLeaveWhenIdle(t *testing.T) {
 		t.Fatalf("submit after close: %v, want ErrClosed", err)
 	}
 }
+
+// TestBatcherGathersReadyCalls: a worker given a partial batch yields once
+// and takes the calls submitted meanwhile into the same pipeline; while it
+// gathers, those calls start no pipeline of their own although slots are
+// free, and calls beyond a full batch still go out at once.
+func TestBatcherGathersReadyCalls(t *testing.T) {
+	cfg := DefaultRedisConfig()
+	cfg.MaxPipelines, cfg.BatchSize = 4, 4
+	var (
+		mu    sync.Mutex
+		sizes []int
+	)
+	b := newBatcher(cfg, func(batch []*op) {
+		mu.Lock()
+		sizes = append(sizes, len(batch))
+		mu.Unlock()
+		for _, o := range batch {
+			o.finish()
+		}
+	})
+	defer b.close()
+	yielded, resume := make(chan struct{}), make(chan struct{})
+	defer close(resume) // before close: a failed check must not leave the gatherer waiting
+	var yields atomic.Int32
+	b.yield = func() { // the first gatherer waits for the test; others go on
+		if yields.Add(1) == 1 {
+			yielded <- struct{}{}
+			<-resume
+		}
+	}
+	ops := make([]*op, 7)
+	for i := range ops {
+		ops[i] = &op{done: make(chan struct{}, 1)}
+	}
+	submit := func(o *op) {
+		t.Helper()
+		if err := b.submit(o); err != nil {
+			t.Fatal(err)
+		}
+	}
+	submit(ops[0])
+	<-yielded // the first call's worker gathers
+	for _, o := range ops[1:3] {
+		submit(o)
+	}
+	b.mu.Lock()
+	pending, inflight := len(b.pending), b.inflight
+	b.mu.Unlock()
+	if pending != 2 || inflight != 1 {
+		t.Fatalf("while gathering: %d pending, %d in flight; want 2 waiting for the gatherer, 1 in flight", pending, inflight)
+	}
+	// Four more: one full batch's worth is waiting, so a full batch goes to
+	// a pipeline of its own (and gathers nothing: it is full).
+	for _, o := range ops[3:] {
+		submit(o)
+	}
+	resume <- struct{}{}
+	for _, o := range ops {
+		<-o.done
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	// The full batch [1..4] and the gathered one [0, 5, 6].
+	if len(sizes) != 2 || sizes[0]+sizes[1] != 7 || max(sizes[0], sizes[1]) != 4 {
+		t.Fatalf("pipelines carried %v calls; want a full batch of 4 and the gathered 3", sizes)
+	}
+}
