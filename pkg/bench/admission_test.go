@@ -72,6 +72,7 @@ func TestAdmissionSuiteModes(t *testing.T) {
 	Summarize(&sum, figs)
 	for _, want := range []string{
 		fmt.Sprintf("(b)/(a) throughput: %.2f", sdk.PerSecond/raw.PerSecond),
+		"cpu of this process and the server x",
 		"paced p99: ",
 		"the same load without the SDK",
 	} {
