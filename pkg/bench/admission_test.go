@@ -6,10 +6,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/redis/go-redis/v9"
-
-	"github.com/allot-dev/allot/internal/redistest"
 )
 
 // TestAdmissionSuiteModes runs every admission mode briefly on a private
@@ -20,11 +16,7 @@ func TestAdmissionSuiteModes(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts a redis-server")
 	}
-	srv, err := redistest.StartServer(context.Background())
-	redistest.Require(t, err)
-	defer srv.Close()
-	client := redis.NewClient(&redis.Options{Addr: srv.Addr()})
-	defer client.Close()
+	client := privateRedis(t)
 	cfg := DefaultSuiteConfig()
 	cfg.Workers, cfg.Keys, cfg.Requests = 8, 200, 2000
 	cfg.Duration, cfg.Warmup = 3*time.Second, 50*time.Millisecond

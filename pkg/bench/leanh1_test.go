@@ -21,13 +21,21 @@ func TestLeanConnectMode(t *testing.T) { runAgentModes(t, "connect-lean") }
 // runAgentModes runs the agent suite's modes briefly (8 workers, 100 keys,
 // 2 connections) against a real agent and a private Redis, and wants calls
 // and no errors from each.
-func runAgentModes(t *testing.T, modes ...string) {
+// privateRedis starts a redis-server for t and returns a client of it; both
+// end with the test.
+func privateRedis(t *testing.T) *redis.Client {
 	t.Helper()
 	srv, err := redistest.StartServer(context.Background())
 	redistest.Require(t, err)
-	defer srv.Close()
+	t.Cleanup(srv.Close)
 	client := redis.NewClient(&redis.Options{Addr: srv.Addr()})
-	defer client.Close()
+	t.Cleanup(func() { client.Close() })
+	return client
+}
+
+func runAgentModes(t *testing.T, modes ...string) {
+	t.Helper()
+	client := privateRedis(t)
 	cfg := DefaultAgentSuiteConfig()
 	cfg.Modes = modes
 	cfg.Workers, cfg.Keys, cfg.Requests, cfg.Connections = 8, 100, 3000, 2
