@@ -201,6 +201,11 @@ func (d *Demo) report(ctx context.Context, g *loadGen, w int64) (bool, error) {
 		case birch.Unavailable > 0:
 			verdict = "never denied, but the limiter could not decide in time (503) for some"
 		}
+		if birch.Straddled > 0 {
+			// Demand counts requests by when they were sent, answers by
+			// when they were decided.
+			verdict += fmt.Sprintf(" (%d admitted here were sent in the previous window)", birch.Straddled)
+		}
 		fmt.Fprintf(d.out, "birch: demand %d, admitted %d, denied %d, unavail %d: %s\n",
 			birch.Offered, birch.Admitted, birch.Denied, birch.Unavailable, verdict)
 	}
