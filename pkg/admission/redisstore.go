@@ -112,12 +112,13 @@ func (c RedisConfig) Validate() error {
 type RedisStore struct {
 	client redis.UniversalClient
 	sha    string
+	shaArg any // sha, boxed once: a string put in an interface is an allocation
 	cfg    RedisConfig
 	log    *zap.Logger
 	b      *batcher
 	timers sync.Pool // of stopped *time.Timer, for call timeouts
 	cmds   sync.Pool // of *[]any: EVALSHA argument lists, reused once parsed
-	calls  sync.Pool // of *[]pipelined: a pipeline's calls, reused once parsed
+	bufs   sync.Pool // of *pipelineBuf: a pipeline's calls, reused once parsed
 	pipes  sync.Pool // of redis.Pipeliner after Exec (which empties them): reused
 	dones  sync.Pool // of op.done channels that were received from: empty
 
@@ -150,6 +151,7 @@ func NewRedisStore(client redis.UniversalClient, cfg RedisConfig, opts ...RedisO
 		return nil, err
 	}
 	s := &RedisStore{client: client, sha: ScriptSHA(), cfg: cfg, log: zap.NewNop()}
+	s.shaArg = s.sha
 	for _, o := range opts {
 		o(s)
 	}
@@ -251,11 +253,12 @@ func (s *RedisStore) run(ctx context.Context, o *op) error {
 // results.
 func (s *RedisStore) exec(batch []*op) {
 	ctx := s.pipelineCtx()
-	cbuf, _ := s.calls.Get().(*[]pipelined)
-	if cbuf == nil {
-		cbuf = new([]pipelined)
+	buf, _ := s.bufs.Get().(*pipelineBuf)
+	if buf == nil {
+		buf = new(pipelineBuf)
 	}
-	calls := slices.Grow((*cbuf)[:0], len(batch))[:len(batch)]
+	calls := slices.Grow(buf.calls[:0], len(batch))[:len(batch)]
+	cmds := slices.Grow(buf.cmds[:0], len(batch))
 	pipe := s.pipeline()
 	defer s.pipes.Put(pipe)
 	for i, o := range batch {
@@ -263,14 +266,17 @@ func (s *RedisStore) exec(batch []*op) {
 		if c.buf, _ = s.cmds.Get().(*[]any); c.buf == nil {
 			c.buf = new([]any)
 		}
-		c.args = append((*c.buf)[:0], "evalsha", s.sha, len(o.keys))
+		c.args = append((*c.buf)[:0], "evalsha", s.shaArg, len(o.keys))
 		for _, k := range o.keys {
 			c.args = append(c.args, k)
 		}
 		c.args = o.appendArgs(c.args, s.cfg.StateForm == StateText)
 		c.cmd = evalCmd(ctx, c.args)
-		_ = pipe.Process(ctx, c.cmd)
+		cmds = append(cmds, c.cmd)
 	}
+	// Queued at once: the pipeline's list is then allocated once, at its
+	// size, rather than grown call by call (Exec leaves it nil).
+	_ = pipe.BatchProcess(ctx, cmds...)
 	_, _ = pipe.Exec(ctx) // each command carries its own error
 	var again []int
 	for i := range calls {
@@ -298,8 +304,9 @@ func (s *RedisStore) exec(batch []*op) {
 		s.cmds.Put(c.buf)
 	}
 	clear(calls)
-	*cbuf = calls[:0]
-	s.calls.Put(cbuf)
+	clear(cmds)
+	buf.calls, buf.cmds = calls[:0], cmds[:0]
+	s.bufs.Put(buf)
 }
 
 // pipeline returns an empty pipeline of the client, a reused one when the
@@ -309,6 +316,12 @@ func (s *RedisStore) pipeline() redis.Pipeliner {
 		return p
 	}
 	return s.client.Pipeline()
+}
+
+// pipelineBuf holds a pipeline's calls and their commands between uses.
+type pipelineBuf struct {
+	calls []pipelined
+	cmds  []redis.Cmder
 }
 
 // pipelined is one call of a pipeline: its command and its argument list,
