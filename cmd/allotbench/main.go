@@ -15,6 +15,7 @@ import (
 	"os/signal"
 	"runtime"
 	"runtime/pprof"
+	"strconv"
 	"strings"
 	"time"
 
@@ -43,6 +44,7 @@ Modes (-mode, comma-separated; "all" runs them in this order):
   sdk3            the SDK with 3 rules per decision (tenant, user, route)
   paced           the SDK paced at -rate, or at half of sdk's rate: quote its p99
   paced-raw       the control: (a)'s calls at the paced rate, without the SDK
+                  (-sweep F,F,...: both paced modes at each fraction of sdk's rate)
 
 With -suite agent, the region agent's APIs beside the raw ceiling:
   raw           (a)  as above
@@ -85,6 +87,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs.DurationVar(&cfg.Warmup, "warmup", cfg.Warmup, "warmup before each mode")
 	fs.IntVar(&cfg.Pipeline, "pipeline", cfg.Pipeline, "decisions per round trip in the pipelined mode")
 	fs.Float64Var(&cfg.Rate, "rate", 0, "paced mode's rate in decisions/s; 0 = half of the sdk mode's")
+	sweep := fs.String("sweep", "", "run the paced modes at each of these fractions of the sdk mode's rate, e.g. 0.1,0.25,0.5,0.75, and print latency by rate")
 	fs.IntVar(&cfg.Redis.BatchSize, "batch", cfg.Redis.BatchSize, "SDK and agent: most decisions per pipeline (-suite agent: the agent's default unless set)")
 	fs.IntVar(&cfg.Redis.MaxPipelines, "pipelines", cfg.Redis.MaxPipelines, "SDK and agent: most pipelines in flight (-suite agent: the agent's default unless set)")
 	fs.DurationVar(&cfg.Redis.BatchDelay, "batch-delay", cfg.Redis.BatchDelay, "SDK and agent: how long a partial batch may wait while pipelines are in flight (-suite agent: the agent's default, 300µs, unless set)")
@@ -135,6 +138,18 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if *mode != "all" {
 		cfg.Modes = strings.Split(*mode, ",")
 		acfg.Modes = cfg.Modes
+	}
+	if *sweep != "" {
+		if *suite != "admission" {
+			return errors.New("-sweep: only with -suite admission")
+		}
+		for _, v := range strings.Split(*sweep, ",") {
+			f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			if err != nil {
+				return fmt.Errorf("-sweep: %q is not a number", v)
+			}
+			cfg.Sweep = append(cfg.Sweep, f)
+		}
 	}
 	if *bracket {
 		if *suite != "agent" {

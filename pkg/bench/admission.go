@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"text/tabwriter"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -61,6 +62,10 @@ type SuiteConfig struct {
 	Pipeline int
 	// Rate is the paced modes' rate; 0 means half of the sdk mode's.
 	Rate float64
+	// Sweep, when set, runs the paced modes once per fraction of the sdk
+	// mode's rate (in (0, 1], e.g. 0.1, 0.25, 0.5, 0.75) instead of once at
+	// Rate: latency against load, with the control beside the SDK.
+	Sweep []float64
 	// Redis configures the SDK's store and batcher.
 	Redis admission.RedisConfig
 }
@@ -106,6 +111,17 @@ func (c SuiteConfig) Validate() error {
 	if err := c.Redis.Validate(); err != nil {
 		errs = append(errs, err)
 	}
+	for _, f := range c.Sweep {
+		if !(f > 0 && f <= 1) {
+			errs = append(errs, fmt.Errorf("Sweep fractions must be in (0, 1], got %v", f))
+		}
+	}
+	if len(c.Sweep) > 0 && c.Rate > 0 {
+		errs = append(errs, errors.New("Sweep and Rate exclude each other: a sweep's rates are fractions of the sdk mode's"))
+	}
+	if len(c.Sweep) > 0 && !slices.Contains(c.Modes, "sdk") {
+		errs = append(errs, errors.New(`Sweep needs the "sdk" mode, whose rate it divides`))
+	}
 	return errors.Join(errs...)
 }
 
@@ -128,6 +144,8 @@ type Figure struct {
 	// run's tail (runtime/metrics; the same process as ProcessUsec).
 	AllocBytes float64
 	GCs        uint64
+	// Rate is the rate a paced mode was run at; 0 for the others.
+	Rate float64
 }
 
 // String formats the figure on one line.
@@ -253,16 +271,18 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 	}
 	var figures []Figure
 	var sdkRate float64
+	var step sweepStep
 	pacedRate := func() (float64, error) {
 		switch {
 		case cfg.Rate > 0:
 			return cfg.Rate, nil
 		case sdkRate > 0:
-			return sdkRate / 2, nil
+			return sdkRate * step.fraction, nil
 		}
 		return 0, errors.New(`the paced modes need -rate or the "sdk" mode before them`)
 	}
-	for _, mode := range cfg.Modes {
+	for _, step = range sweepSteps(cfg.Modes, cfg.Sweep) {
+		mode := step.mode
 		switch raw := slices.Contains(rawModes, mode); {
 		case raw && calls == nil:
 			if calls, err = scriptCalls(engines["1"], reqs); err != nil {
@@ -315,6 +335,7 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 		if err != nil {
 			return figures, fmt.Errorf("%s: %w", mode, err)
 		}
+		f.Rate = c.Rate
 		if mode == "sdk" {
 			sdkRate = f.PerSecond
 		}
@@ -322,6 +343,65 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 		fmt.Fprintln(out, f)
 	}
 	return figures, nil
+}
+
+// summarizeSweep prints the paced figures of a sweep by rate: the SDK's
+// and the control's latency, from the scheduled start and from arrival.
+func summarizeSweep(out io.Writer, paced, control []Figure) {
+	fmt.Fprintln(out, "sweep (latency from the scheduled start; from arrival in brackets):")
+	tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "rate/s\tsdk p50\tsdk p99\tcontrol p50\tcontrol p99\tcpu/decision sdk, control (this process + redis)\t")
+	for i := range max(len(paced), len(control)) {
+		var p, c *Figure
+		if i < len(paced) {
+			p = &paced[i]
+		}
+		if i < len(control) {
+			c = &control[i]
+		}
+		lat := func(f *Figure) (string, string, string) {
+			if f == nil {
+				return "-", "-", "-"
+			}
+			return round(f.P50).String(), fmt.Sprintf("%s (%s)", round(f.P99), round(f.Arrival.P99)),
+				fmt.Sprintf("%.1f us", f.ProcessUsec+f.ServerUsec)
+		}
+		rate := c
+		if p != nil {
+			rate = p
+		}
+		p50, p99, pcpu := lat(p)
+		c50, c99, ccpu := lat(c)
+		fmt.Fprintf(tw, "%.0f\t%s\t%s\t%s\t%s\t%s, %s\t\n", rate.Rate, p50, p99, c50, c99, pcpu, ccpu)
+	}
+	_ = tw.Flush()
+}
+
+// sweepStep is one mode to run; the paced modes run at fraction of the sdk
+// mode's rate.
+type sweepStep struct {
+	mode     string
+	fraction float64
+}
+
+// sweepSteps lists the modes in order, the paced ones at half of the sdk
+// mode's rate, or, with fractions, once per fraction (the paced modes of
+// modes together at each).
+func sweepSteps(modes []string, fractions []float64) []sweepStep {
+	var steps, paced []sweepStep
+	for _, m := range modes {
+		if len(fractions) > 0 && (m == "paced" || m == "paced-raw") {
+			paced = append(paced, sweepStep{m, 0.5})
+			continue
+		}
+		steps = append(steps, sweepStep{m, 0.5})
+	}
+	for _, f := range fractions {
+		for _, p := range paced {
+			steps = append(steps, sweepStep{p.mode, f})
+		}
+	}
+	return steps
 }
 
 // rawCall sends a prepared script call straight through go-redis, one
@@ -481,13 +561,15 @@ func scriptStats(ctx context.Context, client redis.UniversalClient) (calls, usec
 }
 
 // Summarize prints the comparisons issue 3 targets: (b) against (a), 3 rules
-// against 1, and the paced p99.
+// against 1, and the paced p99; after a sweep, the paced figures by rate.
 func Summarize(out io.Writer, figs []Figure) {
 	by := map[string]Figure{}
+	var paced, control []Figure
 	for _, f := range figs {
 		switch {
 		case strings.HasPrefix(f.Name, "(a) raw paced"):
 			by["paced-raw"] = f
+			control = append(control, f)
 		case strings.HasPrefix(f.Name, "(a) "):
 			by["raw"] = f
 		case strings.HasPrefix(f.Name, "(a') "):
@@ -498,6 +580,7 @@ func Summarize(out io.Writer, figs []Figure) {
 			by["sdk3"] = f
 		case strings.HasPrefix(f.Name, "(b) sdk paced"):
 			by["paced"] = f
+			paced = append(paced, f)
 		}
 	}
 	fmt.Fprintln(out, "summary:")
@@ -517,6 +600,10 @@ func Summarize(out io.Writer, figs []Figure) {
 				one.PerSecond/three.PerSecond, three.ScriptUsec/one.ScriptUsec, three.ServerUsec/one.ServerUsec,
 				(three.ProcessUsec+three.ServerUsec)/(one.ProcessUsec+one.ServerUsec))
 		}
+	}
+	if len(paced) > 1 || len(control) > 1 {
+		summarizeSweep(out, paced, control)
+		return
 	}
 	if p, ok := by["paced"]; ok {
 		fmt.Fprintf(out, "  paced p99: %s from the scheduled start, %s from arrival (the generator's timer lag, p99 %s, left out) (target < 2ms)\n",

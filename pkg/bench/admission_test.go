@@ -3,6 +3,7 @@ package bench
 import (
 	"context"
 	"fmt"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -71,5 +72,52 @@ func TestAdmissionSuiteModes(t *testing.T) {
 		if !strings.Contains(sum.String(), want) {
 			t.Errorf("summary lacks %q:\n%s", want, sum.String())
 		}
+	}
+}
+
+// TestAdmissionSuiteSweep: with fractions, the paced modes run once per
+// fraction of the sdk mode's rate, the SDK and the control side by side,
+// and the summary prints them by rate.
+func TestAdmissionSuiteSweep(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a redis-server")
+	}
+	client := privateRedis(t)
+	cfg := DefaultSuiteConfig()
+	cfg.Modes = []string{"paced", "sdk", "paced-raw"} // the paced modes wait for sdk
+	cfg.Sweep = []float64{0.1, 0.3}
+	cfg.Workers, cfg.Keys, cfg.Requests = 8, 200, 1000
+	cfg.Duration, cfg.Warmup = 2*time.Second, 50*time.Millisecond
+	var out strings.Builder
+	figs, err := RunSuite(context.Background(), client, cfg, &out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, f := range figs {
+		names = append(names, f.Name)
+	}
+	if len(figs) != 5 || figs[0].Name != "(b) sdk, 1 rule" {
+		t.Fatalf("figures %q: want sdk, then paced and paced-raw at each of 2 fractions", names)
+	}
+	sdk := figs[0].PerSecond
+	for i, want := range []struct {
+		prefix string
+		f      float64
+	}{{"(b) sdk paced at ", 0.1}, {"(a) raw paced at ", 0.1}, {"(b) sdk paced at ", 0.3}, {"(a) raw paced at ", 0.3}} {
+		f := figs[1+i]
+		if name := fmt.Sprintf("%s%.0f/s", want.prefix, sdk*want.f); f.Name != name || f.Rate != sdk*want.f {
+			t.Errorf("step %d: %q at %.0f/s, want %q", i, f.Name, f.Rate, name)
+		}
+	}
+	var sum strings.Builder
+	Summarize(&sum, figs)
+	for _, f := range []float64{0.1, 0.3} {
+		if row := regexp.MustCompile(fmt.Sprintf(`(?m)^\s*%.0f  `, sdk*f)); !row.MatchString(sum.String()) {
+			t.Errorf("summary lacks the row of %.0f/s:\n%s", sdk*f, sum.String())
+		}
+	}
+	if strings.Contains(sum.String(), "paced p99:") {
+		t.Errorf("a sweep's summary quotes one paced p99:\n%s", sum.String())
 	}
 }
