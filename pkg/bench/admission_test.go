@@ -14,25 +14,14 @@ import (
 // rate derived from the sdk mode, and the summary attributes each figure
 // (the paced raw control is not taken for the raw ceiling).
 func TestAdmissionSuiteModes(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts a redis-server")
-	}
-	client := privateRedis(t)
-	cfg := DefaultSuiteConfig()
-	cfg.Workers, cfg.Keys, cfg.Requests = 8, 200, 2000
-	cfg.Duration, cfg.Warmup = 3*time.Second, 50*time.Millisecond
-	var out strings.Builder
-	figs, err := RunSuite(context.Background(), client, cfg, &out)
-	if err != nil {
-		t.Fatal(err)
-	}
+	figs, out := runSmallSuite(t, func(*SuiteConfig) {})
 	if len(figs) != len(Modes()) {
-		t.Fatalf("want %d figures, got %d\n%s", len(Modes()), len(figs), out.String())
+		t.Fatalf("want %d figures, got %d\n%s", len(Modes()), len(figs), out)
 	}
 	var sdk, paced, pacedRaw, raw Figure
 	for _, f := range figs {
 		if f.Calls == 0 || f.Errors != 0 {
-			t.Errorf("%s: %d calls, %d errors; want calls and no errors\n%s", f.Name, f.Calls, f.Errors, out.String())
+			t.Errorf("%s: %d calls, %d errors; want calls and no errors\n%s", f.Name, f.Calls, f.Errors, out)
 		}
 		if f.ScriptUsec <= 0 {
 			t.Errorf("%s: script CPU %v per call, want it measured", f.Name, f.ScriptUsec)
@@ -49,7 +38,7 @@ func TestAdmissionSuiteModes(t *testing.T) {
 		}
 	}
 	if paced.Calls == 0 || pacedRaw.Calls == 0 || raw.Calls == 0 {
-		t.Fatalf("paced %q and control %q: want both\n%s", paced.Name, pacedRaw.Name, out.String())
+		t.Fatalf("paced %q and control %q: want both\n%s", paced.Name, pacedRaw.Name, out)
 	}
 	// Both paced modes run at half of the sdk mode's rate.
 	half := sdk.PerSecond / 2
@@ -79,20 +68,11 @@ func TestAdmissionSuiteModes(t *testing.T) {
 // fraction of the sdk mode's rate, the SDK and the control side by side,
 // and the summary prints them by rate.
 func TestAdmissionSuiteSweep(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts a redis-server")
-	}
-	client := privateRedis(t)
-	cfg := DefaultSuiteConfig()
-	cfg.Modes = []string{"paced", "sdk", "paced-raw"} // the paced modes wait for sdk
-	cfg.Sweep = []float64{0.1, 0.3}
-	cfg.Workers, cfg.Keys, cfg.Requests = 8, 200, 1000
-	cfg.Duration, cfg.Warmup = 2*time.Second, 50*time.Millisecond
-	var out strings.Builder
-	figs, err := RunSuite(context.Background(), client, cfg, &out)
-	if err != nil {
-		t.Fatal(err)
-	}
+	figs, _ := runSmallSuite(t, func(cfg *SuiteConfig) {
+		cfg.Modes = []string{"paced", "sdk", "paced-raw"} // the paced modes wait for sdk
+		cfg.Sweep = []float64{0.1, 0.3}
+		cfg.Requests, cfg.Duration = 1000, 2*time.Second
+	})
 	var names []string
 	for _, f := range figs {
 		names = append(names, f.Name)
@@ -120,4 +100,25 @@ func TestAdmissionSuiteSweep(t *testing.T) {
 	if strings.Contains(sum.String(), "paced p99:") {
 		t.Errorf("a sweep's summary quotes one paced p99:\n%s", sum.String())
 	}
+}
+
+// runSmallSuite runs the admission suite briefly (8 workers, 200 keys) on a
+// private redis-server, with edit's changes to the config, and returns its
+// figures and what it printed.
+func runSmallSuite(t *testing.T, edit func(*SuiteConfig)) ([]Figure, string) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("starts a redis-server")
+	}
+	client := privateRedis(t)
+	cfg := DefaultSuiteConfig()
+	cfg.Workers, cfg.Keys, cfg.Requests = 8, 200, 2000
+	cfg.Duration, cfg.Warmup = 3*time.Second, 50*time.Millisecond
+	edit(&cfg)
+	var out strings.Builder
+	figs, err := RunSuite(context.Background(), client, cfg, &out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return figs, out.String()
 }
