@@ -271,17 +271,16 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 	}
 	var figures []Figure
 	var sdkRate float64
-	var step sweepStep
-	pacedRate := func() (float64, error) {
+	pacedRate := func(fraction float64) (float64, error) {
 		switch {
 		case cfg.Rate > 0:
 			return cfg.Rate, nil
 		case sdkRate > 0:
-			return sdkRate * step.fraction, nil
+			return sdkRate * fraction, nil
 		}
 		return 0, errors.New(`the paced modes need -rate or the "sdk" mode before them`)
 	}
-	for _, step = range sweepSteps(cfg.Modes, cfg.Sweep) {
+	for _, step := range sweepSteps(cfg.Modes, cfg.Sweep) {
 		mode := step.mode
 		switch raw := slices.Contains(rawModes, mode); {
 		case raw && calls == nil:
@@ -300,7 +299,7 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 			c.Name = "(a) raw, 1 call/decision"
 			target = rawCall(client, sha, calls)
 		case "paced-raw":
-			if c.Rate, err = pacedRate(); err != nil {
+			if c.Rate, err = pacedRate(step.fraction); err != nil {
 				return figures, err
 			}
 			c.Name = fmt.Sprintf("(a) raw paced at %.0f/s", c.Rate)
@@ -325,7 +324,7 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 			c.Name = "(b) sdk, 3 rules"
 			target = decide(engines["3"])
 		case "paced":
-			if c.Rate, err = pacedRate(); err != nil {
+			if c.Rate, err = pacedRate(step.fraction); err != nil {
 				return figures, err
 			}
 			c.Name = fmt.Sprintf("(b) sdk paced at %.0f/s", c.Rate)
