@@ -49,13 +49,13 @@ type gateway struct {
 	e   *admission.Engine
 }
 
-func newGateway(t *testing.T, store admission.Store, cfg admission.Config) *gateway {
+func newGateway(t *testing.T, store admission.Store, cfg admission.Config, opts ...admission.Option) *gateway {
 	t.Helper()
 	doc, err := policy.Parse(examples.Northstar)
 	if err != nil {
 		t.Fatal(err)
 	}
-	e, err := admission.New(cfg, store, doc, 7)
+	e, err := admission.New(cfg, store, doc, 7, opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -72,8 +72,23 @@ func newGateway(t *testing.T, store admission.Store, cfg admission.Config) *gate
 	return g
 }
 
-func memStore(t *testing.T) admission.Store {
-	s, err := admission.NewMemoryStore(admission.DefaultMemoryConfig(), nil)
+// memGateway is a gateway on the in-memory store whose store and engine
+// share one stopped clock, so that what a test counts cannot straddle a
+// fixed window's edge or gain a refilled token on a slow machine.
+func memGateway(t *testing.T) *gateway {
+	t.Helper()
+	clock := windowClock()
+	return newGateway(t, memStore(t, clock), admission.DefaultConfig(), admission.WithClock(clock))
+}
+
+// windowClock is a stopped clock 1 s into a 10 s window aligned to the
+// epoch, as P-ANON's windows are.
+func windowClock() *stepClock {
+	return &stepClock{t: time.Now().Truncate(10 * time.Second).Add(time.Second)}
+}
+
+func memStore(t *testing.T, clock admission.Clock) admission.Store {
+	s, err := admission.NewMemoryStore(admission.DefaultMemoryConfig(), clock)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -107,7 +122,7 @@ func decode(t *testing.T, resp *http.Response) map[string]any {
 }
 
 func TestAuthenticatedRead(t *testing.T) {
-	g := newGateway(t, memStore(t), admission.DefaultConfig())
+	g := memGateway(t)
 	if _, err := g.e.DepositChunk(context.Background(), "p-global", "g1", 1000, time.Hour); err != nil {
 		t.Fatal(err)
 	}
@@ -154,7 +169,7 @@ func TestAuthenticatedRead(t *testing.T) {
 }
 
 func TestAnonymousGetsNoLimits(t *testing.T) {
-	g := newGateway(t, memStore(t), admission.DefaultConfig())
+	g := memGateway(t)
 	for i := 0; i < 20; i++ {
 		// A forged X-Forwarded-For changes nothing: the address is the
 		// connection's.
@@ -294,7 +309,7 @@ func TestUnavailable(t *testing.T) {
 }
 
 func TestBadRequest(t *testing.T) {
-	g := newGateway(t, memStore(t), admission.DefaultConfig())
+	g := memGateway(t)
 	resp := g.do(t, "GET", "/"+strings.Repeat("x", 400), "cedar/U-1")
 	if resp.StatusCode != http.StatusBadRequest {
 		t.Fatalf("oversized route: %d, want 400", resp.StatusCode)
@@ -331,7 +346,8 @@ func TestPooledDecisionsAnswerAsDecide(t *testing.T) {
 		t.Fatal(err)
 	}
 	handler := func(pooled bool) http.Handler {
-		e, err := admission.New(admission.DefaultConfig(), memStore(t), doc, 7)
+		clock := windowClock()
+		e, err := admission.New(admission.DefaultConfig(), memStore(t, clock), doc, 7, admission.WithClock(clock))
 		if err != nil {
 			t.Fatal(err)
 		}
