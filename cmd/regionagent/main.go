@@ -37,6 +37,12 @@ import (
 	"github.com/allot-dev/allot/pkg/allocator"
 )
 
+// Secrets come from the environment, never from flags (which ps shows).
+const (
+	redisPasswordEnv    = "ALLOT_REDIS_PASSWORD"
+	sentinelPasswordEnv = "ALLOT_REDIS_SENTINEL_PASSWORD"
+)
+
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	err := run(ctx, os.Args[1:])
@@ -52,9 +58,9 @@ func run(ctx context.Context, args []string) error {
 	var (
 		allocators, clearKeys string
 		allocatorsGRPC        string
-		redisAddr, apiAddr    string
+		redisAddrs, apiAddr   string
 		envoyAddr, storeKind  string
-		redisPoolSize         int
+		conn                  = agent.DefaultRedisConn()
 		memoryKeys            int
 		clockOffset           time.Duration
 		journalPath           string
@@ -65,9 +71,16 @@ func run(ctx context.Context, args []string) error {
 	fs.StringVar(&allocators, "allocators", "", "comma-separated allocator API addresses (empty: standalone on -policy)")
 	fs.StringVar(&allocatorsGRPC, "allocators-grpc", "", "comma-separated allocator gRPC addresses (allocator -grpc-addr) for Acquire and Release; empty: the Connect API")
 	fs.StringVar(&storeKind, "store", "redis", "where counters live: redis (-redis) or embedded (in this process; one agent per region)")
-	fs.StringVar(&redisAddr, "redis", "127.0.0.1:6379", "the region's Redis address")
+	fs.StringVar(&redisAddrs, "redis", strings.Join(conn.Addrs, ","), "the region's Redis: its address (standalone), seed nodes (cluster) or Sentinels (sentinel), comma-separated")
+	fs.StringVar(&conn.Mode, "redis-mode", conn.Mode, "standalone, cluster (a Redis Cluster) or sentinel (a primary watched by Sentinels; see -redis-master)")
+	fs.StringVar(&conn.MasterName, "redis-master", "", "sentinel mode: the name the Sentinels monitor the primary under")
+	fs.StringVar(&conn.Username, "redis-user", "", "Redis ACL user (the password is read from $"+redisPasswordEnv+", the Sentinels' from $"+sentinelPasswordEnv+")")
+	fs.BoolVar(&conn.TLS, "redis-tls", false, "connect to Redis over TLS")
+	fs.StringVar(&conn.CAFile, "redis-tls-ca", "", "PEM roots for Redis's certificates (default: the system's)")
+	fs.StringVar(&conn.ServerName, "redis-tls-server-name", "", "name checked in Redis's certificates (default: the host dialed)")
+	fs.DurationVar(&conn.DialTimeout, "redis-dial-timeout", conn.DialTimeout, "bound on one connection attempt to Redis")
 	fs.IntVar(&memoryKeys, "memory-keys", admission.DefaultMemoryConfig().MaxKeys, "most keys the embedded store holds")
-	fs.IntVar(&redisPoolSize, "redis-pool", 64, "Redis connections")
+	fs.IntVar(&conn.PoolSize, "redis-pool", conn.PoolSize, "Redis connections (per node)")
 	fs.IntVar(&cfg.Store.BatchSize, "redis-batch", cfg.Store.BatchSize, "most decisions in one Redis pipeline")
 	fs.DurationVar(&cfg.Store.BatchDelay, "redis-batch-delay", cfg.Store.BatchDelay, "how long a partial batch may wait for companions while other pipelines are in flight (0: sent as soon as a pipeline slot is free)")
 	fs.IntVar(&cfg.Store.MaxPipelines, "redis-pipelines", cfg.Store.MaxPipelines, "most Redis pipelines in flight")
@@ -150,8 +163,21 @@ func run(ctx context.Context, args []string) error {
 	var rdb redis.UniversalClient // stays nil for the embedded store
 	switch storeKind {
 	case "redis":
-		c := redis.NewClient(&redis.Options{Addr: redisAddr, PoolSize: redisPoolSize})
+		conn.Addrs = strings.Split(redisAddrs, ",")
+		conn.Password = os.Getenv(redisPasswordEnv)
+		conn.SentinelPassword = os.Getenv(sentinelPasswordEnv)
+		c, err := conn.Client()
+		if err != nil {
+			return fmt.Errorf("-redis*: %w", err)
+		}
 		defer c.Close()
+		// The client's own messages (failed dials, a Sentinel switching
+		// primaries) go to this process's log, not to stderr as plain lines.
+		redis.SetLogger(admission.RedisLog{Logger: log})
+		if conn.Mode == agent.RedisSentinel {
+			log.Info("Sentinel fails over asynchronously: debits the old primary acknowledged can be lost; run the allocator with -store-async-failover so that the stated bound accounts for them",
+				zap.String("master", conn.MasterName))
+		}
 		rdb = c
 	case "embedded":
 		ms, err := admission.NewMemoryStore(admission.MemoryConfig{MaxKeys: memoryKeys}, nil)

@@ -79,6 +79,8 @@ type Server struct {
 	cmd  *exec.Cmd
 	done chan struct{}
 	log  string
+	// password is the server's requirepass, sent by Client.
+	password string
 
 	mu     sync.Mutex
 	closed bool
@@ -96,7 +98,7 @@ func (s *Server) Port() int {
 
 // Client returns a new client for the server; the caller closes it.
 func (s *Server) Client() *redis.Client {
-	return redis.NewClient(&redis.Options{Addr: s.addr})
+	return redis.NewClient(&redis.Options{Addr: s.addr, Password: s.password})
 }
 
 // Pause stops the process with SIGSTOP: connections stay open and commands
@@ -143,6 +145,27 @@ func (s *Server) Log() string {
 // options configures one server process.
 type options struct {
 	cluster bool
+	ServerOptions
+}
+
+// ServerOptions configures a standalone server of StartServerWith.
+type ServerOptions struct {
+	// Password is required of clients (requirepass); Client sends it.
+	Password string
+	// ReplicaOf, a host:port, starts the server as that primary's replica.
+	ReplicaOf string
+	// Sentinel, when set, starts a Sentinel (redis-server --sentinel)
+	// instead of a data server, monitoring the primary it names.
+	Sentinel *SentinelOptions
+}
+
+// SentinelOptions is what a test Sentinel monitors.
+type SentinelOptions struct {
+	// MasterName is the name clients ask the Sentinel for.
+	MasterName string
+	// Primary is the monitored primary's host:port; its password, if any,
+	// is PrimaryPassword.
+	Primary, PrimaryPassword string
 }
 
 // StartServer starts a standalone redis-server on a free loopback port. The
@@ -153,8 +176,19 @@ func StartServer(ctx context.Context) (*Server, error) {
 
 // NewServer starts a standalone redis-server for t and closes it when t ends.
 func NewServer(t testing.TB) *Server {
+	return NewServerWith(t, ServerOptions{})
+}
+
+// StartServerWith starts a server as o says on a free loopback port: a
+// password-protected one, a replica, or a Sentinel. The caller must Close it.
+func StartServerWith(ctx context.Context, o ServerOptions) (*Server, error) {
+	return startServer(ctx, options{ServerOptions: o})
+}
+
+// NewServerWith starts a server as o says for t and closes it when t ends.
+func NewServerWith(t testing.TB, o ServerOptions) *Server {
 	t.Helper()
-	s, err := StartServer(context.Background())
+	s, err := StartServerWith(context.Background(), o)
 	Require(t, err)
 	t.Cleanup(s.Close)
 	return s
@@ -186,12 +220,33 @@ func spawn(ctx context.Context, bin string, port int, o options) (*Server, error
 		return nil, err
 	}
 	s := &Server{
-		addr: net.JoinHostPort("127.0.0.1", strconv.Itoa(port)),
-		dir:  dir,
-		done: make(chan struct{}),
-		log:  filepath.Join(dir, "redis.log"),
+		addr:     net.JoinHostPort("127.0.0.1", strconv.Itoa(port)),
+		dir:      dir,
+		done:     make(chan struct{}),
+		log:      filepath.Join(dir, "redis.log"),
+		password: o.Password,
 	}
-	args := []string{
+	var args []string
+	if so := o.Sentinel; so != nil {
+		// A Sentinel's monitor list lives in its config file, which it
+		// rewrites as it learns the replicas.
+		host, p, err := net.SplitHostPort(so.Primary)
+		if err != nil {
+			_ = os.RemoveAll(dir)
+			return nil, fmt.Errorf("redistest: sentinel primary %q: %w", so.Primary, err)
+		}
+		conf := fmt.Sprintf("sentinel monitor %s %s %s 1\nsentinel down-after-milliseconds %[1]s 1000\nsentinel failover-timeout %[1]s 5000\n", so.MasterName, host, p)
+		if so.PrimaryPassword != "" {
+			conf += fmt.Sprintf("sentinel auth-pass %s %s\n", so.MasterName, so.PrimaryPassword)
+		}
+		path := filepath.Join(dir, "sentinel.conf")
+		if err := os.WriteFile(path, []byte(conf), 0o600); err != nil {
+			_ = os.RemoveAll(dir)
+			return nil, err
+		}
+		args = []string{path, "--sentinel"}
+	}
+	args = append(args,
 		"--bind", "127.0.0.1",
 		"--port", strconv.Itoa(port),
 		"--dir", dir,
@@ -200,6 +255,17 @@ func spawn(ctx context.Context, bin string, port int, o options) (*Server, error
 		"--daemonize", "no",
 		"--logfile", s.log,
 		"--protected-mode", "yes",
+	)
+	if o.Password != "" {
+		args = append(args, "--requirepass", o.Password)
+	}
+	if o.ReplicaOf != "" {
+		host, p, err := net.SplitHostPort(o.ReplicaOf)
+		if err != nil {
+			_ = os.RemoveAll(dir)
+			return nil, fmt.Errorf("redistest: replica of %q: %w", o.ReplicaOf, err)
+		}
+		args = append(args, "--replicaof", host, p)
 	}
 	if o.cluster {
 		args = append(args,
@@ -231,7 +297,7 @@ func spawn(ctx context.Context, bin string, port int, o options) (*Server, error
 func (s *Server) waitReady(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, startTimeout)
 	defer cancel()
-	c := redis.NewClient(&redis.Options{Addr: s.addr, MaxRetries: -1, DialTimeout: time.Second})
+	c := redis.NewClient(&redis.Options{Addr: s.addr, Password: s.password, MaxRetries: -1, DialTimeout: time.Second})
 	defer c.Close()
 	for {
 		select {

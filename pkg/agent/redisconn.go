@@ -1,0 +1,148 @@
+package agent
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Redis deployment kinds a RedisConn reaches.
+const (
+	// RedisStandalone is one server (or a proxy in front of several) at the
+	// one address.
+	RedisStandalone = "standalone"
+	// RedisCluster is a Redis Cluster; the addresses are seed nodes, and one
+	// is enough (the client learns the slot map from it). Every key of one
+	// tenant shares a hash tag, so each decision is one call on one node.
+	RedisCluster = "cluster"
+	// RedisSentinel is a primary watched by Sentinels; the addresses are the
+	// Sentinels', and the client follows the primary across failovers.
+	// Sentinel fails over asynchronously: debits the old primary
+	// acknowledged can be lost, so run the allocator with
+	// -store-async-failover and the stated bound accounts for them.
+	RedisSentinel = "sentinel"
+)
+
+// RedisConn says how the agent reaches its region's Redis. It is the
+// connection only; Config.Store configures the batching over it.
+type RedisConn struct {
+	// Mode is RedisStandalone, RedisCluster or RedisSentinel.
+	Mode string
+	// Addrs are host:port addresses: the server's (standalone, exactly
+	// one), seed nodes (cluster) or Sentinels (sentinel).
+	Addrs []string
+	// MasterName is the name the Sentinels monitor the primary under
+	// (sentinel only).
+	MasterName string
+	// Username and Password authenticate to the Redis nodes (an ACL user,
+	// or only a password for requirepass).
+	Username, Password string
+	// SentinelPassword authenticates to Sentinels that require a password
+	// (sentinel only; empty: the Sentinels are sent no credentials).
+	SentinelPassword string
+	// TLS turns on TLS to every node; CAFile, when set, is a PEM bundle of
+	// the roots the nodes' certificates must chain to (default: the
+	// system's), and ServerName overrides the name checked in them.
+	TLS        bool
+	CAFile     string
+	ServerName string
+	// PoolSize is the most connections per node.
+	PoolSize int
+	// DialTimeout bounds one connection attempt.
+	DialTimeout time.Duration
+}
+
+// DefaultRedisConn is a standalone Redis on the local default port.
+func DefaultRedisConn() RedisConn {
+	return RedisConn{
+		Mode:        RedisStandalone,
+		Addrs:       []string{"127.0.0.1:6379"},
+		PoolSize:    64,
+		DialTimeout: 2 * time.Second,
+	}
+}
+
+// Validate reports every field that is wrong, naming it.
+func (c RedisConn) Validate() error {
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	switch c.Mode {
+	case RedisStandalone:
+		if len(c.Addrs) != 1 {
+			bad("Addrs: a standalone Redis has exactly one address, got %d (use Mode %q for seed nodes of a Redis Cluster)", len(c.Addrs), RedisCluster)
+		}
+	case RedisCluster, RedisSentinel:
+		if len(c.Addrs) == 0 {
+			bad("Addrs: %s mode needs at least one address", c.Mode)
+		}
+	default:
+		bad("Mode must be %s, %s or %s, got %q", RedisStandalone, RedisCluster, RedisSentinel, c.Mode)
+	}
+	for i, a := range c.Addrs {
+		if _, port, err := net.SplitHostPort(a); err != nil || port == "" {
+			bad("Addrs[%d] %q is not host:port", i, a)
+		}
+	}
+	if c.Mode == RedisSentinel && c.MasterName == "" {
+		bad("MasterName: sentinel mode needs the name the Sentinels monitor the primary under")
+	}
+	if c.Mode != RedisSentinel && (c.MasterName != "" || c.SentinelPassword != "") {
+		bad("MasterName and SentinelPassword apply to sentinel mode only, not %s", c.Mode)
+	}
+	if !c.TLS && (c.CAFile != "" || c.ServerName != "") {
+		bad("CAFile and ServerName need TLS")
+	}
+	if c.PoolSize < 1 || c.PoolSize > 10000 {
+		bad("PoolSize must be in [1, 10000], got %d", c.PoolSize)
+	}
+	if c.DialTimeout <= 0 || c.DialTimeout > time.Minute {
+		bad("DialTimeout must be in (0, 1m], got %s", c.DialTimeout)
+	}
+	return errors.Join(errs...)
+}
+
+// Client returns a client for the configured deployment (the caller closes
+// it). It does not connect: the agent's first calls do, and fail over to the
+// rules' fail modes while Redis is unreachable.
+func (c RedisConn) Client() (redis.UniversalClient, error) {
+	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	o := &redis.UniversalOptions{
+		Addrs:            c.Addrs,
+		Username:         c.Username,
+		Password:         c.Password,
+		SentinelPassword: c.SentinelPassword,
+		PoolSize:         c.PoolSize,
+		DialTimeout:      c.DialTimeout,
+	}
+	if c.TLS {
+		t := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: c.ServerName}
+		if c.CAFile != "" {
+			pem, err := os.ReadFile(c.CAFile)
+			if err != nil {
+				return nil, fmt.Errorf("CAFile: %w", err)
+			}
+			t.RootCAs = x509.NewCertPool()
+			if !t.RootCAs.AppendCertsFromPEM(pem) {
+				return nil, fmt.Errorf("CAFile %s: no PEM certificate in it", c.CAFile)
+			}
+		}
+		o.TLSConfig = t
+	}
+	switch c.Mode {
+	case RedisCluster:
+		return redis.NewClusterClient(o.Cluster()), nil
+	case RedisSentinel:
+		o.MasterName = c.MasterName
+		return redis.NewFailoverClient(o.Failover()), nil
+	default:
+		return redis.NewClient(o.Simple()), nil
+	}
+}

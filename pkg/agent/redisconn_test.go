@@ -1,0 +1,208 @@
+package agent_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/allot-dev/allot/internal/redistest"
+	"github.com/allot-dev/allot/pkg/agent"
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+)
+
+func TestRedisConnValidate(t *testing.T) {
+	if err := agent.DefaultRedisConn().Validate(); err != nil {
+		t.Fatalf("default: %v", err)
+	}
+	tests := []struct {
+		name string
+		edit func(*agent.RedisConn)
+		want string
+	}{
+		{"unknown mode", func(c *agent.RedisConn) { c.Mode = "replicated" }, "Mode must be"},
+		{"standalone, two addresses", func(c *agent.RedisConn) { c.Addrs = []string{"a:1", "b:2"} }, "exactly one address"},
+		{"cluster, no seeds", func(c *agent.RedisConn) { c.Mode, c.Addrs = agent.RedisCluster, nil }, "Addrs: cluster mode needs"},
+		{"no port", func(c *agent.RedisConn) { c.Addrs = []string{"redis.internal"} }, "Addrs[0]"},
+		{"sentinel without a name", func(c *agent.RedisConn) { c.Mode = agent.RedisSentinel }, "MasterName"},
+		{"name outside sentinel", func(c *agent.RedisConn) { c.MasterName = "allot" }, "sentinel mode only"},
+		{"CA without TLS", func(c *agent.RedisConn) { c.CAFile = "/etc/ca.pem" }, "need TLS"},
+		{"no pool", func(c *agent.RedisConn) { c.PoolSize = 0 }, "PoolSize"},
+		{"no dial timeout", func(c *agent.RedisConn) { c.DialTimeout = 0 }, "DialTimeout"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			c := agent.DefaultRedisConn()
+			tc.edit(&c)
+			err := c.Validate()
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Validate() = %v; want an error containing %q", err, tc.want)
+			}
+			if _, err := c.Client(); err == nil {
+				t.Fatal("Client() built a client from a config Validate refuses")
+			}
+		})
+	}
+	c := agent.DefaultRedisConn()
+	c.TLS, c.CAFile = true, t.TempDir()+"/missing.pem"
+	if _, err := c.Client(); err == nil || !strings.Contains(err.Error(), "CAFile") {
+		t.Fatalf("missing CA file: %v", err)
+	}
+}
+
+// connAgent runs a standalone agent on apiPolicy over the client conn
+// builds. Its decide checks one request of tenant and returns the bucket's
+// remaining tokens, failing the test unless the bucket allowed it.
+func connAgent(t *testing.T, conn agent.RedisConn) (rdb redis.UniversalClient, decide func(tenant string) int64, try func(tenant string) (*allotv1.CheckResponse, error)) {
+	t.Helper()
+	rdb, err := conn.Client()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rdb.Close() })
+	a := runAgent(t, newAgent(t, testConfig("eu"), rdb, agent.WithPolicy(mustParse(t, apiPolicy), 0))).Agent
+	s := serve(t, a)
+	try = func(tenant string) (*allotv1.CheckResponse, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		resp, err := s.connect.Check(ctx, connect.NewRequest(&allotv1.CheckRequest{Entries: entries("tenant", tenant, "user", "u1")}))
+		if err != nil {
+			return nil, err
+		}
+		return resp.Msg, nil
+	}
+	decide = func(tenant string) int64 {
+		t.Helper()
+		r, err := try(tenant)
+		if err != nil || !r.Allowed || r.Rule != "bucket" {
+			t.Fatalf("check of %s: %+v %v; want allowed by bucket", tenant, r, err)
+		}
+		return r.Remaining
+	}
+	return rdb, decide, try
+}
+
+// TestRedisConnPassword: a password-protected Redis serves the agent that
+// has the password; a client without it is refused by Redis.
+func TestRedisConnPassword(t *testing.T) {
+	srv := redistest.NewServerWith(t, redistest.ServerOptions{Password: "s3cret"})
+	conn := agent.DefaultRedisConn()
+	conn.Addrs = []string{srv.Addr()}
+	bare, err := conn.Client()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bare.Close()
+	if err := bare.Ping(context.Background()).Err(); err == nil || !strings.Contains(err.Error(), "NOAUTH") {
+		t.Fatalf("ping without the password: %v; want NOAUTH", err)
+	}
+	conn.Password = "s3cret"
+	_, decide, _ := connAgent(t, conn)
+	for want := int64(99); want >= 97; want-- {
+		if got := decide("acme"); got != want {
+			t.Fatalf("remaining %d, want %d", got, want)
+		}
+	}
+}
+
+// TestRedisConnCluster: from one seed node the agent decides for tenants
+// whose keys live on every master of a 3-master Redis Cluster.
+func TestRedisConnCluster(t *testing.T) {
+	cl := redistest.NewCluster(t)
+	conn := agent.DefaultRedisConn()
+	conn.Mode, conn.Addrs = agent.RedisCluster, cl.Addrs()[:1]
+	rdb, decide, _ := connAgent(t, conn)
+	if _, ok := rdb.(*redis.ClusterClient); !ok {
+		t.Fatalf("cluster mode built a %T", rdb)
+	}
+	for i := 0; i < 30; i++ {
+		tenant := "t" + string(rune('a'+i%26)) + string(rune('a'+i/26))
+		if got := decide(tenant); got != 99 {
+			t.Fatalf("%s: remaining %d, want 99", tenant, got)
+		}
+		if got := decide(tenant); got != 98 {
+			t.Fatalf("%s again: remaining %d, want 98", tenant, got)
+		}
+	}
+	ctx := context.Background()
+	for _, n := range cl.Nodes {
+		c := n.Client()
+		keys, err := c.DBSize(ctx).Result()
+		c.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if keys == 0 {
+			t.Errorf("master %s holds no key: 30 tenants' hash tags should spread over all three", n.Addr())
+		}
+	}
+}
+
+// TestRedisConnSentinelFailover: through a Sentinel the agent finds the
+// primary, and after a failover it decides on the promoted replica, where
+// the counters replicated before the failover still are.
+func TestRedisConnSentinelFailover(t *testing.T) {
+	primary := redistest.NewServer(t)
+	replica := redistest.NewServerWith(t, redistest.ServerOptions{ReplicaOf: primary.Addr()})
+	sentinel := redistest.NewServerWith(t, redistest.ServerOptions{Sentinel: &redistest.SentinelOptions{MasterName: "allot-eu", Primary: primary.Addr()}})
+	ctx := context.Background()
+	pc := primary.Client()
+	defer pc.Close()
+	sc := redis.NewSentinelClient(&redis.Options{Addr: sentinel.Addr()})
+	defer sc.Close()
+	// The Sentinel learns the replica from the primary's INFO.
+	waitFor(t, 20*time.Second, "the sentinel to see the replica", func() bool {
+		r, err := sc.Replicas(ctx, "allot-eu").Result()
+		return err == nil && len(r) == 1
+	})
+
+	conn := agent.DefaultRedisConn()
+	conn.Mode, conn.Addrs, conn.MasterName = agent.RedisSentinel, []string{sentinel.Addr()}, "allot-eu"
+	_, decide, try := connAgent(t, conn)
+	for want := int64(99); want >= 95; want-- {
+		if got := decide("acme"); got != want {
+			t.Fatalf("remaining %d, want %d", got, want)
+		}
+	}
+	// The debits reach the replica before the failover: this test is about
+	// following the primary, not about losing acknowledged writes (which an
+	// asynchronous failover can; see RedisSentinel).
+	if n, err := pc.Wait(ctx, 1, 5*time.Second).Result(); err != nil || n != 1 {
+		t.Fatalf("WAIT for the replica: %d %v", n, err)
+	}
+	if err := sc.Failover(ctx, "allot-eu").Err(); err != nil {
+		t.Fatalf("SENTINEL FAILOVER: %v", err)
+	}
+	waitFor(t, 30*time.Second, "the sentinel to name the replica primary", func() bool {
+		a, err := sc.GetMasterAddrByName(ctx, "allot-eu").Result()
+		return err == nil && len(a) == 2 && a[0]+":"+a[1] == replica.Addr()
+	})
+	rc := replica.Client()
+	defer rc.Close()
+	waitFor(t, 30*time.Second, "the replica to take the primary role", func() bool {
+		role, err := rc.Do(ctx, "ROLE").Slice()
+		return err == nil && len(role) > 0 && role[0] == "master"
+	})
+	before, err := rc.DBSize(ctx).Result()
+	if err != nil || before == 0 {
+		t.Fatalf("the promoted replica holds %d keys (%v); want the replicated counters", before, err)
+	}
+	// The first calls after the switch may still meet the old primary,
+	// now a replica refusing writes: the rule's fail mode answers those and
+	// nothing is debited. The agent must come to debit the promoted one.
+	var last *allotv1.CheckResponse
+	var lastErr error
+	for i := 0; i < 100; i++ {
+		last, lastErr = try("acme")
+		if lastErr == nil && last.Allowed && last.Rule == "bucket" {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if lastErr != nil || last.Rule != "bucket" || last.Remaining != 94 {
+		t.Fatalf("after the failover: %+v %v; want allowed by bucket with 94 left (the replicated 95, then one debit)", last, lastErr)
+	}
+}
