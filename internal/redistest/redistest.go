@@ -81,6 +81,8 @@ type Server struct {
 	log  string
 	// password is the server's requirepass, sent by Client.
 	password string
+	// tls is set when the server serves TLS only.
+	tls *tlsFiles
 
 	mu     sync.Mutex
 	closed bool
@@ -98,7 +100,25 @@ func (s *Server) Port() int {
 
 // Client returns a new client for the server; the caller closes it.
 func (s *Server) Client() *redis.Client {
-	return redis.NewClient(&redis.Options{Addr: s.addr, Password: s.password})
+	return redis.NewClient(s.options())
+}
+
+// options are the client options that reach the server.
+func (s *Server) options() *redis.Options {
+	o := &redis.Options{Addr: s.addr, Password: s.password}
+	if s.tls != nil {
+		o.TLSConfig = s.tls.clientTLS()
+	}
+	return o
+}
+
+// CAFile is the PEM file of the CA that signed a TLS server's certificate
+// ("" for a server without TLS).
+func (s *Server) CAFile() string {
+	if s.tls == nil {
+		return ""
+	}
+	return s.tls.ca
 }
 
 // Pause stops the process with SIGSTOP: connections stay open and commands
@@ -154,6 +174,10 @@ type ServerOptions struct {
 	Password string
 	// ReplicaOf, a host:port, starts the server as that primary's replica.
 	ReplicaOf string
+	// TLS serves TLS only, with a certificate for 127.0.0.1 signed by a CA
+	// made for this server (its PEM file: Server.CAFile). Clients need not
+	// present certificates.
+	TLS bool
 	// Sentinel, when set, starts a Sentinel (redis-server --sentinel)
 	// instead of a data server, monitoring the primary it names.
 	Sentinel *SentinelOptions
@@ -259,6 +283,15 @@ func spawn(ctx context.Context, bin string, port int, o options) (*Server, error
 	if o.Password != "" {
 		args = append(args, "--requirepass", o.Password)
 	}
+	if o.TLS {
+		if s.tls, err = writeTLSFiles(dir); err != nil {
+			_ = os.RemoveAll(dir)
+			return nil, fmt.Errorf("redistest: TLS files: %w", err)
+		}
+		args = append(args, "--port", "0", "--tls-port", strconv.Itoa(port),
+			"--tls-cert-file", s.tls.cert, "--tls-key-file", s.tls.key,
+			"--tls-ca-cert-file", s.tls.ca, "--tls-auth-clients", "no")
+	}
 	if o.ReplicaOf != "" {
 		host, p, err := net.SplitHostPort(o.ReplicaOf)
 		if err != nil {
@@ -297,7 +330,9 @@ func spawn(ctx context.Context, bin string, port int, o options) (*Server, error
 func (s *Server) waitReady(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, startTimeout)
 	defer cancel()
-	c := redis.NewClient(&redis.Options{Addr: s.addr, Password: s.password, MaxRetries: -1, DialTimeout: time.Second})
+	o := s.options()
+	o.MaxRetries, o.DialTimeout = -1, time.Second
+	c := redis.NewClient(o)
 	defer c.Close()
 	for {
 		select {

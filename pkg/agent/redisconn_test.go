@@ -206,3 +206,26 @@ func TestRedisConnSentinelFailover(t *testing.T) {
 		t.Fatalf("after the failover: %+v %v; want allowed by bucket with 94 left (the replicated 95, then one debit)", last, lastErr)
 	}
 }
+
+// TestRedisConnTLS: a TLS-only Redis serves the agent that trusts its CA;
+// without the CA (the system's roots) the handshake is refused.
+func TestRedisConnTLS(t *testing.T) {
+	srv := redistest.NewServerWith(t, redistest.ServerOptions{TLS: true, Password: "s3cret"})
+	conn := agent.DefaultRedisConn()
+	conn.Addrs, conn.Password, conn.TLS = []string{srv.Addr()}, "s3cret", true
+	untrusting, err := conn.Client()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer untrusting.Close()
+	if err := untrusting.Ping(context.Background()).Err(); err == nil || !strings.Contains(err.Error(), "certificate") {
+		t.Fatalf("ping without the CA: %v; want a certificate error", err)
+	}
+	conn.CAFile = srv.CAFile()
+	_, decide, _ := connAgent(t, conn)
+	for want := int64(99); want >= 98; want-- {
+		if got := decide("acme"); got != want {
+			t.Fatalf("remaining %d, want %d", got, want)
+		}
+	}
+}
