@@ -168,7 +168,7 @@ func run(ctx context.Context, args []string) error {
 		conn.SentinelPassword = os.Getenv(sentinelPasswordEnv)
 		c, err := conn.Client()
 		if err != nil {
-			return fmt.Errorf("-redis*: %w", err)
+			return fmt.Errorf("redis connection (-redis, -redis-mode, -redis-master, -redis-tls*, -redis-pool, -redis-dial-timeout): %w", err)
 		}
 		defer c.Close()
 		// The client's own messages (failed dials, a Sentinel switching
