@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	prom "github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
 	"go.yaml.in/yaml/v3"
 
 	"github.com/allot-dev/allot/examples"
@@ -71,6 +72,13 @@ func served(t *testing.T) map[string]bool {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { a.Engine().Close() })
+	// An agent on Redis also serves its client's pool statistics
+	// (pkg/agent's TestRedisPoolMetrics shows it registers them).
+	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"}) // never dialed
+	t.Cleanup(func() { rdb.Close() })
+	if err := rec.Register(admission.RedisPoolCollector(rdb)); err != nil {
+		t.Fatal(err)
+	}
 	return rec.names
 }
 

@@ -124,6 +124,11 @@ func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) 
 		if err := a.m.register(o.registry, a.leases); err != nil {
 			return nil, fmt.Errorf("agent: register metrics: %w", err)
 		}
+		if rdb != nil {
+			if err := o.registry.Register(admission.RedisPoolCollector(rdb)); err != nil {
+				return nil, fmt.Errorf("agent: register Redis pool metrics: %w", err)
+			}
+		}
 	}
 
 	rec, err := loadLKG(cfg.DataDir)

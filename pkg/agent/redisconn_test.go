@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/allot-dev/allot/internal/redistest"
@@ -227,5 +228,65 @@ func TestRedisConnTLS(t *testing.T) {
 		if got := decide("acme"); got != want {
 			t.Fatalf("remaining %d, want %d", got, want)
 		}
+	}
+}
+
+// TestRedisPoolMetrics: an agent on Redis serves its client's connection
+// pool statistics, and they move with the decisions it makes.
+func TestRedisPoolMetrics(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	a := runAgent(t, newAgent(t, testConfig("eu"), sharedRedis(t), agent.WithPolicy(mustParse(t, apiPolicy), 0), agent.WithRegisterer(reg))).Agent
+	s := serve(t, a)
+	// value sums name's series whose labels include want.
+	value := func(name string, want map[string]string) (float64, bool) {
+		mfs, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var sum float64
+		var found bool
+		for _, mf := range mfs {
+			if mf.GetName() != name {
+				continue
+			}
+		series:
+			for _, m := range mf.GetMetric() {
+				have := map[string]string{}
+				for _, l := range m.GetLabel() {
+					have[l.GetName()] = l.GetValue()
+				}
+				for k, v := range want {
+					if have[k] != v {
+						continue series
+					}
+				}
+				found = true
+				sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
+			}
+		}
+		return sum, found
+	}
+	// The store's batched decisions run on the pipeline pool.
+	pipeline := map[string]string{"pool": "pipeline"}
+	used := func() float64 {
+		hits, ok := value("allot_redis_pool_hits_total", pipeline)
+		misses, ok2 := value("allot_redis_pool_misses_total", pipeline)
+		if !ok || !ok2 {
+			t.Fatal("the pipeline pool's hits and misses are not served")
+		}
+		return hits + misses
+	}
+	before := used()
+	for i := 0; i < 20; i++ {
+		check(t, s.connect, &allotv1.CheckRequest{Entries: entries("tenant", "acme", "user", "u1")})
+	}
+	if after := used(); after < before+1 {
+		t.Fatalf("pipeline pool hits+misses %v after 20 decisions, %v before: want more", after, before)
+	}
+	if total, ok := value("allot_redis_pool_connections", map[string]string{"state": "total"}); !ok || total < 1 {
+		t.Fatalf("allot_redis_pool_connections{state=total} = %v (served %v); want at least one open connection", total, ok)
+	}
+	if _, ok := value("allot_redis_pool_timeouts_total", map[string]string{"pool": "main"}); !ok {
+		t.Fatal("allot_redis_pool_timeouts_total{pool=main} not served")
 	}
 }
