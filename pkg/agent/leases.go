@@ -419,7 +419,7 @@ func (l *leases) starved(name string, seen uint64) (poolState, time.Duration, <-
 	if now.Before(q.exhaustedUntil) {
 		return poolExhausted, q.exhaustedUntil.Sub(now), nil
 	}
-	if l.cutOff && !l.fallbackDue(q, now) {
+	if l.cutOff && !l.fallbackDue(q, now) && !l.fallbackNext(q, now) {
 		return poolCutOff, l.cfg.Tick, nil
 	}
 	q.kicked, q.starving = true, true
@@ -752,8 +752,7 @@ func (l *leases) planRenewal(q *quota, now time.Time) (*allotv1.Want, bool) {
 	// Too close to the window's end for a grant to be worth depositing (a
 	// chunk's store TTL ends the margin and a deposit's bound before the
 	// window does, see grant): ask right after the window turns.
-	end := l.windowEndEstimate(q, now)
-	if end.Sub(now) < l.cfg.Margin+l.acquireRTT+l.depositBound()+l.cfg.MinUsefulTTL {
+	if end, near := l.turnNear(q, now); near {
 		q.boundaryAt = end.Add(l.cfg.BoundaryDelay)
 		// The requests starving now are owed a renewal at the turn: a
 		// pool without measured demand is renewed only for them.
@@ -825,6 +824,29 @@ func (l *leases) fallbackDue(q *quota, now time.Time) bool {
 	w := q.spec.Window.Milliseconds()
 	idx := lease.WindowIndex(now.UnixMilli()+l.offsetMs, w)
 	return !q.hasFallback || q.fallbackIdx != idx
+}
+
+// turnNear returns the estimated end of q's window and whether it is too
+// close for anything deposited now to be worth it (a deposit's store TTL
+// ends the margin and a deposit's bound before the window does): rounds
+// then keep q's starving requests for the turn. The caller holds l.mu.
+func (l *leases) turnNear(q *quota, now time.Time) (time.Time, bool) {
+	end := l.windowEndEstimate(q, now)
+	return end, end.Sub(now) < l.cfg.Margin+l.acquireRTT+l.depositBound()+l.cfg.MinUsefulTTL
+}
+
+// fallbackNext reports whether q's window is in its last stretch (turnNear:
+// its fallback allowance has expired or is about to) and the next window's
+// allowance will be due at the turn: a request then waits for that deposit,
+// as one of a connected region waits for the renewal at the turn, rather
+// than being answered 503 for the rest of every window while the region is
+// cut off. The caller holds l.mu.
+func (l *leases) fallbackNext(q *quota, now time.Time) bool {
+	if q.spec.FailMode != policy.FailFallback || q.spec.FallbackPerRegion <= 0 {
+		return false
+	}
+	_, near := l.turnNear(q, now)
+	return near
 }
 
 // depositFallback deposits q's fallback allowance for the current window,

@@ -297,6 +297,45 @@ func TestCutOffFallbackAllowance(t *testing.T) {
 	}
 }
 
+// TestCutOffWindowTailWaitsForTheNextAllowance: while cut off, a fallback
+// quota's allowance dies the margin before its window ends. A request in
+// that tail waits for the next window's allowance (latency, like a
+// connected region's renewal at the turn) instead of a 503 for the rest of
+// every window.
+func TestCutOffWindowTailWaitsForTheNextAllowance(t *testing.T) {
+	rdb := sharedRedis(t)
+	doc := quotasPolicy(t, "5", "1s", "1s", 500, "fallback")
+	cfg := testConfig("eu", "127.0.0.1:1") // no allocator listens there
+	cfg.Lease.AcquireTimeout = 100 * time.Millisecond
+	cfg.Lease.Margin = 200 * time.Millisecond // a tail wide enough to land in
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 0)))
+	waitFor(t, 5*time.Second, "the agent to find itself cut off", func() bool {
+		mustCheck(t, a.Agent, tenant("a"))
+		return a.CutOff()
+	})
+	// Requests every 10 ms across three window turns (bounded in count).
+	var tail, unavailable int
+	for i := 0; i < 300; i++ {
+		now := time.Now()
+		v := mustCheck(t, a.Agent, tenant("a"))
+		// In a tail: sent after the margin began, or made to wait there.
+		if now.UnixMilli()%1000 >= 1000-cfg.Lease.Margin.Milliseconds() || v.Waited > 0 {
+			tail++
+		}
+		if !v.Allowed {
+			unavailable++
+			t.Logf("at %s (%d ms into the window): %+v", now.Format("15:04:05.000"), now.UnixMilli()%1000, v)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if tail == 0 {
+		t.Fatal("no request landed in a window's tail: the test did not test")
+	}
+	if unavailable > 0 {
+		t.Fatalf("%d of 300 requests answered unavailable (%d sent in windows' tails); want every one served by an allowance", unavailable, tail)
+	}
+}
+
 // TestExhaustedPoolAnswers429UntilTheWindowEnds: when the global pool is
 // used up the answer is 429 with Retry-After to the window's end.
 func TestExhaustedPoolAnswers429UntilTheWindowEnds(t *testing.T) {
