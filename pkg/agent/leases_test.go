@@ -308,6 +308,9 @@ func TestCutOffWindowTailWaitsForTheNextAllowance(t *testing.T) {
 	cfg := testConfig("eu", "127.0.0.1:1") // no allocator listens there
 	cfg.Lease.AcquireTimeout = 100 * time.Millisecond
 	cfg.Lease.Margin = 200 * time.Millisecond // a tail wide enough to land in
+	// A tail request waits up to ~0.7 s here (the margin and testConfig's
+	// deposit bound); a loaded machine must not turn that into a timeout.
+	cfg.StarveWait = 3 * time.Second
 	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 0)))
 	waitFor(t, 5*time.Second, "the agent to find itself cut off", func() bool {
 		mustCheck(t, a.Agent, tenant("a"))
