@@ -204,7 +204,8 @@ func NewServer(t testing.TB) *Server {
 }
 
 // StartServerWith starts a server as o says on a free loopback port: a
-// password-protected one, a replica, or a Sentinel. The caller must Close it.
+// password-protected or TLS-only one, a replica, or a Sentinel. The caller
+// must Close it.
 func StartServerWith(ctx context.Context, o ServerOptions) (*Server, error) {
 	return startServer(ctx, options{ServerOptions: o})
 }
