@@ -251,62 +251,10 @@ func spawn(ctx context.Context, bin string, port int, o options) (*Server, error
 		log:      filepath.Join(dir, "redis.log"),
 		password: o.Password,
 	}
-	var args []string
-	if so := o.Sentinel; so != nil {
-		// A Sentinel's monitor list lives in its config file, which it
-		// rewrites as it learns the replicas.
-		host, p, err := net.SplitHostPort(so.Primary)
-		if err != nil {
-			_ = os.RemoveAll(dir)
-			return nil, fmt.Errorf("redistest: sentinel primary %q: %w", so.Primary, err)
-		}
-		conf := fmt.Sprintf("sentinel monitor %s %s %s 1\nsentinel down-after-milliseconds %[1]s 1000\nsentinel failover-timeout %[1]s 5000\n", so.MasterName, host, p)
-		if so.PrimaryPassword != "" {
-			conf += fmt.Sprintf("sentinel auth-pass %s %s\n", so.MasterName, so.PrimaryPassword)
-		}
-		path := filepath.Join(dir, "sentinel.conf")
-		if err := os.WriteFile(path, []byte(conf), 0o600); err != nil {
-			_ = os.RemoveAll(dir)
-			return nil, err
-		}
-		args = []string{path, "--sentinel"}
-	}
-	args = append(args,
-		"--bind", "127.0.0.1",
-		"--port", strconv.Itoa(port),
-		"--dir", dir,
-		"--save", "",
-		"--appendonly", "no",
-		"--daemonize", "no",
-		"--logfile", s.log,
-		"--protected-mode", "yes",
-	)
-	if o.Password != "" {
-		args = append(args, "--requirepass", o.Password)
-	}
-	if o.TLS {
-		if s.tls, err = writeTLSFiles(dir); err != nil {
-			_ = os.RemoveAll(dir)
-			return nil, fmt.Errorf("redistest: TLS files: %w", err)
-		}
-		args = append(args, "--port", "0", "--tls-port", strconv.Itoa(port),
-			"--tls-cert-file", s.tls.cert, "--tls-key-file", s.tls.key,
-			"--tls-ca-cert-file", s.tls.ca, "--tls-auth-clients", "no")
-	}
-	if o.ReplicaOf != "" {
-		host, p, err := net.SplitHostPort(o.ReplicaOf)
-		if err != nil {
-			_ = os.RemoveAll(dir)
-			return nil, fmt.Errorf("redistest: replica of %q: %w", o.ReplicaOf, err)
-		}
-		args = append(args, "--replicaof", host, p)
-	}
-	if o.cluster {
-		args = append(args,
-			"--cluster-enabled", "yes",
-			"--cluster-config-file", filepath.Join(dir, "nodes.conf"),
-			"--cluster-node-timeout", "2000",
-		)
+	args, err := s.args(port, o)
+	if err != nil {
+		_ = os.RemoveAll(dir)
+		return nil, err
 	}
 	s.cmd = exec.Command(bin, args...)
 	s.cmd.Dir = dir
@@ -325,6 +273,66 @@ func spawn(ctx context.Context, bin string, port int, o options) (*Server, error
 		return nil, fmt.Errorf("redis-server on %s: %w\n%s", s.addr, err, log)
 	}
 	return s, nil
+}
+
+// args are the command-line arguments of s's process as o says; it writes
+// a Sentinel's config and the TLS files into s.dir.
+func (s *Server) args(port int, o options) ([]string, error) {
+	var args []string
+	if so := o.Sentinel; so != nil {
+		// A Sentinel's monitor list lives in its config file, which it
+		// rewrites as it learns the replicas.
+		host, p, err := net.SplitHostPort(so.Primary)
+		if err != nil {
+			return nil, fmt.Errorf("redistest: sentinel primary %q: %w", so.Primary, err)
+		}
+		conf := fmt.Sprintf("sentinel monitor %s %s %s 1\nsentinel down-after-milliseconds %[1]s 1000\nsentinel failover-timeout %[1]s 5000\n", so.MasterName, host, p)
+		if so.PrimaryPassword != "" {
+			conf += fmt.Sprintf("sentinel auth-pass %s %s\n", so.MasterName, so.PrimaryPassword)
+		}
+		path := filepath.Join(s.dir, "sentinel.conf")
+		if err := os.WriteFile(path, []byte(conf), 0o600); err != nil {
+			return nil, err
+		}
+		args = []string{path, "--sentinel"}
+	}
+	args = append(args,
+		"--bind", "127.0.0.1",
+		"--port", strconv.Itoa(port),
+		"--dir", s.dir,
+		"--save", "",
+		"--appendonly", "no",
+		"--daemonize", "no",
+		"--logfile", s.log,
+		"--protected-mode", "yes",
+	)
+	if o.Password != "" {
+		args = append(args, "--requirepass", o.Password)
+	}
+	if o.TLS {
+		var err error
+		if s.tls, err = writeTLSFiles(s.dir); err != nil {
+			return nil, fmt.Errorf("redistest: TLS files: %w", err)
+		}
+		args = append(args, "--port", "0", "--tls-port", strconv.Itoa(port),
+			"--tls-cert-file", s.tls.cert, "--tls-key-file", s.tls.key,
+			"--tls-ca-cert-file", s.tls.ca, "--tls-auth-clients", "no")
+	}
+	if o.ReplicaOf != "" {
+		host, p, err := net.SplitHostPort(o.ReplicaOf)
+		if err != nil {
+			return nil, fmt.Errorf("redistest: replica of %q: %w", o.ReplicaOf, err)
+		}
+		args = append(args, "--replicaof", host, p)
+	}
+	if o.cluster {
+		args = append(args,
+			"--cluster-enabled", "yes",
+			"--cluster-config-file", filepath.Join(s.dir, "nodes.conf"),
+			"--cluster-node-timeout", "2000",
+		)
+	}
+	return args, nil
 }
 
 // waitReady polls PING until the server answers or startTimeout passes.

@@ -86,20 +86,27 @@ func connAgent(t *testing.T, conn agent.RedisConn) (rdb redis.UniversalClient, d
 	return rdb, decide, try
 }
 
+// wantRefused fails t unless a PING through conn's client fails with an
+// error containing want.
+func wantRefused(t *testing.T, conn agent.RedisConn, want string) {
+	t.Helper()
+	c, err := conn.Client()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if err := c.Ping(context.Background()).Err(); err == nil || !strings.Contains(err.Error(), want) {
+		t.Fatalf("ping: %v; want an error containing %q", err, want)
+	}
+}
+
 // TestRedisConnPassword: a password-protected Redis serves the agent that
 // has the password; a client without it is refused by Redis.
 func TestRedisConnPassword(t *testing.T) {
 	srv := redistest.NewServerWith(t, redistest.ServerOptions{Password: "s3cret"})
 	conn := agent.DefaultRedisConn()
 	conn.Addrs = []string{srv.Addr()}
-	bare, err := conn.Client()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer bare.Close()
-	if err := bare.Ping(context.Background()).Err(); err == nil || !strings.Contains(err.Error(), "NOAUTH") {
-		t.Fatalf("ping without the password: %v; want NOAUTH", err)
-	}
+	wantRefused(t, conn, "NOAUTH") // without the password
 	conn.Password = "s3cret"
 	_, decide, _ := connAgent(t, conn)
 	for want := int64(99); want >= 97; want-- {
@@ -214,14 +221,7 @@ func TestRedisConnTLS(t *testing.T) {
 	srv := redistest.NewServerWith(t, redistest.ServerOptions{TLS: true, Password: "s3cret"})
 	conn := agent.DefaultRedisConn()
 	conn.Addrs, conn.Password, conn.TLS = []string{srv.Addr()}, "s3cret", true
-	untrusting, err := conn.Client()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer untrusting.Close()
-	if err := untrusting.Ping(context.Background()).Err(); err == nil || !strings.Contains(err.Error(), "certificate") {
-		t.Fatalf("ping without the CA: %v; want a certificate error", err)
-	}
+	wantRefused(t, conn, "certificate") // without the CA
 	conn.CAFile = srv.CAFile()
 	_, decide, _ := connAgent(t, conn)
 	for want := int64(99); want >= 98; want-- {
