@@ -54,7 +54,7 @@ func checkBirch(h history.History, quotas map[string]Quota, grace time.Duration)
 		reasons[k][e.Reason] += e.Tokens
 		if agg[k] == nil {
 			agg[k] = &Violation{Check: CheckBirch, Quota: e.Quota, Window: k.window, Region: e.Region, At: e.At}
-			agg[k].Detail = fmt.Sprintf("first denial at %s (%s), outside every fault window", fmtTime(e.At), e.Reason)
+			agg[k].Detail = fmt.Sprintf("first denial at %s (%s), outside every fault window%s", fmtTime(e.At), e.Reason, denialContext(h, e))
 		}
 	}
 	var out []Violation
@@ -69,6 +69,48 @@ func checkBirch(h history.History, quotas map[string]Quota, grace time.Duration)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].At < out[j].At })
 	return out
+}
+
+// contextBefore is how far before a denial's call denialContext looks for
+// its region's Acquires of the quota.
+const contextBefore = 2 * time.Second
+
+// denialContext says, for a report that must be read without the run's
+// logs (a CI failure), when the denied request was sent and which Acquires
+// of its quota its region made from contextBefore before that until the
+// denial: a renewal that was late, unanswered or never asked is the usual
+// story.
+func denialContext(h history.History, d history.Event) string {
+	var b strings.Builder
+	if d.Call != 0 {
+		fmt.Fprintf(&b, "; sent at %s, answered after %s", fmtTime(d.Call), time.Duration(d.At-d.Call).Round(time.Millisecond))
+	}
+	from := d.At - int64(contextBefore)
+	if d.Call != 0 {
+		from = d.Call - int64(contextBefore)
+	}
+	var lines []string
+	for _, e := range h.Events {
+		if e.Kind != history.KindAcquire || e.Region != d.Region || e.Quota != d.Quota || e.Call > d.At {
+			continue
+		}
+		if e.At < from {
+			continue
+		}
+		// An Unknown outcome's At is its last attempt's.
+		answered := fmt.Sprintf("%s after %s", e.Outcome, time.Duration(e.At-e.Call).Round(time.Millisecond))
+		what := "renewal"
+		if e.Next {
+			what = "pre-grant"
+		}
+		lines = append(lines, fmt.Sprintf("%s %s asked %d got %d (%s)", fmtTime(e.Call), what, e.Asked, e.Tokens, answered))
+	}
+	if len(lines) == 0 {
+		fmt.Fprintf(&b, "; no Acquire of the quota from %s before", contextBefore)
+		return b.String()
+	}
+	fmt.Fprintf(&b, "; Acquires of the quota from %s before: %s", contextBefore, strings.Join(lines, "; "))
+	return b.String()
 }
 
 func excused(spans []history.Span, region string, at int64, grace time.Duration) bool {

@@ -445,6 +445,45 @@ func TestBirch(t *testing.T) {
 	}
 }
 
+// TestBirchDenialContext: a Birch violation says when the request was sent
+// and which Acquires of its quota its region made just before, so that a CI
+// failure can be read without the run's logs.
+func TestBirchDenialContext(t *testing.T) {
+	birch := Quota{Name: "atlas", Limit: 100, WindowMs: 1000, Birch: true}
+	late := pregrant(acquire("us", "r3", 20, 20, 13, 12*sec+200*ms, 12*sec+900*ms, 13_900, "g3"))
+	lost := acquire("us", "r4", 10, 0, 0, 12*sec+950*ms, 14*sec+950*ms, 0, "")
+	lost.Outcome = history.Unknown
+	deny := history.Event{Kind: history.KindDeny, Region: "us", Quota: "atlas", Tokens: 2, Call: 12*sec + 100*ms, At: 13*sec + 100*ms, Reason: history.ReasonUnavailable}
+	h := history.History{Events: []history.Event{
+		acquire("us", "r1", 10, 10, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"), // before the context
+		acquire("eu", "r2", 10, 10, 12, 12*sec, 12*sec+50*ms, 12_900, "g2"), // another region
+		late, lost, deny,
+	}}
+	r := run(t, h, birch)
+	if r.Count(CheckBirch) != 1 {
+		t.Fatalf("birch violations = %d, want 1: %v", r.Count(CheckBirch), r.Violations)
+	}
+	var detail string
+	for _, v := range r.Violations {
+		if v.Check == CheckBirch {
+			detail = v.Detail
+		}
+	}
+	for _, want := range []string{
+		"2 denials (unavailable_503 2)",
+		"sent at 00:00:12.100, answered after 1s",
+		"00:00:12.200 pre-grant asked 20 got 20 (ok after 700ms)",
+		"00:00:12.950 renewal asked 10 got 0 (unknown after 2s)",
+	} {
+		if !strings.Contains(detail, want) {
+			t.Errorf("detail lacks %q:\n%s", want, detail)
+		}
+	}
+	if strings.Contains(detail, "00:00:10.000") || strings.Contains(detail, "00:00:12.000") {
+		t.Errorf("detail lists an Acquire from before the context or of another region:\n%s", detail)
+	}
+}
+
 func TestRecoveryAndTable(t *testing.T) {
 	h := history.History{
 		Events: []history.Event{
