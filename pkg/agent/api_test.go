@@ -65,6 +65,7 @@ rules:
 // quota is always cut off.
 func standalone(t testing.TB, mut func(*agent.Config)) (*agent.Agent, *served) {
 	t.Helper()
+	clearOfDailyTurn(t)
 	cfg := testConfig("eu")
 	cfg.EnvoyDomain = "allot"
 	if mut != nil {
@@ -170,8 +171,9 @@ func TestReleaseSlotFromAnyAgent(t *testing.T) {
 	cfg := testConfig("eu")
 	rdb := sharedRedis(t)
 	doc := mustParse(t, apiPolicy)
-	a := newAgent(t, cfg, rdb, agent.WithPolicy(doc, 0))
-	b := newAgent(t, cfg, rdb, agent.WithPolicy(doc, 0)) // same region, same store
+	// Running, so that the test's end closes their stores' pipeline workers.
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 0))).Agent
+	b := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 0))).Agent // same region, same store
 	sa, sb := serve(t, a), serve(t, b)
 	export := entries("tenant", "acme", "route", "POST /export")
 	for _, id := range []string{"r1", "r2"} {

@@ -88,6 +88,7 @@ func TestMetricsAndDecisionLogs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	closeAtEnd(t, a)
 	s := serve(t, a)
 	ctx := context.Background()
 	user := &agent.Input{Descriptors: []policy.Entry{{Key: "tenant", Value: "acme"}, {Key: "user", Value: "alice@example.com"}}}

@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/allot-dev/allot/internal/redistest"
+	"github.com/allot-dev/allot/pkg/admission"
 	"github.com/allot-dev/allot/pkg/agent"
 	"github.com/allot-dev/allot/pkg/faultproxy"
 	"github.com/allot-dev/allot/pkg/policy"
@@ -175,6 +176,17 @@ func TestCallerDeadlineIsAnErrorNotAVerdict(t *testing.T) {
 	redistest.Require(t, shared.err)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
+	// The script loaded beforehand, as an earlier test of the package
+	// would have: run alone, the first pipeline's dial, handshake, NOSCRIPT
+	// and EVAL through the slow proxy outlast the store's pipeline timeout.
+	direct, err := admission.NewRedisStore(sharedRedis(t), admission.DefaultRedisConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := direct.Load(ctx); err != nil {
+		t.Fatal(err)
+	}
+	_ = direct.Close()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

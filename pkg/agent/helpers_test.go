@@ -77,6 +77,22 @@ var nsSeq struct {
 }
 
 // namespace returns a fresh key namespace.
+// clearOfDailyTurn waits, when the day's turn (UTC midnight, where the 24 h
+// fixed windows of apiPolicy and basePolicy end) is less than a minute away,
+// until it has passed: a test that counts exactly what such a window holds
+// would otherwise see it reset midway. Redis's TIME reads this machine's
+// clock.
+func clearOfDailyTurn(t testing.TB) {
+	t.Helper()
+	const clear = time.Minute
+	now := time.Now()
+	turn := now.Truncate(24 * time.Hour).Add(24 * time.Hour)
+	if left := turn.Sub(now); left < clear {
+		t.Logf("waiting %s for the daily windows' turn to pass", left+time.Second)
+		time.Sleep(left + time.Second)
+	}
+}
+
 func namespace() string {
 	nsSeq.Lock()
 	defer nsSeq.Unlock()
@@ -374,6 +390,17 @@ func newAgent(t testing.TB, cfg agent.Config, rdb redis.UniversalClient, opts ..
 		t.Fatalf("agent.New: %v", err)
 	}
 	return a
+}
+
+// closeAtEnd closes, when the test ends, the store of an agent the test
+// drives without Run (Renew, Check): Run with an ended context does nothing
+// but its shutdown, which closes the store and its pipeline workers.
+func closeAtEnd(t testing.TB, a *agent.Agent) {
+	t.Cleanup(func() {
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		_ = a.Run(ctx)
+	})
 }
 
 // running is an agent whose Run is going.

@@ -38,6 +38,7 @@ rules:
 `
 
 func userPolicy(t testing.TB, limit string) *policy.Document {
+	clearOfDailyTurn(t)
 	return mustParse(t, strings.ReplaceAll(basePolicy, "LIMIT", limit))
 }
 
@@ -135,6 +136,7 @@ func TestDamagedLastKnownGoodIsIgnored(t *testing.T) {
 
 func TestShadowRuleReportsWouldDenyWithoutDebitingLiveKeys(t *testing.T) {
 	rdb := sharedRedis(t)
+	clearOfDailyTurn(t)
 	doc := mustParse(t, `
 name: shadow
 rules:
@@ -153,7 +155,8 @@ rules:
     shadow: true
 `)
 	cfg := testConfig("eu")
-	a := newAgent(t, cfg, rdb, agent.WithPolicy(doc, 0))
+	// Running, so that the test's end closes its store's pipeline workers.
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 0))).Agent
 	ctx := context.Background()
 	in := &agent.Input{Descriptors: []policy.Entry{{Key: "tenant", Value: "acme"}}}
 	for i, want := range []struct {
