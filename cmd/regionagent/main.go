@@ -78,6 +78,8 @@ func run(ctx context.Context, args []string) error {
 	fs.BoolVar(&conn.TLS, "redis-tls", false, "connect to Redis over TLS")
 	fs.StringVar(&conn.CAFile, "redis-tls-ca", "", "PEM roots for Redis's certificates (default: the system's)")
 	fs.StringVar(&conn.ServerName, "redis-tls-server-name", "", "name checked in Redis's certificates (default: the host dialed)")
+	fs.StringVar(&conn.CertFile, "redis-tls-cert", "", "PEM client certificate for Redis nodes that authenticate clients (tls-auth-clients yes); read again at each new connection")
+	fs.StringVar(&conn.KeyFile, "redis-tls-key", "", "PEM key of -redis-tls-cert")
 	fs.DurationVar(&conn.DialTimeout, "redis-dial-timeout", conn.DialTimeout, "bound on one connection attempt to Redis")
 	fs.IntVar(&memoryKeys, "memory-keys", admission.DefaultMemoryConfig().MaxKeys, "most keys the embedded store holds")
 	fs.IntVar(&conn.PoolSize, "redis-pool", conn.PoolSize, "Redis connections (per node)")

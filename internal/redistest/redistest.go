@@ -121,6 +121,15 @@ func (s *Server) CAFile() string {
 	return s.tls.ca
 }
 
+// ClientCertFiles are the PEM files of a client certificate (and its key)
+// that a TLS server's CA signed ("" for a server without TLS).
+func (s *Server) ClientCertFiles() (cert, key string) {
+	if s.tls == nil {
+		return "", ""
+	}
+	return s.tls.clientCert, s.tls.clientKey
+}
+
 // Pause stops the process with SIGSTOP: connections stay open and commands
 // hang, as on an overloaded or partitioned server.
 func (s *Server) Pause() error { return s.signal(syscall.SIGSTOP) }
@@ -176,8 +185,12 @@ type ServerOptions struct {
 	ReplicaOf string
 	// TLS serves TLS only, with a certificate for 127.0.0.1 signed by a CA
 	// made for this server (its PEM file: Server.CAFile). Clients need not
-	// present certificates.
+	// present certificates unless ClientAuth is set.
 	TLS bool
+	// ClientAuth (with TLS) requires every client to present a certificate
+	// the server's CA signed (tls-auth-clients yes, Redis's default with
+	// TLS). Client presents one; Server.ClientCertFiles names its files.
+	ClientAuth bool
 	// Sentinel, when set, starts a Sentinel (redis-server --sentinel)
 	// instead of a data server, monitoring the primary it names.
 	Sentinel *SentinelOptions
@@ -309,14 +322,21 @@ func (s *Server) args(port int, o options) ([]string, error) {
 	if o.Password != "" {
 		args = append(args, "--requirepass", o.Password)
 	}
+	if o.ClientAuth && !o.TLS {
+		return nil, errors.New("redistest: ClientAuth needs TLS")
+	}
 	if o.TLS {
+		auth := "no"
+		if o.ClientAuth {
+			auth = "yes"
+		}
 		var err error
 		if s.tls, err = writeTLSFiles(s.dir); err != nil {
 			return nil, fmt.Errorf("redistest: TLS files: %w", err)
 		}
 		args = append(args, "--port", "0", "--tls-port", strconv.Itoa(port),
 			"--tls-cert-file", s.tls.cert, "--tls-key-file", s.tls.key,
-			"--tls-ca-cert-file", s.tls.ca, "--tls-auth-clients", "no")
+			"--tls-ca-cert-file", s.tls.ca, "--tls-auth-clients", auth)
 	}
 	if o.ReplicaOf != "" {
 		host, p, err := net.SplitHostPort(o.ReplicaOf)

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -52,6 +53,12 @@ type RedisConn struct {
 	TLS        bool
 	CAFile     string
 	ServerName string
+	// CertFile and KeyFile, both or neither, are the PEM certificate and
+	// key the agent presents to nodes that authenticate clients (Redis's
+	// default with TLS: tls-auth-clients yes). They are read again at each
+	// new connection, so a rotated pair is used without a restart; a pair
+	// that cannot be read then leaves the last good one in use.
+	CertFile, KeyFile string
 	// PoolSize is the most connections per node.
 	PoolSize int
 	// DialTimeout bounds one connection attempt.
@@ -95,8 +102,14 @@ func (c RedisConn) Validate() error {
 	if c.Mode != RedisSentinel && (c.MasterName != "" || c.SentinelPassword != "") {
 		bad("MasterName and SentinelPassword apply to sentinel mode only, not %s", c.Mode)
 	}
-	if !c.TLS && (c.CAFile != "" || c.ServerName != "") {
-		bad("CAFile and ServerName need TLS")
+	if !c.TLS && (c.CAFile != "" || c.ServerName != "" || c.CertFile != "" || c.KeyFile != "") {
+		bad("CAFile, ServerName, CertFile and KeyFile need TLS")
+	}
+	switch {
+	case c.CertFile != "" && c.KeyFile == "":
+		bad("KeyFile: CertFile needs its key")
+	case c.CertFile == "" && c.KeyFile != "":
+		bad("CertFile: KeyFile needs its certificate")
 	}
 	if c.PoolSize < 1 || c.PoolSize > 10000 {
 		bad("PoolSize must be in [1, 10000], got %d", c.PoolSize)
@@ -134,6 +147,13 @@ func (c RedisConn) Client() (redis.UniversalClient, error) {
 				return nil, fmt.Errorf("CAFile %s: no PEM certificate in it", c.CAFile)
 			}
 		}
+		if c.CertFile != "" {
+			cc, err := newClientCert(c.CertFile, c.KeyFile)
+			if err != nil {
+				return nil, err
+			}
+			t.GetClientCertificate = cc.get
+		}
 		o.TLSConfig = t
 	}
 	switch c.Mode {
@@ -145,4 +165,35 @@ func (c RedisConn) Client() (redis.UniversalClient, error) {
 	default:
 		return redis.NewClient(o.Simple()), nil
 	}
+}
+
+// clientCert is the certificate a TLS client presents, read from its files
+// at each handshake (connections are few and long-lived) so that a rotated
+// pair takes effect on the next connection.
+type clientCert struct {
+	certFile, keyFile string
+	mu                sync.Mutex
+	last              *tls.Certificate
+}
+
+// newClientCert reads the pair once: a bad pair is a configuration error at
+// start, not a handshake failure later.
+func newClientCert(certFile, keyFile string) (*clientCert, error) {
+	pair, err := tls.LoadX509KeyPair(certFile, keyFile)
+	if err != nil {
+		return nil, fmt.Errorf("CertFile and KeyFile: %w", err)
+	}
+	return &clientCert{certFile: certFile, keyFile: keyFile, last: &pair}, nil
+}
+
+// get is tls.Config.GetClientCertificate: the pair as the files hold it
+// now, or the last good one while they cannot be read (a rotation halfway
+// through writing them).
+func (c *clientCert) get(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if pair, err := tls.LoadX509KeyPair(c.certFile, c.keyFile); err == nil {
+		c.last = &pair
+	}
+	return c.last, nil
 }

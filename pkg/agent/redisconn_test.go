@@ -2,6 +2,7 @@ package agent_test
 
 import (
 	"context"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -31,6 +32,9 @@ func TestRedisConnValidate(t *testing.T) {
 		{"sentinel without a name", func(c *agent.RedisConn) { c.Mode = agent.RedisSentinel }, "MasterName"},
 		{"name outside sentinel", func(c *agent.RedisConn) { c.MasterName = "allot" }, "sentinel mode only"},
 		{"CA without TLS", func(c *agent.RedisConn) { c.CAFile = "/etc/ca.pem" }, "need TLS"},
+		{"client certificate without TLS", func(c *agent.RedisConn) { c.CertFile, c.KeyFile = "/etc/c.pem", "/etc/c.key" }, "need TLS"},
+		{"certificate without its key", func(c *agent.RedisConn) { c.TLS, c.CertFile = true, "/etc/c.pem" }, "KeyFile: CertFile needs its key"},
+		{"key without its certificate", func(c *agent.RedisConn) { c.TLS, c.KeyFile = true, "/etc/c.key" }, "CertFile: KeyFile needs"},
 		{"no pool", func(c *agent.RedisConn) { c.PoolSize = 0 }, "PoolSize"},
 		{"no dial timeout", func(c *agent.RedisConn) { c.DialTimeout = 0 }, "DialTimeout"},
 	}
@@ -51,6 +55,11 @@ func TestRedisConnValidate(t *testing.T) {
 	c.TLS, c.CAFile = true, t.TempDir()+"/missing.pem"
 	if _, err := c.Client(); err == nil || !strings.Contains(err.Error(), "CAFile") {
 		t.Fatalf("missing CA file: %v", err)
+	}
+	c = agent.DefaultRedisConn()
+	c.TLS, c.CertFile, c.KeyFile = true, t.TempDir()+"/missing.pem", t.TempDir()+"/missing.key"
+	if _, err := c.Client(); err == nil || !strings.Contains(err.Error(), "CertFile and KeyFile") {
+		t.Fatalf("missing client certificate: %v", err)
 	}
 }
 
@@ -228,6 +237,70 @@ func TestRedisConnTLS(t *testing.T) {
 		if got := decide("acme"); got != want {
 			t.Fatalf("remaining %d, want %d", got, want)
 		}
+	}
+}
+
+// TestRedisConnMutualTLS: a Redis that authenticates clients (Redis's
+// default with TLS) refuses the agent without a client certificate and
+// serves it with one; the pair is read again for each new connection, so a
+// rotated pair is what the next connection presents.
+func TestRedisConnMutualTLS(t *testing.T) {
+	srv := redistest.NewServerWith(t, redistest.ServerOptions{TLS: true, ClientAuth: true})
+	conn := agent.DefaultRedisConn()
+	conn.Addrs, conn.TLS, conn.CAFile = []string{srv.Addr()}, true, srv.CAFile()
+	wantRefused(t, conn, "certificate") // Redis asks for one and gets none
+	// The agent's own copy of the pair, which the test rotates.
+	dir := t.TempDir()
+	conn.CertFile, conn.KeyFile = dir+"/client.pem", dir+"/client.key"
+	cert, key := srv.ClientCertFiles()
+	for _, f := range [][2]string{{cert, conn.CertFile}, {key, conn.KeyFile}} {
+		b, err := os.ReadFile(f[0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(f[1], b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rdb, decide, _ := connAgent(t, conn)
+	for want := int64(99); want >= 98; want-- {
+		if got := decide("acme"); got != want {
+			t.Fatalf("remaining %d, want %d", got, want)
+		}
+	}
+	client, ok := rdb.(*redis.Client)
+	if !ok {
+		t.Fatalf("client %T, want *redis.Client", rdb)
+	}
+	// ping pings over a new connection with the agent's TLS config.
+	ping := func() error {
+		c := redis.NewClient(client.Options())
+		defer c.Close()
+		return c.Ping(context.Background()).Err()
+	}
+	// Files that cannot be read (a rotation halfway through) leave the last
+	// good pair in use.
+	if err := os.WriteFile(conn.KeyFile, []byte("half written"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := ping(); err != nil {
+		t.Fatalf("new connection while the key file is unreadable: %v; want the last good pair presented", err)
+	}
+	// Rotated to a pair the server's CA did not sign: a new connection
+	// presents it and is refused, which shows the files are read again.
+	other, err := redistest.NewCA("another CA")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := other.IssueClient("stranger", conn.CertFile, conn.KeyFile); err != nil {
+		t.Fatal(err)
+	}
+	if err := ping(); err == nil {
+		t.Fatal("a new connection with the rotated, untrusted pair was accepted; want refused")
+	}
+	// The agent's pooled connections are not torn down by a rotation.
+	if got := decide("acme"); got != 97 {
+		t.Fatalf("remaining %d after the rotation, want 97", got)
 	}
 }
 
