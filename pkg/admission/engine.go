@@ -317,8 +317,10 @@ func (e *Engine) plan(snap *snapshot, req *Request, ibuf []item, rbuf []RuleResu
 	if err != nil {
 		return nil, nil, err
 	}
+	// Matched without their parts: each rule's go into pbuf below, on the
+	// stack, read only to name its counter.
 	var mbuf [4]policy.Matched
-	matched := snap.matcher.AppendMatch(mbuf[:0], req.Descriptors)
+	matched := snap.matcher.AppendMatchRules(mbuf[:0], req.Descriptors)
 	if len(matched) == 0 {
 		return nil, rbuf[:0], nil
 	}
@@ -350,8 +352,10 @@ func (e *Engine) plan(snap *snapshot, req *Request, ibuf []item, rbuf []RuleResu
 	} else {
 		results = make([]RuleResult, len(matched))
 	}
+	var pbuf [8]string
 	for i, m := range matched {
 		sp := snap.specs[m.Rule]
+		parts := m.Rule.AppendParts(pbuf[:0], req.Descriptors)
 		it := &items[i]
 		it.sp = sp
 		if sp.kind != kindSlots {
@@ -366,7 +370,7 @@ func (e *Engine) plan(snap *snapshot, req *Request, ibuf []item, rbuf []RuleResu
 			// An instance of a template: its pool, by its name.
 			it.tag = instanceTag(sp, m.Instance, tenant)
 			it.key, it.poolH = poolKeys(e.cfg.Namespace, it.tag, m.Instance)
-			_, it.hash = e.hash.counter(it.tag, sp.digest, m.Parts)
+			_, it.hash = e.hash.counter(it.tag, sp.digest, parts)
 		case sp.kind == kindPool:
 			it.tag, it.key, it.poolH = sp.poolTag, sp.poolZ, sp.poolH
 			_, it.hash = e.hash.counter(sp.poolTag, sp.digest, nil)
@@ -378,7 +382,7 @@ func (e *Engine) plan(snap *snapshot, req *Request, ibuf []item, rbuf []RuleResu
 			it.tag = tenantTag(tenant)
 		}
 		if sp.kind != kindPool {
-			it.key, it.hash = e.hash.counter(it.tag, sp.digest, m.Parts)
+			it.key, it.hash = e.hash.counter(it.tag, sp.digest, parts)
 		}
 		it.res = &results[i]
 		*it.res = RuleResult{

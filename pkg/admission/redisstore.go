@@ -267,10 +267,12 @@ func (s *RedisStore) exec(batch []*op) {
 			c.buf = new([]any)
 		}
 		c.args = append((*c.buf)[:0], "evalsha", s.shaArg, len(o.keys))
-		for _, k := range o.keys {
-			c.args = append(c.args, k)
+		for i := range o.keys {
+			// A pointer into o, not the string: see op.appendArgs (a
+			// Cluster client reads the first key's slot through it too).
+			c.args = append(c.args, &o.keys[i])
 		}
-		c.args = o.appendArgs(c.args, s.cfg.StateForm == StateText)
+		c.args = o.appendArgs(c.args, s.cfg.StateForm == StateText, true)
 		c.cmd = evalCmd(ctx, c.args)
 		cmds = append(cmds, c.cmd)
 	}
@@ -298,10 +300,12 @@ func (s *RedisStore) exec(batch []*op) {
 	for i, o := range batch {
 		c := &calls[i]
 		o.err = parseReply(c.cmd, o)
-		o.finish()
-		clear(c.args) // drop the references before the list is reused
+		// Drop the references (pointers into o among them) before o is
+		// finished and may be reused, and before the list is.
+		clear(c.args)
 		*c.buf = c.args[:0]
 		s.cmds.Put(c.buf)
+		o.finish()
 	}
 	clear(calls)
 	clear(cmds)

@@ -123,15 +123,24 @@ type op struct {
 func (o *op) finish() { o.done <- struct{}{} }
 
 // args encodes o's ARGV for the script.
-func (o *op) args(text bool) []any { return o.appendArgs(nil, text) }
+func (o *op) args(text bool) []any { return o.appendArgs(nil, text, false) }
 
 // appendArgs appends o's ARGV for the script to a; text asks a decide or a
 // refund to write counter state in the text form (RedisConfig.StateForm).
-func (o *op) appendArgs(a []any, text bool) []any {
+//
+// refs passes a decide's or a refund's strings and numbers as pointers
+// into o, which go-redis writes as their values: boxing a string or an
+// int64 of 256 or more into an interface allocates, a pointer does not.
+// The list is then valid only while o is not reused, which the store's
+// pipeline guarantees (it drops the list before it finishes o).
+func (o *op) appendArgs(a []any, text, refs bool) []any {
 	switch o.code {
 	case opDecide, opRefund:
 		a = slices.Grow(a, 7+len(o.rules))
-		var id, member any = o.id, o.member
+		var now, id, member, idemTTL any = o.now, o.id, o.member, o.idemTTL
+		if refs {
+			now, id, member, idemTTL = &o.now, &o.id, &o.member, &o.idemTTL
+		}
 		if o.member == o.id {
 			member = id // box the string once
 		}
@@ -139,7 +148,7 @@ func (o *op) appendArgs(a []any, text bool) []any {
 		if text {
 			name = textOpName(o.code)
 		}
-		a = append(a, name, o.now, id, member, o.idemTTL, len(o.rules), o.strKeys)
+		a = append(a, name, now, id, member, idemTTL, len(o.rules), o.strKeys)
 		for _, r := range o.rules {
 			if b := r.box; b != nil && r.c == b.unit && r.key >= 2 && r.key-2 < len(b.byKey) {
 				a = append(a, b.byKey[r.key-2])

@@ -147,19 +147,38 @@ func (m *Matcher) Match(entries []Entry) []Matched {
 // AppendMatch appends the matches for entries to dst and returns it, so a
 // caller can reuse dst across requests.
 func (m *Matcher) AppendMatch(dst []Matched, entries []Entry) []Matched {
-	var stack [32]int32
-	cands := stack[:0]
-	for i, e := range entries {
-		if e.Value == "" || firstIndex(entries, e.Key) != i {
-			continue
-		}
-		cands = append(cands, m.byValue[e]...)
-		cands = append(cands, m.byKey[e.Key]...)
+	return m.appendMatch(dst, entries, true)
+}
+
+// AppendMatchRules is AppendMatch without the matches' Parts (Instance is
+// still set): for a caller on a hot path that reads a rule's wildcard
+// values into a buffer of its own with Rule.AppendParts. With room in dst
+// (and templates of at most eight wildcard values) it allocates nothing but
+// the instances' names.
+func (m *Matcher) AppendMatchRules(dst []Matched, entries []Entry) []Matched {
+	return m.appendMatch(dst, entries, false)
+}
+
+// AppendParts appends the request's values for r's wildcard entries to dst,
+// in r's match order: the Parts of r's match of entries (nothing when r does
+// not apply to them).
+func (r *Rule) AppendParts(dst []string, entries []Entry) []string {
+	out, ok := matchRule(r, entries, dst)
+	if !ok {
+		return dst
 	}
+	return out
+}
+
+func (m *Matcher) appendMatch(dst []Matched, entries []Entry, keepParts bool) []Matched {
+	var stack [32]int32
+	cands := m.candidates(stack[:0], entries)
 	if len(cands) == 0 {
 		return dst
 	}
-	slices.Sort(cands)
+	if !keepParts {
+		return m.appendRules(dst, entries, cands)
+	}
 	n := 0
 	for _, pos := range cands {
 		n += m.wild[pos]
@@ -184,6 +203,39 @@ func (m *Matcher) AppendMatch(dst []Matched, entries []Entry) []Matched {
 		}
 	}
 	return dst
+}
+
+// appendRules is appendMatch without Parts: each rule's parts go into one
+// scratch buffer on the stack, read only to name a template's instance.
+func (m *Matcher) appendRules(dst []Matched, entries []Entry, cands []int32) []Matched {
+	var scratch [8]string
+	for _, pos := range cands {
+		r := m.rules[pos]
+		parts, ok := matchRule(r, entries, scratch[:0])
+		if !ok {
+			continue
+		}
+		mt := Matched{Rule: r}
+		if m.tmpl[pos] {
+			mt.Instance = InstanceName(r.Name, parts)
+		}
+		dst = append(dst, mt)
+	}
+	return dst
+}
+
+// candidates appends to cands the positions of the rules anchored at one of
+// entries (each key's first entry only), in evaluation order.
+func (m *Matcher) candidates(cands []int32, entries []Entry) []int32 {
+	for i, e := range entries {
+		if e.Value == "" || firstIndex(entries, e.Key) != i {
+			continue
+		}
+		cands = append(cands, m.byValue[e]...)
+		cands = append(cands, m.byKey[e.Key]...)
+	}
+	slices.Sort(cands)
+	return cands
 }
 
 func firstIndex(entries []Entry, key string) int {

@@ -3,6 +3,7 @@ package policy
 import (
 	"fmt"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 
@@ -135,8 +136,43 @@ func TestMatcherAgreesWithDocument(t *testing.T) {
 					t.Fatalf("%s matched %v but does not apply", mt.Rule.Name, req)
 				}
 			}
+			// Without parts: the same rules and instances, and each
+			// rule's AppendParts gives the parts AppendMatch kept.
+			rules := m.AppendMatchRules(nil, req)
+			if len(rules) != len(got) {
+				t.Fatalf("request %v: AppendMatchRules %v, AppendMatch %v", req, summarizeMatches(rules), summarizeMatches(got))
+			}
+			for j, mt := range rules {
+				if mt.Rule != got[j].Rule || mt.Instance != got[j].Instance || mt.Parts != nil {
+					t.Fatalf("request %v, match %d: AppendMatchRules %+v, AppendMatch %+v", req, j, mt, got[j])
+				}
+				if parts := mt.Rule.AppendParts(nil, req); !slices.Equal(parts, got[j].Parts) {
+					t.Fatalf("request %v, rule %s: AppendParts %q, Parts %q", req, mt.Rule.Name, parts, got[j].Parts)
+				}
+			}
 		}
 	})
+}
+
+// TestAppendMatchRulesAllocatesNothing: the admission engine's path.
+func TestAppendMatchRulesAllocatesNothing(t *testing.T) {
+	m := Compile(mustParse(t, examples.Northstar))
+	req := []Entry{{"tenant", "atlas"}, {"user", "U-17"}, {"route", "GET /catalog"}}
+	buf := make([]Matched, 0, 8)
+	var pbuf [8]string
+	if n := testing.AllocsPerRun(100, func() {
+		for _, mt := range m.AppendMatchRules(buf[:0], req) {
+			_ = mt.Rule.AppendParts(pbuf[:0], req)
+		}
+	}); n != 0 {
+		t.Errorf("AppendMatchRules and AppendParts: %v allocations per request, want 0", n)
+	}
+	if n := testing.AllocsPerRun(100, func() { _ = m.AppendMatch(buf[:0], req) }); n == 0 {
+		t.Error("AppendMatch allocated nothing: the comparison above no longer shows anything")
+	}
+	if parts := m.Rules()[0].AppendParts([]string{"kept"}, []Entry{{"nothing", "matches"}}); !slices.Equal(parts, []string{"kept"}) {
+		t.Errorf("AppendParts of a rule that does not apply: %q, want dst unchanged", parts)
+	}
 }
 
 // manyTenants is Northstar plus n tenant quotas: the shape of a large
