@@ -137,9 +137,11 @@ func (o *op) appendArgs(a []any, text, refs bool) []any {
 	switch o.code {
 	case opDecide, opRefund:
 		a = slices.Grow(a, 7+len(o.rules))
-		var now, id, member, idemTTL any = o.now, o.id, o.member, o.idemTTL
+		var now, id, member, idemTTL any
 		if refs {
 			now, id, member, idemTTL = &o.now, &o.id, &o.member, &o.idemTTL
+		} else {
+			now, id, member, idemTTL = o.now, o.id, o.member, o.idemTTL
 		}
 		if o.member == o.id {
 			member = id // box the string once
