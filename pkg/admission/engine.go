@@ -353,6 +353,7 @@ func (e *Engine) plan(snap *snapshot, req *Request, ibuf []item, rbuf []RuleResu
 		results = make([]RuleResult, len(matched))
 	}
 	var pbuf [8]string
+	ttag := "" // the tenant's hash tag, made once for all its rules
 	for i, m := range matched {
 		sp := snap.specs[m.Rule]
 		parts := m.Rule.AppendParts(pbuf[:0], req.Descriptors)
@@ -379,7 +380,10 @@ func (e *Engine) plan(snap *snapshot, req *Request, ibuf []item, rbuf []RuleResu
 		case sp.scope == policy.ScopeGlobal:
 			it.tag = "g:" + sp.name
 		default:
-			it.tag = tenantTag(tenant)
+			if ttag == "" {
+				ttag = tenantTag(tenant)
+			}
+			it.tag = ttag
 		}
 		if sp.kind != kindPool {
 			it.key, it.hash = e.hash.counter(it.tag, sp.digest, parts)
