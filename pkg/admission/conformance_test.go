@@ -41,6 +41,24 @@ var conformance = []struct {
 	{"rules under two tags: refund on denial", testCrossTagRefund},
 	{"policy versions", testApply},
 	{"key layout: tags and hashed principals", testKeyLayout},
+	{"numbers beyond 32 bits", testLargeNumbers},
+}
+
+// testLargeNumbers: counts and retry times beyond 32 bits come back exact
+// (the script's reply then carries doubles instead of 32-bit integers).
+func testLargeNumbers(t *testing.T, b backend) {
+	h := newHarness(t, b, parse(t, `
+name: large
+rules:
+  - {name: big, scope: tenant, match: [{key: tenant}], kind: fixed_window, limit: 5000000000, window: 1m}
+`), nil)
+	for i := int64(1); i <= 2; i++ {
+		d := h.decide("tenant", "atlas")
+		wantAllowed(t, d, "a request under a 5e9 limit")
+		if got, want := rule(t, d, "big").Remaining, 5_000_000_000-i; got != want {
+			t.Fatalf("request %d: remaining %d, want %d", i, got, want)
+		}
+	}
 }
 
 func TestConformance(t *testing.T) {

@@ -378,20 +378,30 @@ func parseReply(c *redis.Cmd, o *op) error {
 	return nil
 }
 
-// parseDecision decodes a packed decision: the id's length (2 bytes, little
-// endian), the id, then integers as little-endian doubles. The id shares
-// the reply's memory; nothing else is allocated when o.out has room.
+// parseDecision decodes a packed decision (decision_reply in script.lua):
+// the numbers' width (1 byte: 4 or 8), the id's length (2 bytes, little
+// endian), the id (the earlier decision's on a replay, else empty: o's own),
+// then integers as little-endian int32s or doubles. The id shares the
+// reply's memory; nothing else is allocated when o.out has room.
 func parseDecision(s string, o *op) error {
-	if len(s) < 2 {
+	if len(s) < 3 {
 		return fmt.Errorf("redis store: decision reply of %d bytes", len(s))
 	}
-	idLen := int(s[0]) | int(s[1])<<8
-	nums := len(s) - 2 - idLen
-	if nums < 0 || nums%8 != 0 {
-		return fmt.Errorf("redis store: decision reply of %d bytes with a %d-byte id", len(s), idLen)
+	width := int(s[0])
+	if width != 4 && width != 8 {
+		return fmt.Errorf("redis store: decision reply with %d-byte numbers", width)
 	}
-	out := slices.Grow(o.out[:0], nums/8)
-	for i := 2 + idLen; i < len(s); i += 8 {
+	idLen := int(s[1]) | int(s[2])<<8
+	nums := len(s) - 3 - idLen
+	if nums < 0 || nums%width != 0 {
+		return fmt.Errorf("redis store: decision reply of %d bytes with a %d-byte id and %d-byte numbers", len(s), idLen, width)
+	}
+	out := slices.Grow(o.out[:0], nums/width)
+	for i := 3 + idLen; i < len(s); i += width {
+		if width == 4 {
+			out = append(out, int64(int32(uint32(s[i])|uint32(s[i+1])<<8|uint32(s[i+2])<<16|uint32(s[i+3])<<24)))
+			continue
+		}
 		var bits uint64
 		for j := 7; j >= 0; j-- {
 			bits = bits<<8 | uint64(s[i+j])
@@ -402,7 +412,10 @@ func parseDecision(s string, o *op) error {
 		}
 		out = append(out, int64(f))
 	}
-	o.outID = s[2 : 2+idLen]
+	o.outID = o.id
+	if idLen > 0 {
+		o.outID = s[3 : 3+idLen]
+	}
 	o.out = out
 	return nil
 }

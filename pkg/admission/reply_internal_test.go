@@ -8,12 +8,26 @@ import (
 	"testing"
 )
 
-// packDecision encodes a decision as decision_reply in script.lua does.
+// packDecision encodes a decision as decision_reply in script.lua does when
+// a number is beyond 32 bits: 8-byte doubles.
 func packDecision(id string, nums ...float64) string {
-	b := binary.LittleEndian.AppendUint16(nil, uint16(len(id)))
+	b := append([]byte{8}, 0, 0)
+	binary.LittleEndian.PutUint16(b[1:], uint16(len(id)))
 	b = append(b, id...)
 	for _, f := range nums {
 		b = binary.LittleEndian.AppendUint64(b, math.Float64bits(f))
+	}
+	return string(b)
+}
+
+// packDecision32 encodes a decision as decision_reply does when every
+// number fits in 32 bits.
+func packDecision32(id string, nums ...int32) string {
+	b := append([]byte{4}, 0, 0)
+	binary.LittleEndian.PutUint16(b[1:], uint16(len(id)))
+	b = append(b, id...)
+	for _, n := range nums {
+		b = binary.LittleEndian.AppendUint32(b, uint32(n))
 	}
 	return string(b)
 }
@@ -32,16 +46,27 @@ func TestParseDecision(t *testing.T) {
 		t.Errorf("parseDecision into a reused op allocates %v times, want 0", n)
 	}
 
+	// 32-bit numbers, and no id: the decision is the caller's own.
+	o.id = "d-43"
+	if err := parseDecision(packDecision32("", 0, 1, 1, -1, 2147483647, -2147483648), &o); err != nil {
+		t.Fatal(err)
+	}
+	if want := []int64{0, 1, 1, -1, 2147483647, -2147483648}; o.outID != "d-43" || !slices.Equal(o.out, want) {
+		t.Fatalf("parsed id %q numbers %v; want d-43 (the op's own) and %v", o.outID, o.out, want)
+	}
+
 	bad := map[string]string{
-		"empty":                   "",
-		"one byte":                "\x01",
-		"id longer than reply":    packDecision("abc")[:4],
-		"numbers cut short":       packDecision("id", 1, 2)[:15],
-		"a fraction":              packDecision("id", 0, 0.5),
-		"not a number":            packDecision("id", math.NaN()),
-		"an infinity":             packDecision("id", math.Inf(-1)),
-		"beyond exact integers":   packDecision("id", 1<<60),
-		"id length beyond a byte": "\xff\xff" + strings.Repeat("x", 10),
+		"empty":                    "",
+		"two bytes":                "\x08\x00",
+		"unknown width":            "\x02\x00\x00",
+		"id longer than reply":     packDecision("abc")[:5],
+		"numbers cut short":        packDecision("id", 1, 2)[:16],
+		"32-bit numbers cut short": packDecision32("", 1, 2)[:9],
+		"a fraction":               packDecision("id", 0, 0.5),
+		"not a number":             packDecision("id", math.NaN()),
+		"an infinity":              packDecision("id", math.Inf(-1)),
+		"beyond exact integers":    packDecision("id", 1<<60),
+		"id length beyond a byte":  "\x08\xff\xff" + strings.Repeat("x", 10),
 	}
 	for name, s := range bad {
 		if err := parseDecision(s, &op{}); err == nil {

@@ -21,7 +21,8 @@
 --               Checks every rule in ARGV order, then debits all of them or
 --               none. Returns ONE string (see decision_reply):
 --               {replay, firstDeny, then per rule: ok remaining retry reset}
---               packed after the decision id.
+--               packed after the earlier decision's id on a replay (empty
+--               otherwise: the caller knows its own).
 --   r  refund   same layout as d: gives back what a decide debited
 --   D, R        d and r writing state in the text form (see below)
 --   t  take     KEYS: pool z, pool h   ARGV: op now want -> {taken, ttl, retry}
@@ -159,12 +160,21 @@ local function pool_spend(h, ids, rem, exp, want)
   return first
 end
 
--- decision_reply packs a decision: the id's length (u16) and the id, then
--- the numbers as little-endian doubles (all integers below 2^53). One
--- string costs Redis and the client less than an array of 2 + 4n integers
--- (the client parses and keeps one value, not one per number).
+-- decision_reply packs a decision: the width of its numbers (u8, 4 or 8),
+-- the id's length (u16) and the id, then the numbers, little-endian, as
+-- 32-bit integers when they all fit, else as doubles (all integers below
+-- 2^53). One string costs Redis and the client less than an array of
+-- 2 + 4n integers (the client parses and keeps one value, not one per
+-- number), and 4-byte numbers halve it in the usual case.
 local function decision_reply(id, nums)
-  return struct.pack('<H', #id) .. id .. struct.pack('<' .. string.rep('d', #nums), unpack(nums))
+  local n = #nums
+  for j = 1, n do
+    local v = nums[j]
+    if v >= 2147483648 or v < -2147483648 then
+      return struct.pack('<BH', 8, #id) .. id .. struct.pack('<' .. string.rep('d', n), unpack(nums))
+    end
+  end
+  return struct.pack('<BH', 4, #id) .. id .. struct.pack('<' .. string.rep('i4', n), unpack(nums))
 end
 
 local function pool_retry(h)
@@ -360,7 +370,7 @@ if op == 'd' or op == 'r' then
       o = o + 4
     end
   end
-  if refund then return decision_reply(ARGV[3], {0, 0}) end
+  if refund then return decision_reply('', {0, 0}) end
   out[2] = deny
   if deny == 0 then
     -- every live rule allows: debit them all (and each allowing shadow rule)
@@ -382,7 +392,7 @@ if op == 'd' or op == 'r' then
       redis.call('SET', KEYS[1], ARGV[3] .. '|' .. table.concat(rest, ','), 'PX', idemTTL)
     end
   end
-  return decision_reply(ARGV[3], out)
+  return decision_reply('', out)
 end
 
 if op == 't' then
