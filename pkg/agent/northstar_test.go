@@ -168,7 +168,7 @@ func TestNorthstarScenario(t *testing.T) {
 				if resp.Msg.Unavailable {
 					kind = "503"
 				}
-				denied[fmt.Sprintf("w%d %s %s retry %d", ws-k, r.name, kind, resp.Msg.RetryAfterSeconds)]++
+				denied[fmt.Sprintf("w%d %s %s %s retry %d", ws-k, r.name, kind, resp.Msg.Rule, resp.Msg.RetryAfterSeconds)]++
 			case ws == wr:
 				admitted[r.name][ws]++
 			case wr == ws+1:
