@@ -317,10 +317,11 @@ func (e *Engine) plan(snap *snapshot, req *Request, ibuf []item, rbuf []RuleResu
 	if err != nil {
 		return nil, nil, err
 	}
-	// Matched without their parts: each rule's go into pbuf below, on the
-	// stack, read only to name its counter.
+	// The matches and their parts (read only to name the counters) on the
+	// stack.
 	var mbuf [4]policy.Matched
-	matched := snap.matcher.AppendMatchRules(mbuf[:0], req.Descriptors)
+	var pbuf [8]string
+	matched, parts := snap.matcher.AppendMatchRules(mbuf[:0], pbuf[:0], req.Descriptors)
 	if len(matched) == 0 {
 		return nil, rbuf[:0], nil
 	}
@@ -352,11 +353,10 @@ func (e *Engine) plan(snap *snapshot, req *Request, ibuf []item, rbuf []RuleResu
 	} else {
 		results = make([]RuleResult, len(matched))
 	}
-	var pbuf [8]string
 	ttag := "" // the tenant's hash tag, made once for all its rules
 	for i, m := range matched {
 		sp := snap.specs[m.Rule]
-		parts := m.Rule.AppendParts(pbuf[:0], req.Descriptors)
+		parts := m.PartsIn(parts)
 		it := &items[i]
 		it.sp = sp
 		if sp.kind != kindSlots {

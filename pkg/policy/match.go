@@ -28,7 +28,15 @@ type Matched struct {
 	// request is charged to: InstanceName(Rule.Name, Parts). Empty for
 	// every other rule (a single pool is named by its rule).
 	Instance string
+
+	// from and to locate the match's parts in the parts list of
+	// AppendMatchRules (see PartsIn).
+	from, to int32
 }
+
+// PartsIn returns the match's Parts from the parts list AppendMatchRules
+// returned with it.
+func (mt Matched) PartsIn(parts []string) []string { return parts[mt.from:mt.to:mt.to] }
 
 // Match returns every rule of d that applies to the request described by
 // entries, in evaluation order (scope ip, global, tenant, user, route; then
@@ -147,37 +155,10 @@ func (m *Matcher) Match(entries []Entry) []Matched {
 // AppendMatch appends the matches for entries to dst and returns it, so a
 // caller can reuse dst across requests.
 func (m *Matcher) AppendMatch(dst []Matched, entries []Entry) []Matched {
-	return m.appendMatch(dst, entries, true)
-}
-
-// AppendMatchRules is AppendMatch without the matches' Parts (Instance is
-// still set): for a caller on a hot path that reads a rule's wildcard
-// values into a buffer of its own with Rule.AppendParts. With room in dst
-// (and templates of at most eight wildcard values) it allocates nothing but
-// the instances' names.
-func (m *Matcher) AppendMatchRules(dst []Matched, entries []Entry) []Matched {
-	return m.appendMatch(dst, entries, false)
-}
-
-// AppendParts appends the request's values for r's wildcard entries to dst,
-// in r's match order: the Parts of r's match of entries (nothing when r does
-// not apply to them).
-func (r *Rule) AppendParts(dst []string, entries []Entry) []string {
-	out, ok := matchRule(r, entries, dst)
-	if !ok {
-		return dst
-	}
-	return out
-}
-
-func (m *Matcher) appendMatch(dst []Matched, entries []Entry, keepParts bool) []Matched {
 	var stack [32]int32
 	cands := m.candidates(stack[:0], entries)
 	if len(cands) == 0 {
 		return dst
-	}
-	if !keepParts {
-		return m.appendRules(dst, entries, cands)
 	}
 	n := 0
 	for _, pos := range cands {
@@ -205,23 +186,26 @@ func (m *Matcher) appendMatch(dst []Matched, entries []Entry, keepParts bool) []
 	return dst
 }
 
-// appendRules is appendMatch without Parts: each rule's parts go into one
-// scratch buffer on the stack, read only to name a template's instance.
-func (m *Matcher) appendRules(dst []Matched, entries []Entry, cands []int32) []Matched {
-	var scratch [8]string
-	for _, pos := range cands {
+// AppendMatchRules is AppendMatch with every match's parts appended to
+// parts instead of held in its own Parts slice (left nil; PartsIn finds
+// them): for a caller on a hot path that keeps both lists on its stack.
+// With room in dst and parts it allocates nothing but the instances' names.
+func (m *Matcher) AppendMatchRules(dst []Matched, parts []string, entries []Entry) ([]Matched, []string) {
+	var stack [32]int32
+	for _, pos := range m.candidates(stack[:0], entries) {
 		r := m.rules[pos]
-		parts, ok := matchRule(r, entries, scratch[:0])
-		if !ok {
+		start := len(parts)
+		var ok bool
+		if parts, ok = matchRule(r, entries, parts); !ok {
 			continue
 		}
-		mt := Matched{Rule: r}
+		mt := Matched{Rule: r, from: int32(start), to: int32(len(parts))}
 		if m.tmpl[pos] {
-			mt.Instance = InstanceName(r.Name, parts)
+			mt.Instance = InstanceName(r.Name, parts[start:])
 		}
 		dst = append(dst, mt)
 	}
-	return dst
+	return dst, parts
 }
 
 // candidates appends to cands the positions of the rules anchored at one of
