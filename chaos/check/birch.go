@@ -91,10 +91,7 @@ func denialContext(h history.History, d history.Event) string {
 	}
 	var lines []string
 	for _, e := range h.Events {
-		if e.Kind != history.KindAcquire || e.Region != d.Region || e.Quota != d.Quota || e.Call > d.At {
-			continue
-		}
-		if e.At < from {
+		if e.Kind != history.KindAcquire || e.Region != d.Region || e.Quota != d.Quota || e.Call > d.At || e.At < from {
 			continue
 		}
 		// An Unknown outcome's At is its last attempt's.
