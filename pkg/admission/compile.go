@@ -50,7 +50,6 @@ type spec struct {
 	// quota and window (seconds) advertised in RateLimit-Policy; 0 = none.
 	quota, window int64
 	slotTTL       time.Duration
-	box           *argBox // a, b, d boxed for the script
 }
 
 // snapshot is one policy version compiled; it is immutable.
@@ -144,11 +143,6 @@ func compile(doc *policy.Document, version uint64, cfg *Config) (*snapshot, erro
 		default:
 			return nil, fmt.Errorf("%w: rules[%d].kind: %q is not supported by this engine", ErrInvalidPolicy, i, r.Kind)
 		}
-		a := sp.a
-		if sp.kind == kindPool {
-			a = sp.unit // a pool's first argument is the cost
-		}
-		sp.box = newArgBox(sp.kind, a, sp.b, sp.d, sp.unit, sp.shadow)
 		s.specs[r] = sp
 	}
 	return s, nil

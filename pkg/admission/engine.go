@@ -499,16 +499,13 @@ func (e *Engine) decideOp(g *group, items []item, req *Request, id, member strin
 			if str != (pass == 0) {
 				continue
 			}
-			ra := ruleArg{kind: sp.kind, key: len(o.keys) + 1, a: sp.a, b: sp.b, c: it.cost, d: sp.d, shadow: sp.shadow, box: sp.box}
+			ra := ruleArg{kind: sp.kind, key: len(o.keys) + 1, a: sp.a, b: sp.b, c: it.cost, d: sp.d, shadow: sp.shadow}
 			o.keys = append(o.keys, it.key)
 			if str {
 				o.strKeys++
 			}
 			if sp.kind == kindPool {
-				ra.a = it.cost
-				if it.cost != sp.unit {
-					ra.box = nil // a pool's first argument is the cost
-				}
+				ra.a = it.cost // a pool's first argument is the cost
 				o.keys = append(o.keys, it.poolH)
 			}
 			o.rules[j] = ra

@@ -350,6 +350,34 @@ func TestRedisErrorIsFailMode(t *testing.T) {
 	wantAllowed(t, h.decide(export("cedar")...), "after the cleanup")
 }
 
+// TestScriptRefusesShortRules: a rules argument that does not hold the
+// number of rules the call names is an error reply naming it, and nothing
+// is debited (a caller built from another script's layout cannot corrupt
+// state).
+func TestScriptRefusesShortRules(t *testing.T) {
+	redistest.Require(t, shared.err)
+	h, _ := failHarness(t, shared.redis.Addr(), northstar(t), nil)
+	ctx := context.Background()
+	calls, err := h.e.ScriptCalls(&admission.Request{Descriptors: entries(export("cedar")...)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := calls[0]
+	rules, ok := c.Args[len(c.Args)-1].(string)
+	if !ok || len(rules)%38 != 0 || len(rules) == 0 {
+		t.Fatalf("last argument %T of %d bytes; want the packed rules", c.Args[len(c.Args)-1], len(rules))
+	}
+	args := append(append([]any(nil), c.Args[:len(c.Args)-1]...), rules[:len(rules)-1])
+	err = h.client.Eval(ctx, admission.ScriptSource(), c.Keys, args...).Err()
+	if err == nil || !strings.Contains(err.Error(), "rules argument") {
+		t.Fatalf("short rules: %v; want an error naming the rules argument", err)
+	}
+	if n, err := h.client.Exists(ctx, c.Keys[1:]...).Result(); err != nil || n != 0 {
+		t.Fatalf("%d of the call's keys exist after the refused call (%v); want none", n, err)
+	}
+	wantAllowed(t, h.decide(export("cedar")...), "a whole call")
+}
+
 // TestMemoryStoreFull: a full embedded store fails calls that would create
 // keys; the fail modes decide.
 func TestMemoryStoreFull(t *testing.T) {

@@ -13,12 +13,14 @@
 -- Operations
 --   d  decide   KEYS: idem, then the string-state keys (buckets, windows),
 --               then the others (slots, pools)
---               ARGV: op now id member idemTTL n ns, then one per rule,
---               packed little-endian (struct '<BIddddB'): kind u8,
---               keyIndex u32, a b c d as doubles, shadow u8 (ns: how many
---               string-state keys). One binary argument per rule costs a
---               fraction of seven decimal ones to create and convert.
---               Checks every rule in ARGV order, then debits all of them or
+--               ARGV: op now id member idemTTL n ns rules (ns: how many
+--               string-state keys); rules packs the n rules one after the
+--               other, little-endian (struct '<BIddddB'): kind u8,
+--               keyIndex u32, a b c d as doubles, shadow u8. Binary numbers
+--               cost a fraction of decimal ones to create and convert, and
+--               one argument for all rules spares Redis and the script an
+--               argument per rule.
+--               Checks every rule in order, then debits all of them or
 --               none. Returns ONE string (see decision_reply):
 --               {replay, firstDeny, then per rule: ok remaining retry reset}
 --               packed after the earlier decision's id on a replay (empty
@@ -58,13 +60,19 @@
 -- twice the idle TTL, so a draining bucket sets its TTL at most once per idle
 -- TTL and an idle key lives at most two idle TTLs.
 
+-- Library functions as locals: a global's lookup is two table reads on
+-- every use, and the decide loop uses these several times per rule.
+local call = redis.call
+local spack, sunpack = struct.pack, struct.unpack
+local floor, ceil = math.floor, math.ceil
+
 local op = ARGV[1]
 local text = false -- write the text form of state (ops D and R)
 if op == 'D' then op, text = 'd', true elseif op == 'R' then op, text = 'r', true end
 local now = tonumber(ARGV[2])
 if now == 0 then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local t = call('TIME')
+  now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
 end
 
 local SLACK = 1000          -- ms added to every idle TTL
@@ -76,11 +84,11 @@ local function fmt(v) return string.format('%d', v) end
 -- bucket_state and window_state encode a bucket's or a window's state.
 local function bucket_state(tok, ts, exp)
   if text then return string.format('%d:%d:%d', tok, ts, exp) end
-  return struct.pack('<Bddd', 2, tok, ts, exp)
+  return spack('<Bddd', 2, tok, ts, exp)
 end
 
 local function window_state(kind, idx, cnt, prev)
-  if not text then return struct.pack('<Bddd', 3, idx, cnt, prev) end
+  if not text then return spack('<Bddd', 3, idx, cnt, prev) end
   if kind == 2 then return string.format('%d:%d', idx, cnt) end
   return string.format('%d:%d:%d', idx, cnt, prev)
 end
@@ -88,10 +96,12 @@ end
 -- read_state decodes a bucket's (tag 2) or a window's (tag 3) state in
 -- either form; nil when it is neither (a corrupt value).
 local function read_state(v, tag)
-  if #v == 25 and string.byte(v, 1) == tag then
-    local x, y, z = struct.unpack('<xddd', v)
-    if x == x and y == y and z == z then return x, y, z end -- not NaN
-    return nil
+  if #v == 25 then
+    local t, x, y, z = sunpack('<Bddd', v)
+    if t == tag then
+      if x == x and y == y and z == z then return x, y, z end -- not NaN
+      return nil
+    end
   end
   local x, y, z = string.match(v, '^(%-?%d+):(%-?%d+):?(%-?%d*)$')
   return tonumber(x), tonumber(y), tonumber(z) or 0
@@ -165,16 +175,25 @@ end
 -- 32-bit integers when they all fit, else as doubles (all integers below
 -- 2^53). One string costs Redis and the client less than an array of
 -- 2 + 4n integers (the client parses and keeps one value, not one per
--- number), and 4-byte numbers halve it in the usual case.
-local function decision_reply(id, nums)
-  local n = #nums
+-- number), and 4-byte numbers halve it in the usual case. nums[1..n] are
+-- the numbers. The usual reply (no id, up to three rules) is one pack with
+-- a literal format: no strings made and joined per call.
+local function decision_reply(id, nums, n)
   for j = 1, n do
     local v = nums[j]
     if v >= 2147483648 or v < -2147483648 then
-      return struct.pack('<BH', 8, #id) .. id .. struct.pack('<' .. string.rep('d', n), unpack(nums))
+      return spack('<BH', 8, #id) .. id .. spack('<' .. string.rep('d', n), unpack(nums, 1, n))
     end
   end
-  return struct.pack('<BH', 4, #id) .. id .. struct.pack('<' .. string.rep('i4', n), unpack(nums))
+  if id == '' then
+    local f
+    if n == 6 then f = '<BHi4i4i4i4i4i4'
+    elseif n == 10 then f = '<BHi4i4i4i4i4i4i4i4i4i4'
+    elseif n == 14 then f = '<BHi4i4i4i4i4i4i4i4i4i4i4i4i4i4'
+    else f = '<BH' .. string.rep('i4', n) end
+    return spack(f, 4, 0, unpack(nums, 1, n))
+  end
+  return spack('<BH', 4, #id) .. id .. spack('<' .. string.rep('i4', n), unpack(nums, 1, n))
 end
 
 local function pool_retry(h)
@@ -192,24 +211,30 @@ if op == 'd' or op == 'r' then
       local bar = string.find(prev, '|', 1, true)
       local nums = {1}
       for v in string.gmatch(string.sub(prev, bar + 1), '[^,]+') do nums[#nums + 1] = tonumber(v) end
-      return decision_reply(string.sub(prev, 1, bar - 1), nums)
+      return decision_reply(string.sub(prev, 1, bar - 1), nums, #nums)
     end
   end
   local member = ARGV[4]
   local n = tonumber(ARGV[6])
   local ns = tonumber(ARGV[7])
+  local rules = ARGV[8]
+  if #rules ~= n * 38 then return redis.error_reply('allot: rules argument of ' .. #rules .. ' bytes for ' .. n .. ' rules') end
+  local at = 1 -- where the next rule starts in rules
   -- The string-state keys (buckets and windows) come first, after the
   -- idempotency key: one MGET reads them all.
-  local vals = {}
-  if ns > 0 then vals = redis.call('MGET', unpack(KEYS, 2, 1 + ns)) end
-  local out = {0, 0} -- replay, firstDeny, then four numbers per rule
+  local vals
+  if ns > 0 then vals = call('MGET', unpack(KEYS, 2, 1 + ns)) end
+  -- Presized for three rules, so that the usual decision grows no table
+  -- (each growth reallocates and rehashes it).
+  local out = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0} -- replay, firstDeny, then four numbers per rule
   local o = 2
-  local wn, wk, wv, wt = 0, {}, {}, {} -- string writes: key, value, ttl
-  local zn, zk, zd, zt = 0, {}, {}, {} -- slot acquisitions: key, deadline, ttl
-  local pools = {}
+  local w = {false, false, false, false, false, false, false, false, false} -- string writes: key, value, ttl
+  local wn = 0
+  local zs, zn, pools -- slot acquisitions (key, deadline, ttl) and pool debits, made when needed
   local deny = 0
   for i = 1, n do
-    local kind, ki, a, bb, c, d, sh = struct.unpack('<BIddddB', ARGV[7 + i])
+    local kind, ki, a, bb, c, d, sh, nxt = sunpack('<BIddddB', rules, at)
+    at = nxt
     local shadow = sh == 1
     local key = KEYS[ki]
     local ok, remaining, retry, reset = 1, 0, 0, 0
@@ -230,22 +255,22 @@ if op == 'd' or op == 'r' then
         if now > ts then ts = now end
       elseif bb > 0 and now > ts then -- never refill for negative time
         local delta = now - ts
-        local full = math.ceil((a - tok) * 1000 / bb)
+        local full = ceil((a - tok) * 1000 / bb)
         if delta >= full then
           tok, ts = a, now
         else
-          local add = math.floor(delta * bb / 1000)
+          local add = floor(delta * bb / 1000)
           tok = tok + add
-          ts = ts + math.ceil(add * 1000 / bb) -- keep the fraction for later
+          ts = ts + ceil(add * 1000 / bb) -- keep the fraction for later
         end
       end
       if refund then
-        if not fresh then redis.call('SET', key, bucket_state(math.min(a, tok + c), ts, exp), 'KEEPTTL') end
+        if not fresh then call('SET', key, bucket_state(math.min(a, tok + c), ts, exp), 'KEEPTTL') end
       elseif tok >= c then
         remaining = tok - c
         local need = now + d
         if bb > 0 then
-          reset = math.ceil((a - remaining) * 1000 / bb)
+          reset = ceil((a - remaining) * 1000 / bb)
           need = now + reset + SLACK
         end
         if fresh or exp < need then
@@ -258,16 +283,16 @@ if op == 'd' or op == 'r' then
         ok = 0
         remaining = tok
         if bb > 0 then
-          retry = math.ceil((c - tok) * 1000 / bb)
-          reset = math.ceil((a - tok) * 1000 / bb)
+          retry = ceil((c - tok) * 1000 / bb)
+          reset = ceil((a - tok) * 1000 / bb)
         else
           retry = -1
         end
       end
-      remaining = math.floor(remaining / 1000)
+      remaining = floor(remaining / 1000)
     elseif kind == 2 or kind == 3 then
       -- windows "index:count[:previous]": a = limit, bb = window ms, c = cost
-      local idx = math.floor(now / bb)
+      local idx = floor(now / bb)
       local v = vals[ki - 1]
       local w, cnt, prev
       if v then
@@ -284,12 +309,13 @@ if op == 'd' or op == 'r' then
       elseif w < idx then
         prev, cnt = 0, 0
       end
-      local elapsed = math.max(0, now - idx * bb)
+      local elapsed = now - idx * bb
+      if elapsed < 0 then elapsed = 0 end
       local wend = (idx + 1) * bb - now
       if wend < 0 then wend = 0 end
       if refund then
         if stored == idx then
-          redis.call('SET', key, window_state(kind, idx, math.max(0, cnt - c), prev), 'KEEPTTL')
+          call('SET', key, window_state(kind, idx, math.max(0, cnt - c), prev), 'KEEPTTL')
         end
       elseif kind == 2 then
         reset = wend
@@ -306,10 +332,10 @@ if op == 'd' or op == 'r' then
         if est + c <= a then
           write, d = window_state(kind, idx, cnt + c, prev), wend + bb + SLACK
           if stored == idx then d = false end -- same window, same expiry
-          remaining = math.floor(a - est - c)
+          remaining = floor(a - est - c)
         else
           ok = 0
-          remaining = math.max(0, math.floor(a - est))
+          remaining = math.max(0, floor(a - est))
           if cnt + c <= a then
             -- wait until the previous window's weight has decayed enough
             retry = math.ceil(bb - bb * (a - cnt - c) / prev) - elapsed
@@ -355,12 +381,14 @@ if op == 'd' or op == 'r' then
     if not refund then
       if ok == 1 then
         if kind <= 3 then
-          wn = wn + 1
-          wk[wn], wv[wn], wt[wn] = key, write, d
+          w[wn + 1], w[wn + 2], w[wn + 3] = key, write, d
+          wn = wn + 3
         elseif kind == 4 then
-          zn = zn + 1
-          zk[zn], zd[zn], zt[zn] = key, now + bb, bb + SLACK
+          if not zs then zs, zn = {}, 0 end
+          zs[zn + 1], zs[zn + 2], zs[zn + 3] = key, now + bb, bb + SLACK
+          zn = zn + 3
         else
+          if not pools then pools = {} end
           pools[#pools + 1] = write
         end
       elseif not shadow and deny == 0 then
@@ -370,29 +398,33 @@ if op == 'd' or op == 'r' then
       o = o + 4
     end
   end
-  if refund then return decision_reply('', {0, 0}) end
+  if refund then return decision_reply('', out, 2) end
   out[2] = deny
   if deny == 0 then
     -- every live rule allows: debit them all (and each allowing shadow rule)
-    for j = 1, wn do
-      if wt[j] then
-        redis.call('SET', wk[j], wv[j], 'PX', wt[j])
+    for j = 1, wn, 3 do
+      if w[j + 2] then
+        call('SET', w[j], w[j + 1], 'PX', w[j + 2])
       else
-        redis.call('SET', wk[j], wv[j], 'KEEPTTL')
+        call('SET', w[j], w[j + 1], 'KEEPTTL')
       end
     end
-    for j = 1, zn do
-      redis.call('ZADD', zk[j], zd[j], member)
-      redis.call('PEXPIRE', zk[j], zt[j])
+    if zs then
+      for j = 1, zn, 3 do
+        call('ZADD', zs[j], zs[j + 1], member)
+        call('PEXPIRE', zs[j], zs[j + 2])
+      end
     end
-    for _, p in ipairs(pools) do pool_spend(p.h, p.ids, p.rem, p.exp, p.cost) end
+    if pools then
+      for _, p in ipairs(pools) do pool_spend(p.h, p.ids, p.rem, p.exp, p.cost) end
+    end
     if idemTTL > 0 then
       local rest = {}
-      for j = 2, #out do rest[#rest + 1] = fmt(out[j]) end
-      redis.call('SET', KEYS[1], ARGV[3] .. '|' .. table.concat(rest, ','), 'PX', idemTTL)
+      for j = 2, o do rest[#rest + 1] = fmt(out[j]) end
+      call('SET', KEYS[1], ARGV[3] .. '|' .. table.concat(rest, ','), 'PX', idemTTL)
     end
   end
-  return decision_reply('', out)
+  return decision_reply('', out, o)
 end
 
 if op == 't' then

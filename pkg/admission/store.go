@@ -47,18 +47,17 @@ type ruleArg struct {
 	key        int // 1-based index of the rule's (first) key in op.keys, as in Lua
 	a, b, c, d int64
 	shadow     bool
-	box        *argBox // the packed argument prepared once per policy version; may be nil
 }
 
 // packedRuleLen is the length of a packed rule argument.
 const packedRuleLen = 1 + 4 + 4*8 + 1
 
-// packRule appends a rule's script argument to dst, laid out as the
-// script's struct.unpack('<BIddddB') reads it: kind, key index, a, b, c, d
-// (as doubles, which is what Lua numbers are: exact up to 2^53) and the
-// shadow flag. One binary argument costs the script a fraction of what
-// seven decimal ones cost to create and convert (measured: ~0.03 against
-// ~0.5 µs per rule).
+// packRule appends a rule's part of the script's rules argument to dst,
+// laid out as the script's struct.unpack('<BIddddB') reads it: kind, key
+// index, a, b, c, d (as doubles, which is what Lua numbers are: exact up to
+// 2^53) and the shadow flag. Binary numbers cost the script a fraction of
+// what seven decimal arguments cost to create and convert (measured: ~0.03
+// against ~0.5 µs per rule).
 func packRule(dst []byte, kind, key int, a, b, c, d int64, shadow bool) []byte {
 	dst = append(dst, byte(kind))
 	dst = binary.LittleEndian.AppendUint32(dst, uint32(key))
@@ -71,20 +70,28 @@ func packRule(dst []byte, kind, key int, a, b, c, d int64, shadow bool) []byte {
 	return append(dst, 0)
 }
 
-// argBox holds a rule's packed script argument, already boxed, for the
-// common calls: the cost of one hit, with the rule's key at KEYS index 2 to
-// 1+len(byKey). Encoding such a call allocates nothing for the rule.
-type argBox struct {
-	unit  int64 // the cost of one hit
-	byKey [4]any
+// packedRules is a decide's or a refund's rules packed into the script's
+// one rules argument (packRule's layout, rule after rule). One argument for
+// all rules, rather than one per rule, spares Redis an argument to parse and
+// the script a string to intern for each rule. go-redis reads it through
+// MarshalBinary, so a pointer to it goes into the argument list without
+// boxing, and a decision of up to four rules packs into arr without
+// allocating.
+type packedRules struct {
+	b   []byte
+	arr [4 * packedRuleLen]byte
 }
 
-func newArgBox(kind int, a, b, d, unit int64, shadow bool) *argBox {
-	bx := &argBox{unit: unit}
-	for i := range bx.byKey {
-		bx.byKey[i] = string(packRule(nil, kind, i+2, a, b, unit, d, shadow))
+// MarshalBinary returns the packed rules; go-redis writes them as the
+// argument.
+func (p *packedRules) MarshalBinary() ([]byte, error) { return p.b, nil }
+
+// pack packs rules into p.
+func (p *packedRules) pack(rules []ruleArg) {
+	p.b = p.arr[:0]
+	for _, r := range rules {
+		p.b = packRule(p.b, r.kind, r.key, r.a, r.b, r.c, r.d, r.shadow)
 	}
-	return bx
 }
 
 // op is one store operation. The arguments are set by the engine; the store
@@ -115,6 +122,7 @@ type op struct {
 	// Engine.recycle), a decision of up to four rules allocates neither.
 	keyBuf  [6]string
 	ruleBuf [4]ruleArg
+	packed  packedRules // rules packed for the script (appendArgs with refs)
 }
 
 // finish signals the caller waiting on done that o is complete. done has
@@ -136,7 +144,7 @@ func (o *op) args(text bool) []any { return o.appendArgs(nil, text, false) }
 func (o *op) appendArgs(a []any, text, refs bool) []any {
 	switch o.code {
 	case opDecide, opRefund:
-		a = slices.Grow(a, 7+len(o.rules))
+		a = slices.Grow(a, 8)
 		var now, id, member, idemTTL any
 		if refs {
 			now, id, member, idemTTL = &o.now, &o.id, &o.member, &o.idemTTL
@@ -151,15 +159,13 @@ func (o *op) appendArgs(a []any, text, refs bool) []any {
 			name = textOpName(o.code)
 		}
 		a = append(a, name, now, id, member, idemTTL, len(o.rules), o.strKeys)
-		for _, r := range o.rules {
-			if b := r.box; b != nil && r.c == b.unit && r.key >= 2 && r.key-2 < len(b.byKey) {
-				a = append(a, b.byKey[r.key-2])
-				continue
-			}
-			var buf [packedRuleLen]byte
-			a = append(a, string(packRule(buf[:0], r.kind, r.key, r.a, r.b, r.c, r.d, r.shadow)))
+		if refs {
+			o.packed.pack(o.rules)
+			return append(a, &o.packed)
 		}
-		return a
+		var p packedRules
+		p.pack(o.rules)
+		return append(a, string(p.b))
 	case opTake, opExhaust:
 		return append(a, opName(o.code), o.now, o.n1)
 	case opDeposit:
