@@ -122,6 +122,11 @@ type RedisStore struct {
 	pipes  sync.Pool // of redis.Pipeliner after Exec (which empties them): reused
 	dones  sync.Pool // of op.done channels that were received from: empty
 
+	// reuse is set when commands may be reused (see reusable): not for a
+	// Cluster client. evals[n] holds reusable commands of n arguments.
+	reuse bool
+	evals [maxReusedArgs + 1]sync.Pool
+
 	deadline struct { // the pipelines' shared deadline; see pipelineCtx
 		sync.Mutex
 		ctx    context.Context
@@ -152,6 +157,8 @@ func NewRedisStore(client redis.UniversalClient, cfg RedisConfig, opts ...RedisO
 	}
 	s := &RedisStore{client: client, sha: ScriptSHA(), cfg: cfg, log: zap.NewNop()}
 	s.shaArg = s.sha
+	_, cluster := client.(*redis.ClusterClient)
+	s.reuse = !cluster
 	for _, o := range opts {
 		o(s)
 	}
@@ -273,7 +280,7 @@ func (s *RedisStore) exec(batch []*op) {
 			c.args = append(c.args, &o.keys[i])
 		}
 		c.args = o.appendArgs(c.args, s.cfg.StateForm == StateText, true)
-		c.cmd = evalCmd(ctx, c.args)
+		c.cmd, c.re = s.command(ctx, c.args)
 		cmds = append(cmds, c.cmd)
 	}
 	// Queued at once: the pipeline's list is then allocated once, at its
@@ -305,6 +312,12 @@ func (s *RedisStore) exec(batch []*op) {
 		clear(c.args)
 		*c.buf = c.args[:0]
 		s.cmds.Put(c.buf)
+		if r := c.re; r != nil {
+			clear(r.args)
+			r.cmd.SetVal(nil)
+			r.cmd.SetErr(nil)
+			s.evals[len(r.args)].Put(r)
+		}
 		o.finish()
 	}
 	clear(calls)
@@ -329,11 +342,50 @@ type pipelineBuf struct {
 }
 
 // pipelined is one call of a pipeline: its command and its argument list,
-// which goes back to RedisStore.cmds once the reply is parsed.
+// which goes back to RedisStore.cmds once the reply is parsed, and the
+// reused command, which goes back to RedisStore.evals.
 type pipelined struct {
 	cmd  *redis.Cmd
 	args []any
 	buf  *[]any
+	re   *reusable
+}
+
+// maxReusedArgs is the longest argument list of a reused command: a
+// decision of up to eight rules (3 + 1 + 8 keys + 8 arguments), and more.
+const maxReusedArgs = 24
+
+// reusable is an EVALSHA command kept, with its argument list, for the next
+// call with as many arguments. The Cmd was the largest allocation of a
+// decision (~120 of ~280 bytes for one rule). go-redis keeps the list it is
+// given (NewCmd(ctx, args...) does not copy it) and a command's result is
+// set with SetVal and SetErr, so a command is reused by writing the next
+// call's arguments into its list and clearing its result. Not with a
+// Cluster client, which memoizes a command's slot in it.
+type reusable struct {
+	cmd  *redis.Cmd
+	args []any
+}
+
+// command returns the command for an EVALSHA call of args: a reused one of
+// as many arguments when the store reuses commands (with args copied into
+// it, so the caller may reuse args), else a new one on args.
+func (s *RedisStore) command(ctx context.Context, args []any) (*redis.Cmd, *reusable) {
+	n := len(args)
+	if !s.reuse || n > maxReusedArgs {
+		return evalCmd(ctx, args), nil
+	}
+	r, _ := s.evals[n].Get().(*reusable)
+	if r == nil {
+		r = &reusable{args: make([]any, n)}
+		copy(r.args, args)
+		// A command's context is not read after it is made (only Clone
+		// and MONITOR do); each pipeline runs under its own.
+		r.cmd = evalCmd(context.Background(), r.args)
+		return r.cmd, r
+	}
+	copy(r.args, args)
+	return r.cmd, r
 }
 
 // evalCmd is EVAL or EVALSHA (args[0]) with args laid out as go-redis's

@@ -1,11 +1,14 @@
 package admission
 
 import (
+	"context"
 	"encoding/binary"
 	"math"
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // packDecision encodes a decision as decision_reply in script.lua does when
@@ -72,5 +75,39 @@ func TestParseDecision(t *testing.T) {
 		if err := parseDecision(s, &op{}); err == nil {
 			t.Errorf("%s: parsed without an error", name)
 		}
+	}
+}
+
+// TestCommandsReusedOnlyOffCluster: a Cluster client memoizes a command's
+// slot in it, so a store on one never reuses commands; other clients do.
+func TestCommandsReusedOnlyOffCluster(t *testing.T) {
+	cluster := redis.NewClusterClient(&redis.ClusterOptions{Addrs: []string{"127.0.0.1:1"}})
+	defer cluster.Close()
+	single := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+	defer single.Close()
+	for _, tt := range []struct {
+		client redis.UniversalClient
+		reuse  bool
+	}{{cluster, false}, {single, true}} {
+		s, err := NewRedisStore(tt.client, DefaultRedisConfig())
+		if err != nil {
+			t.Fatal(err)
+		}
+		args := []any{"evalsha", "sha", 1, "k", "d"}
+		c1, r1 := s.command(context.Background(), args)
+		if (r1 != nil) != tt.reuse || s.reuse != tt.reuse {
+			t.Errorf("%T: reuse %v, want %v", tt.client, s.reuse, tt.reuse)
+		}
+		if r1 != nil {
+			s.evals[len(r1.args)].Put(r1)
+			args[3] = "k2"
+			// The pool may hand r1 back or not (the race detector drops
+			// some of its puts); either way the command carries the new key.
+			c2, r2 := s.command(context.Background(), args)
+			if got := c2.Args()[3]; got != "k2" || (r2 == r1 && c2 != c1) {
+				t.Errorf("command %p after %p: key %v; want k2", c2, c1, got)
+			}
+		}
+		s.Close()
 	}
 }
