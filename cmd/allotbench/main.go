@@ -95,6 +95,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	memprofile := fs.String("memprofile", "", "write an allocation profile of the benchmark client to this file at the end")
 	suite := fs.String("suite", "admission", "admission: the engine's modes (a), (a'), (b); agent: the region agent's Connect (c) and Envoy RLS (d) beside the raw ceiling (a)")
 	procs := fs.Int("procs", 0, "GOMAXPROCS of this process; 0: for -suite admission one fewer than the machine's CPUs when Redis runs on this machine (a loopback address, or the private server), so that the single-threaded Redis keeps a core as on a host of its own; for -suite agent all of them (the agent's RPC servers and clients share this process)")
+	repeat := fs.Int("repeat", 1, "admission suite: run the -mode list this many times in turn (e.g. -mode sdk,sdk3 -repeat 5: the 3-rule comparison is then made pair by pair, with the median)")
 	bracket := fs.Bool("bracket", false, "agent suite: measure (a) before the first mode and after each, and compare each mode with the (a)s beside it")
 	connections := fs.Int("connections", bench.DefaultAgentSuiteConfig().Connections, "agent suite: HTTP/2 connections the clients spread over")
 	if err := fs.Parse(args); err != nil {
@@ -138,6 +139,18 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if *mode != "all" {
 		cfg.Modes = strings.Split(*mode, ",")
 		acfg.Modes = cfg.Modes
+	}
+	if *repeat < 1 || *repeat > 100 {
+		return fmt.Errorf("-repeat: %d is not between 1 and 100", *repeat)
+	}
+	if *repeat > 1 {
+		if *suite != "admission" || *mode == "all" {
+			return errors.New("-repeat: only with -suite admission and a -mode list")
+		}
+		one := cfg.Modes
+		for i := 1; i < *repeat; i++ {
+			cfg.Modes = append(cfg.Modes, one...)
+		}
 	}
 	if *sweep != "" {
 		if *suite != "admission" {

@@ -35,6 +35,9 @@ func TestBadFlagsAreRefused(t *testing.T) {
 		{"-suite agent -batch-delay 11ms", "BatchDelay must be in [0, 10ms], got 11ms"},
 		{"-suite agent -pipelines 0", "MaxPipelines must be at least 1, got 0"},
 		{"-bracket", "-bracket: only with -suite agent"},
+		{"-repeat 0", "-repeat: 0 is not between 1 and 100"},
+		{"-repeat 3", "-repeat: only with -suite admission and a -mode list"},
+		{"-suite agent -mode raw -repeat 2", "-repeat: only with -suite admission"},
 	} {
 		err := run(context.Background(), strings.Fields(tt.args), io.Discard, io.Discard)
 		if err == nil || !strings.Contains(err.Error(), tt.want) {

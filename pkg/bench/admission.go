@@ -559,11 +559,65 @@ func scriptStats(ctx context.Context, client redis.UniversalClient) (calls, usec
 	return calls, usec, nil
 }
 
+// ruleRatios is one comparison of a 3-rule run with a 1-rule run.
+type ruleRatios struct{ time, script, server, total float64 }
+
+// summarizeRules compares the 3-rule runs with the 1-rule runs, pair by
+// pair in the order they ran (-mode sdk,sdk3,sdk,sdk3,...: each pair ran
+// close together, so the machine's slow spells touch both more evenly),
+// and prints the median of each ratio when there is more than one pair.
+func summarizeRules(out io.Writer, ones, threes []Figure) {
+	var rs []ruleRatios
+	for i := 0; i < min(len(ones), len(threes)); i++ {
+		one, three := ones[i], threes[i]
+		if three.PerSecond <= 0 || one.ScriptUsec <= 0 || one.ServerUsec <= 0 {
+			continue
+		}
+		rs = append(rs, ruleRatios{
+			time:   one.PerSecond / three.PerSecond,
+			script: three.ScriptUsec / one.ScriptUsec,
+			server: three.ServerUsec / one.ServerUsec,
+			total:  (three.ProcessUsec + three.ServerUsec) / (one.ProcessUsec + one.ServerUsec),
+		})
+	}
+	const line = "  3 rules vs 1%s: time per decision x%.2f, script cpu x%.2f, server cpu x%.2f, cpu of this process and the server x%.2f (target < 1.5)\n"
+	for i, r := range rs {
+		label := ""
+		if len(rs) > 1 {
+			label = fmt.Sprintf(", pair %d", i+1)
+		}
+		fmt.Fprintf(out, line, label, r.time, r.script, r.server, r.total)
+	}
+	if len(rs) > 1 {
+		med := func(f func(ruleRatios) float64) float64 {
+			v := make([]float64, len(rs))
+			for i, r := range rs {
+				v[i] = f(r)
+			}
+			return median(v)
+		}
+		fmt.Fprintf(out, line, fmt.Sprintf(", median of %d pairs", len(rs)),
+			med(func(r ruleRatios) float64 { return r.time }), med(func(r ruleRatios) float64 { return r.script }),
+			med(func(r ruleRatios) float64 { return r.server }), med(func(r ruleRatios) float64 { return r.total }))
+	}
+}
+
+// median returns the median of v (the mean of the middle two when even);
+// it sorts v.
+func median(v []float64) float64 {
+	slices.Sort(v)
+	n := len(v)
+	if n%2 == 1 {
+		return v[n/2]
+	}
+	return (v[n/2-1] + v[n/2]) / 2
+}
+
 // Summarize prints the comparisons issue 3 targets: (b) against (a), 3 rules
 // against 1, and the paced p99; after a sweep, the paced figures by rate.
 func Summarize(out io.Writer, figs []Figure) {
 	by := map[string]Figure{}
-	var paced, control []Figure
+	var paced, control, ones, threes []Figure
 	for _, f := range figs {
 		switch {
 		case strings.HasPrefix(f.Name, "(a) raw paced"):
@@ -575,8 +629,10 @@ func Summarize(out io.Writer, figs []Figure) {
 			by["pipelined"] = f
 		case f.Name == "(b) sdk, 1 rule":
 			by["sdk"] = f
+			ones = append(ones, f)
 		case f.Name == "(b) sdk, 3 rules":
 			by["sdk3"] = f
+			threes = append(threes, f)
 		case strings.HasPrefix(f.Name, "(b) sdk paced"):
 			by["paced"] = f
 			paced = append(paced, f)
@@ -593,13 +649,7 @@ func Summarize(out io.Writer, figs []Figure) {
 			fmt.Fprintf(out, "  (b)/(a') throughput: %.2f\n", b.PerSecond/a.PerSecond)
 		}
 	}
-	if one, ok := by["sdk"]; ok {
-		if three, ok := by["sdk3"]; ok && three.PerSecond > 0 && one.ScriptUsec > 0 {
-			fmt.Fprintf(out, "  3 rules vs 1: time per decision x%.2f, script cpu x%.2f, server cpu x%.2f, cpu of this process and the server x%.2f (target < 1.5)\n",
-				one.PerSecond/three.PerSecond, three.ScriptUsec/one.ScriptUsec, three.ServerUsec/one.ServerUsec,
-				(three.ProcessUsec+three.ServerUsec)/(one.ProcessUsec+one.ServerUsec))
-		}
-	}
+	summarizeRules(out, ones, threes)
 	if len(paced) > 1 || len(control) > 1 {
 		summarizeSweep(out, paced, control)
 		return

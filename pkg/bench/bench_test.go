@@ -166,3 +166,30 @@ func TestSummarizeAgentBrackets(t *testing.T) {
 		}
 	}
 }
+
+// TestSummarizeRulePairs: repeated 1-rule and 3-rule runs are compared pair
+// by pair, in the order they ran, and the median of each ratio is printed.
+func TestSummarizeRulePairs(t *testing.T) {
+	fig := func(name string, rate, script, server, process float64) Figure {
+		return Figure{Result: Result{Name: name, PerSecond: rate}, ScriptUsec: script, ServerUsec: server, ProcessUsec: process}
+	}
+	var out strings.Builder
+	Summarize(&out, []Figure{
+		fig("(b) sdk, 1 rule", 100, 8, 10, 6), fig("(b) sdk, 3 rules", 70, 12, 14, 7),
+		fig("(b) sdk, 1 rule", 60, 12, 16, 8), fig("(b) sdk, 3 rules", 50, 16, 20, 8),
+		fig("(b) sdk, 1 rule", 100, 8, 10, 6), fig("(b) sdk, 3 rules", 62.5, 13, 15, 9),
+	})
+	for _, want := range []string{
+		"3 rules vs 1, pair 1: time per decision x1.43, script cpu x1.50, server cpu x1.40, cpu of this process and the server x1.31",
+		"3 rules vs 1, pair 2: time per decision x1.20, script cpu x1.33, server cpu x1.25, cpu of this process and the server x1.17",
+		"3 rules vs 1, pair 3: time per decision x1.60, script cpu x1.62, server cpu x1.50, cpu of this process and the server x1.50",
+		"3 rules vs 1, median of 3 pairs: time per decision x1.43, script cpu x1.50, server cpu x1.40, cpu of this process and the server x1.31",
+	} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("summary lacks %q:\n%s", want, out.String())
+		}
+	}
+	if got := median([]float64{4, 1, 3, 2}); got != 2.5 {
+		t.Errorf("median of 1..4 = %v, want 2.5", got)
+	}
+}
