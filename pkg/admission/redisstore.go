@@ -108,7 +108,9 @@ func (c RedisConfig) Validate() error {
 // (any redis.UniversalClient). Concurrent calls are batched into pipelines by
 // a small auto-batcher, so a busy gateway pays one round trip per batch
 // rather than per decision. It owns no connection: the caller creates and
-// closes the client.
+// closes the client. Script calls are never retried by go-redis, whatever
+// the client's MaxRetries (see onceCmd): a call whose outcome is unknown
+// fails, and the rules' fail modes decide.
 type RedisStore struct {
 	client redis.UniversalClient
 	sha    string
@@ -281,7 +283,7 @@ func (s *RedisStore) exec(batch []*op) {
 		}
 		c.args = o.appendArgs(c.args, s.cfg.StateForm == StateText, true)
 		c.cmd, c.re = s.command(ctx, c.args)
-		cmds = append(cmds, c.cmd)
+		cmds = append(cmds, onceCmd{c.cmd})
 	}
 	// Queued at once: the pipeline's list is then allocated once, at its
 	// size, rather than grown call by call (Exec leaves it nil).
@@ -300,7 +302,7 @@ func (s *RedisStore) exec(batch []*op) {
 			c := &calls[i]
 			c.args[0], c.args[1] = "eval", scriptSource
 			c.cmd = evalCmd(ctx, c.args)
-			_ = pipe.Process(ctx, c.cmd)
+			_ = pipe.Process(ctx, onceCmd{c.cmd})
 		}
 		_, _ = pipe.Exec(ctx)
 	}
@@ -325,6 +327,19 @@ func (s *RedisStore) exec(batch []*op) {
 	buf.calls, buf.cmds = calls[:0], cmds[:0]
 	s.bufs.Put(buf)
 }
+
+// onceCmd is a script call that go-redis must not retry. A pipeline that
+// fails after it was written (EOF, a reset, a read timeout) may have run in
+// Redis, and go-redis sends a failed pipeline again on a new connection
+// (Options.MaxRetries, 3 by default): a decision would be debited twice, a
+// refund given back twice, a pool's tokens taken twice. Not retried, the
+// calls fail, and the rules' fail modes decide. Embedding the command keeps
+// every other method of go-redis's Cmder; the value holds one pointer, so
+// putting it in the list allocates nothing.
+type onceCmd struct{ *redis.Cmd }
+
+// NoRetry tells go-redis not to retry the pipeline that carries the call.
+func (onceCmd) NoRetry() bool { return true }
 
 // pipeline returns an empty pipeline of the client, a reused one when the
 // pool has one (Exec leaves a pipeline empty and ready for more commands).
