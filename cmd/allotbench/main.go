@@ -194,7 +194,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		defer srv.Close()
 		*addr = srv.Addr()
 	}
-	client := redis.NewClient(&redis.Options{Addr: *addr, PoolSize: cfg.Workers})
+	// Pipelines bounded by their deadline, as the agent's client
+	// (agent.RedisConn) has them.
+	client := redis.NewClient(&redis.Options{Addr: *addr, PoolSize: cfg.Workers, ContextTimeoutEnabled: true})
 	defer client.Close()
 	version, _ := client.Info(ctx, "server").Result()
 	fmt.Fprintf(stdout, "allotbench: redis %s at %s, %d workers, %d keys, GOMAXPROCS %d of %d CPUs, %s\n",

@@ -44,8 +44,11 @@ type RedisConfig struct {
 	// cannot pile up unbounded work.
 	MaxPending int
 	// PipelineTimeout bounds one pipeline round trip; it protects the batcher
-	// when the client does not time out by itself. Callers give up earlier,
-	// at their own deadline.
+	// when Redis stops answering. Callers give up earlier, at their own
+	// deadline. go-redis applies it to the connection only when the client
+	// has ContextTimeoutEnabled; otherwise the client's ReadTimeout (5 s by
+	// default) bounds a round trip, and NewRedisStore logs a warning when
+	// that is longer.
 	PipelineTimeout time.Duration
 	// StateForm is how buckets and windows are written: StateBinary (the
 	// default) or StateText. Both are always read.
@@ -164,6 +167,7 @@ func NewRedisStore(client redis.UniversalClient, cfg RedisConfig, opts ...RedisO
 	for _, o := range opts {
 		o(s)
 	}
+	s.warnUnboundedPipelines()
 	s.b = newBatcher(cfg, s.exec)
 	s.timers.New = func() any {
 		t := time.NewTimer(time.Hour)
@@ -171,6 +175,35 @@ func NewRedisStore(client redis.UniversalClient, cfg RedisConfig, opts ...RedisO
 		return t
 	}
 	return s, nil
+}
+
+// warnUnboundedPipelines logs a warning when the client does not apply a
+// pipeline's deadline to its connection (ContextTimeoutEnabled unset) and
+// its ReadTimeout is longer than PipelineTimeout: a Redis that stops
+// answering then holds each pipeline, and its slot in the batcher, for the
+// ReadTimeout.
+func (s *RedisStore) warnUnboundedPipelines() {
+	var ctxTimeout bool
+	var read time.Duration
+	switch c := s.client.(type) {
+	case *redis.Client:
+		o := c.Options()
+		ctxTimeout, read = o.ContextTimeoutEnabled, o.ReadTimeout
+	case *redis.ClusterClient:
+		o := c.Options()
+		ctxTimeout, read = o.ContextTimeoutEnabled, o.ReadTimeout
+	default:
+		return
+	}
+	if ctxTimeout || (read > 0 && read <= s.cfg.PipelineTimeout) {
+		return
+	}
+	bound := "no bound (ReadTimeout is off)"
+	if read > 0 {
+		bound = read.String()
+	}
+	s.log.Warn("the Redis client does not apply PipelineTimeout to its connections (ContextTimeoutEnabled is off): a Redis that stops answering holds each pipeline for the client's ReadTimeout; set ContextTimeoutEnabled",
+		zap.Duration("pipeline_timeout", s.cfg.PipelineTimeout), zap.String("read_timeout", bound))
 }
 
 // Load loads the script into every master (SCRIPT LOAD), so the first

@@ -134,6 +134,10 @@ func (c RedisConn) Client() (redis.UniversalClient, error) {
 		SentinelPassword: c.SentinelPassword,
 		PoolSize:         c.PoolSize,
 		DialTimeout:      c.DialTimeout,
+		// The store's pipelines carry a deadline (PipelineTimeout); go-redis
+		// applies it to the connection only with this set, else a Redis that
+		// stops answering holds each pipeline for ReadTimeout (5 s).
+		ContextTimeoutEnabled: true,
 	}
 	if c.TLS {
 		t := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: c.ServerName}

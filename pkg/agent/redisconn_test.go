@@ -363,3 +363,37 @@ func TestRedisPoolMetrics(t *testing.T) {
 		t.Fatal("allot_redis_pool_timeouts_total{pool=main} not served")
 	}
 }
+
+// TestRedisConnBoundsPipelines: every kind of client the agent makes
+// applies a call's deadline to its connection (ContextTimeoutEnabled), so
+// the store's PipelineTimeout bounds a round trip to a Redis that stops
+// answering.
+func TestRedisConnBoundsPipelines(t *testing.T) {
+	for _, edit := range []func(*agent.RedisConn){
+		func(c *agent.RedisConn) {},
+		func(c *agent.RedisConn) { c.Mode, c.Addrs = agent.RedisCluster, []string{"127.0.0.1:1", "127.0.0.1:2"} },
+		func(c *agent.RedisConn) {
+			c.Mode, c.Addrs, c.MasterName = agent.RedisSentinel, []string{"127.0.0.1:1"}, "allot"
+		},
+	} {
+		conn := agent.DefaultRedisConn()
+		edit(&conn)
+		c, err := conn.Client()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var on bool
+		switch c := c.(type) {
+		case *redis.Client:
+			on = c.Options().ContextTimeoutEnabled
+		case *redis.ClusterClient:
+			on = c.Options().ContextTimeoutEnabled
+		default:
+			t.Errorf("%s: a %T", conn.Mode, c)
+		}
+		if !on {
+			t.Errorf("%s: ContextTimeoutEnabled is off", conn.Mode)
+		}
+		c.Close()
+	}
+}
