@@ -44,6 +44,8 @@ Modes (-mode, comma-separated; "all" runs them in this order):
   sdk3            the SDK with 3 rules per decision (tenant, user, route)
   paced           the SDK paced at -rate, or at half of sdk's rate: quote its p99
   paced-raw       the control: (a)'s calls at the paced rate, without the SDK
+  paced3          the SDK with 3 rules at the paced rate (not in "all"): what
+                  the two extra rules cost a caller in latency at one load
                   (-sweep F,F,...: both paced modes at each fraction of sdk's rate)
 
 With -suite agent, the region agent's APIs beside the raw ceiling:
@@ -78,7 +80,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		fmt.Fprint(stderr, usage)
 		fs.PrintDefaults()
 	}
-	mode := fs.String("mode", "all", "modes to run: all, or a comma-separated list of "+strings.Join(bench.Modes(), ", ")+" (-suite agent: "+strings.Join(bench.AgentModes(), ", ")+")")
+	mode := fs.String("mode", "all", "modes to run: all, or a comma-separated list of "+strings.Join(bench.Modes(), ", ")+", paced3 (-suite agent: "+strings.Join(bench.AgentModes(), ", ")+")")
 	addr := fs.String("redis", "", `Redis address host:port; "" starts a private redis-server`)
 	fs.IntVar(&cfg.Workers, "workers", cfg.Workers, "concurrent callers")
 	fs.IntVar(&cfg.Keys, "keys", cfg.Keys, "distinct counters the requests spread over")

@@ -32,6 +32,9 @@ import (
 //	paced-raw       the script through go-redis, one EVALSHA per decision, at
 //	                the paced mode's rate: the same load without the SDK, the
 //	                control for the paced tail
+//	paced3          the SDK with 3 rules at the paced mode's rate: what the
+//	                two extra rules cost a caller in latency at one load
+//	                (not in "all")
 //
 // Every mode reports Redis CPU microseconds per decision from INFO
 // commandstats (the script's usec per call) and INFO cpu (the whole server,
@@ -41,12 +44,15 @@ import (
 // Modes lists the suite's modes in the order "all" runs them.
 func Modes() []string { return []string{"raw", "pipelined", "sdk", "sdk3", "paced", "paced-raw"} }
 
+// knownModes are the modes a list may name: Modes() and paced3.
+func knownModes() []string { return append(Modes(), "paced3") }
+
 // rawModes are the modes that send prepared script calls themselves.
 var rawModes = []string{"raw", "pipelined", "paced-raw"}
 
 // SuiteConfig configures the admission suite.
 type SuiteConfig struct {
-	// Modes to run, from Modes(); "paced" and "paced-raw" without a Rate
+	// Modes to run, from Modes() and paced3; the paced modes without a Rate
 	// need "sdk" first.
 	Modes []string
 	// Workers is the number of concurrent callers.
@@ -101,7 +107,7 @@ func checkModesAndKeys(modes, known []string, keys int) []error {
 
 // Validate says what is wrong with c, or returns nil.
 func (c SuiteConfig) Validate() error {
-	errs := checkModesAndKeys(c.Modes, Modes(), c.Keys)
+	errs := checkModesAndKeys(c.Modes, knownModes(), c.Keys)
 	if c.Pipeline < 1 || c.Pipeline > 1024 {
 		errs = append(errs, fmt.Errorf("Pipeline must be in [1, 1024], got %d", c.Pipeline))
 	}
@@ -329,6 +335,12 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 			}
 			c.Name = fmt.Sprintf("(b) sdk paced at %.0f/s", c.Rate)
 			target = decide(engines["1"])
+		case "paced3":
+			if c.Rate, err = pacedRate(step.fraction); err != nil {
+				return figures, err
+			}
+			c.Name = fmt.Sprintf("(b) sdk, 3 rules, paced at %.0f/s", c.Rate)
+			target = decide(engines["3"])
 		}
 		f, err := measure(ctx, client, c, target)
 		if err != nil {
@@ -389,7 +401,7 @@ type sweepStep struct {
 func sweepSteps(modes []string, fractions []float64) []sweepStep {
 	var steps, paced []sweepStep
 	for _, m := range modes {
-		if len(fractions) > 0 && (m == "paced" || m == "paced-raw") {
+		if len(fractions) > 0 && (m == "paced" || m == "paced-raw" || m == "paced3") {
 			paced = append(paced, sweepStep{m, 0.5})
 			continue
 		}
@@ -633,6 +645,8 @@ func Summarize(out io.Writer, figs []Figure) {
 		case f.Name == "(b) sdk, 3 rules":
 			by["sdk3"] = f
 			threes = append(threes, f)
+		case strings.HasPrefix(f.Name, "(b) sdk, 3 rules, paced"):
+			by["paced3"] = f
 		case strings.HasPrefix(f.Name, "(b) sdk paced"):
 			by["paced"] = f
 			paced = append(paced, f)
@@ -657,6 +671,15 @@ func Summarize(out io.Writer, figs []Figure) {
 	if p, ok := by["paced"]; ok {
 		fmt.Fprintf(out, "  paced p99: %s from the scheduled start, %s from arrival (the generator's timer lag, p99 %s, left out) (target < 2ms)\n",
 			round(p.P99), round(p.Arrival.P99), round(p.Lag.P99))
+		if p3, ok := by["paced3"]; ok && p.P50 > 0 && p.P99 > 0 && p3.Rate == p.Rate {
+			behind := ""
+			if p3.PerSecond < 0.95*p3.Rate {
+				behind = fmt.Sprintf(" (3 rules did not keep up: %.0f of %.0f/s)", p3.PerSecond, p3.Rate)
+			}
+			fmt.Fprintf(out, "  3 rules vs 1 at %.0f/s: p50 %s vs %s (x%.2f), p99 %s vs %s (x%.2f); cpu of this process and the server %.1f vs %.1f us (x%.2f)%s\n",
+				p.Rate, round(p3.P50), round(p.P50), float64(p3.P50)/float64(p.P50), round(p3.P99), round(p.P99), float64(p3.P99)/float64(p.P99),
+				p3.ProcessUsec+p3.ServerUsec, p.ProcessUsec+p.ServerUsec, (p3.ProcessUsec+p3.ServerUsec)/(p.ProcessUsec+p.ServerUsec), behind)
+		}
 	}
 	if r, ok := by["paced-raw"]; ok {
 		fmt.Fprintf(out, "  the same load without the SDK (go-redis, 1 EVALSHA per decision): p50 %s, p99 %s from the scheduled start, %s from arrival; redis server %.2f us, this process %.1f us per decision\n",

@@ -122,3 +122,27 @@ func runSmallSuite(t *testing.T, edit func(*SuiteConfig)) ([]Figure, string) {
 	}
 	return figs, out.String()
 }
+
+// TestAdmissionSuitePaced3: paced3 decides 3 rules at the paced mode's
+// rate, and the summary compares the two at that rate.
+func TestAdmissionSuitePaced3(t *testing.T) {
+	figs, out := runSmallSuite(t, func(cfg *SuiteConfig) {
+		cfg.Modes = []string{"sdk", "paced", "paced3"}
+		cfg.Requests, cfg.Duration = 1000, 2*time.Second
+	})
+	if len(figs) != 3 {
+		t.Fatalf("%d figures, want 3\n%s", len(figs), out)
+	}
+	paced, paced3 := figs[1], figs[2]
+	if want := fmt.Sprintf("(b) sdk, 3 rules, paced at %.0f/s", paced.Rate); paced3.Name != want || paced3.Rate != paced.Rate {
+		t.Errorf("paced3 is %q at %v/s; want %q", paced3.Name, paced3.Rate, want)
+	}
+	if paced3.Calls == 0 || paced3.Errors != 0 {
+		t.Errorf("paced3: %d calls, %d errors", paced3.Calls, paced3.Errors)
+	}
+	var sum strings.Builder
+	Summarize(&sum, figs)
+	if want := fmt.Sprintf("3 rules vs 1 at %.0f/s: p50 ", paced.Rate); !strings.Contains(sum.String(), want) {
+		t.Errorf("summary lacks %q:\n%s", want, sum.String())
+	}
+}
