@@ -217,7 +217,7 @@ if op == 'd' or op == 'r' then
   local member = ARGV[4]
   local n = tonumber(ARGV[6])
   local ns = tonumber(ARGV[7])
-  local rules = ARGV[8]
+  local rules = ARGV[8] or ''
   if #rules ~= n * 38 then return redis.error_reply('allot: rules argument of ' .. #rules .. ' bytes for ' .. n .. ' rules') end
   local at = 1 -- where the next rule starts in rules
   -- The string-state keys (buckets and windows) come first, after the
