@@ -53,7 +53,20 @@ func validKey(k string) bool {
 	return true
 }
 
+// printable reports whether s is valid UTF-8 of printable characters (and
+// spaces). Descriptor values are almost always ASCII: those are checked a
+// byte at a time, without decoding.
 func printable(s string) bool {
+	ascii := true
+	for i := 0; i < len(s); i++ {
+		if b := s[i]; b < 0x20 || b > 0x7e {
+			ascii = false
+			break
+		}
+	}
+	if ascii {
+		return true
+	}
 	if !utf8.ValidString(s) {
 		return false
 	}
