@@ -3,7 +3,6 @@ package admission_test
 import (
 	"bytes"
 	"context"
-	"io"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -70,12 +69,18 @@ func (d *replyDropper) serve(down net.Conn) {
 	defer up.Close()
 	var eval atomic.Bool // this connection sent an EVALSHA
 	go func() {
+		mark := []byte("$7\r\nevalsha\r\n")
 		buf := make([]byte, 64<<10)
+		var seen []byte // the last bytes sent, so that a mark split across reads is found
 		for {
 			n, err := down.Read(buf)
 			if n > 0 {
-				if bytes.Contains(bytes.ToLower(buf[:n]), []byte("$7\r\nevalsha\r\n")) {
+				seen = append(seen, bytes.ToLower(buf[:n])...)
+				if bytes.Contains(seen, mark) {
 					eval.Store(true)
+				}
+				if len(seen) > len(mark) {
+					seen = append(seen[:0], seen[len(seen)-len(mark):]...)
 				}
 				if _, werr := up.Write(buf[:n]); werr != nil {
 					return
@@ -99,9 +104,6 @@ func (d *replyDropper) serve(down net.Conn) {
 			}
 		}
 		if err != nil {
-			if err != io.EOF {
-				return
-			}
 			return
 		}
 	}
