@@ -64,9 +64,11 @@ func printable(s string) bool {
 			break
 		}
 	}
-	if ascii {
-		return true
-	}
+	return ascii || printableRunes(s)
+}
+
+// printableRunes is printable's definition, decoding every rune.
+func printableRunes(s string) bool {
 	if !utf8.ValidString(s) {
 		return false
 	}
