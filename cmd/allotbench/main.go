@@ -44,9 +44,9 @@ Modes (-mode, comma-separated; "all" runs them in this order):
   sdk3            the SDK with 3 rules per decision (tenant, user, route)
   paced           the SDK paced at -rate, or at half of sdk's rate: quote its p99
   paced-raw       the control: (a)'s calls at the paced rate, without the SDK
+                  (-sweep F,F,...: the paced modes at each fraction of sdk's rate)
   paced3          the SDK with 3 rules at the paced rate (not in "all"): what
                   the two extra rules cost a caller in latency at one load
-                  (-sweep F,F,...: both paced modes at each fraction of sdk's rate)
 
 With -suite agent, the region agent's APIs beside the raw ceiling:
   raw           (a)  as above

@@ -329,18 +329,16 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 		case "sdk3":
 			c.Name = "(b) sdk, 3 rules"
 			target = decide(engines["3"])
-		case "paced":
+		case "paced", "paced3":
 			if c.Rate, err = pacedRate(step.fraction); err != nil {
 				return figures, err
 			}
 			c.Name = fmt.Sprintf("(b) sdk paced at %.0f/s", c.Rate)
 			target = decide(engines["1"])
-		case "paced3":
-			if c.Rate, err = pacedRate(step.fraction); err != nil {
-				return figures, err
+			if mode == "paced3" {
+				c.Name = fmt.Sprintf("(b) sdk, 3 rules, paced at %.0f/s", c.Rate)
+				target = decide(engines["3"])
 			}
-			c.Name = fmt.Sprintf("(b) sdk, 3 rules, paced at %.0f/s", c.Rate)
-			target = decide(engines["3"])
 		}
 		f, err := measure(ctx, client, c, target)
 		if err != nil {
@@ -571,8 +569,9 @@ func scriptStats(ctx context.Context, client redis.UniversalClient) (calls, usec
 	return calls, usec, nil
 }
 
-// ruleRatios is one comparison of a 3-rule run with a 1-rule run.
-type ruleRatios struct{ time, script, server, total float64 }
+// ruleRatios is one comparison of a 3-rule run with a 1-rule run: time per
+// decision, script CPU, server CPU, and this process's CPU plus the server's.
+type ruleRatios [4]float64
 
 // summarizeRules compares the 3-rule runs with the 1-rule runs, pair by
 // pair in the order they ran (-mode sdk,sdk3,sdk,sdk3,...: each pair ran
@@ -586,10 +585,10 @@ func summarizeRules(out io.Writer, ones, threes []Figure) {
 			continue
 		}
 		rs = append(rs, ruleRatios{
-			time:   one.PerSecond / three.PerSecond,
-			script: three.ScriptUsec / one.ScriptUsec,
-			server: three.ServerUsec / one.ServerUsec,
-			total:  (three.ProcessUsec + three.ServerUsec) / (one.ProcessUsec + one.ServerUsec),
+			one.PerSecond / three.PerSecond,
+			three.ScriptUsec / one.ScriptUsec,
+			three.ServerUsec / one.ServerUsec,
+			(three.ProcessUsec + three.ServerUsec) / (one.ProcessUsec + one.ServerUsec),
 		})
 	}
 	const line = "  3 rules vs 1%s: time per decision x%.2f, script cpu x%.2f, server cpu x%.2f, cpu of this process and the server x%.2f (target < 1.5)\n"
@@ -598,19 +597,18 @@ func summarizeRules(out io.Writer, ones, threes []Figure) {
 		if len(rs) > 1 {
 			label = fmt.Sprintf(", pair %d", i+1)
 		}
-		fmt.Fprintf(out, line, label, r.time, r.script, r.server, r.total)
+		fmt.Fprintf(out, line, label, r[0], r[1], r[2], r[3])
 	}
 	if len(rs) > 1 {
-		med := func(f func(ruleRatios) float64) float64 {
+		var med ruleRatios
+		for k := range med {
 			v := make([]float64, len(rs))
 			for i, r := range rs {
-				v[i] = f(r)
+				v[i] = r[k]
 			}
-			return median(v)
+			med[k] = median(v)
 		}
-		fmt.Fprintf(out, line, fmt.Sprintf(", median of %d pairs", len(rs)),
-			med(func(r ruleRatios) float64 { return r.time }), med(func(r ruleRatios) float64 { return r.script }),
-			med(func(r ruleRatios) float64 { return r.server }), med(func(r ruleRatios) float64 { return r.total }))
+		fmt.Fprintf(out, line, fmt.Sprintf(", median of %d pairs", len(rs)), med[0], med[1], med[2], med[3])
 	}
 }
 
@@ -643,7 +641,6 @@ func Summarize(out io.Writer, figs []Figure) {
 			by["sdk"] = f
 			ones = append(ones, f)
 		case f.Name == "(b) sdk, 3 rules":
-			by["sdk3"] = f
 			threes = append(threes, f)
 		case strings.HasPrefix(f.Name, "(b) sdk, 3 rules, paced"):
 			by["paced3"] = f
