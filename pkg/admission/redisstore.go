@@ -322,23 +322,7 @@ func (s *RedisStore) exec(batch []*op) {
 	// size, rather than grown call by call (Exec leaves it nil).
 	_ = pipe.BatchProcess(ctx, cmds...)
 	_, _ = pipe.Exec(ctx) // each command carries its own error
-	var again []int
-	for i := range calls {
-		if isNoScript(calls[i].cmd.Err()) {
-			again = append(again, i)
-		}
-	}
-	if len(again) > 0 {
-		s.log.Debug("reloading script", zap.Int("calls", len(again)))
-		pipe := s.client.Pipeline()
-		for _, i := range again {
-			c := &calls[i]
-			c.args[0], c.args[1] = "eval", scriptSource
-			c.cmd = evalCmd(ctx, c.args)
-			_ = pipe.Process(ctx, onceCmd{c.cmd})
-		}
-		_, _ = pipe.Exec(ctx)
-	}
+	s.resend(ctx, calls)
 	for i, o := range batch {
 		c := &calls[i]
 		o.err = parseReply(c.cmd, o)
@@ -359,6 +343,58 @@ func (s *RedisStore) exec(batch []*op) {
 	clear(cmds)
 	buf.calls, buf.cmds = calls[:0], cmds[:0]
 	s.bufs.Put(buf)
+}
+
+// maxResends is how many times a call Redis refused unrun is sent again:
+// three attempts in all, go-redis's own default (Options.MaxRetries).
+const maxResends = 2
+
+// resend sends again, as EVAL with the script's source, the calls Redis
+// refused before the script wrote anything, so that sending them again
+// cannot debit twice:
+//   - NOSCRIPT: the node lost its script cache (a restart, a failover,
+//     SCRIPT FLUSH); EVAL loads the script as it runs it.
+//   - READONLY: the node is a replica now (a failover demoted it). A
+//     replica refuses every write, so the script's first write failed and
+//     none came before it. go-redis closed the connection (its first reply
+//     was the error), so the call goes out on a new one, which a Sentinel
+//     client, or a DNS name that follows the primary, points at the new
+//     primary; a call that meets another stale connection is sent again,
+//     up to maxResends times within the pipeline's deadline.
+//
+// Any other error stands: the script may have run, and the rules' fail
+// modes decide (see onceCmd).
+func (s *RedisStore) resend(ctx context.Context, calls []pipelined) {
+	var again []int
+	for round := 0; round < maxResends; round++ {
+		again = again[:0]
+		readonly := 0
+		for i := range calls {
+			switch err := calls[i].cmd.Err(); {
+			case isNoScript(err):
+				again = append(again, i)
+			case isReadOnly(err):
+				again = append(again, i)
+				readonly++
+			}
+		}
+		if len(again) == 0 || ctx.Err() != nil {
+			return
+		}
+		if readonly > 0 {
+			s.log.Info("a Redis node refused writes (READONLY), sending the calls again on a new connection", zap.Int("calls", len(again)), zap.Int("attempt", round+2))
+		} else {
+			s.log.Debug("reloading script", zap.Int("calls", len(again)))
+		}
+		pipe := s.client.Pipeline()
+		for _, i := range again {
+			c := &calls[i]
+			c.args[0], c.args[1] = "eval", scriptSource
+			c.cmd = evalCmd(ctx, c.args)
+			_ = pipe.Process(ctx, onceCmd{c.cmd})
+		}
+		_, _ = pipe.Exec(ctx)
+	}
 }
 
 // onceCmd is a script call that go-redis must not retry. A pipeline that
@@ -449,6 +485,10 @@ func evalCmd(ctx context.Context, args []any) *redis.Cmd {
 
 func isNoScript(err error) bool {
 	return err != nil && redis.HasErrorPrefix(err, "NOSCRIPT")
+}
+
+func isReadOnly(err error) bool {
+	return err != nil && redis.HasErrorPrefix(err, "READONLY")
 }
 
 // parseReply fills o from the script's reply: a packed string for a
