@@ -1,6 +1,10 @@
 package admission
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
 
 // UseStoreClock makes e pass its own clock to the store instead of letting
 // the store read Redis TIME, so that one fake clock drives every backend in
@@ -48,3 +52,7 @@ func NegCacheEntries(c *negCache) int { return len(c.entries) }
 // MetricsOf returns e's Prometheus collector, which production engines
 // register with WithRegisterer.
 func MetricsOf(e *Engine) prometheus.Collector { return &collector{e: e} }
+
+// WithResendPause sets the pause before a refused call is sent again (see
+// RedisStore.resend), so that a test can change Redis's state meanwhile.
+func WithResendPause(d time.Duration) RedisOption { return func(s *RedisStore) { s.pause = d } }

@@ -86,13 +86,13 @@ func memoryBackend() backend {
 	}
 }
 
-func redisBackend(name string, client func(t *testing.T) redis.UniversalClient) backend {
+func redisBackend(name string, client func(t *testing.T) redis.UniversalClient, opts ...admission.RedisOption) backend {
 	return backend{
 		name:  name,
 		redis: client,
 		store: func(t *testing.T, _ admission.Clock) (admission.Store, func(string) []string) {
 			c := client(t)
-			s, err := admission.NewRedisStore(c, admission.DefaultRedisConfig())
+			s, err := admission.NewRedisStore(c, admission.DefaultRedisConfig(), opts...)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -55,24 +55,42 @@ func newDemotedPrimary(t *testing.T) *demotedPrimary {
 	return f
 }
 
-// scriptCalls returns how many EVALSHA and EVAL calls s has run (or refused).
-func scriptCalls(t *testing.T, s *redistest.Server) (evalsha, eval int64) {
+// cmdStat returns one figure of s's INFO commandstats for cmd ("calls",
+// "rejected_calls", ...); 0 when cmd has not been called.
+func cmdStat(t *testing.T, s *redistest.Server, cmd, field string) int64 {
 	t.Helper()
+	n, err := commandStat(s, cmd, field)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// commandStat is cmdStat without a *testing.T, for helper goroutines.
+func commandStat(s *redistest.Server, cmd, field string) (int64, error) {
 	c := s.Client()
 	defer c.Close()
 	info, err := c.Info(context.Background(), "commandstats").Result()
 	if err != nil {
-		t.Fatal(err)
+		return 0, err
 	}
-	calls := func(cmd string) int64 {
-		_, rest, ok := strings.Cut(info, "cmdstat_"+cmd+":calls=")
-		if !ok {
-			return 0
+	_, line, ok := strings.Cut(info, "cmdstat_"+cmd+":")
+	if !ok {
+		return 0, nil
+	}
+	line, _, _ = strings.Cut(line, "\r\n")
+	for _, kv := range strings.Split(line, ",") {
+		if k, v, _ := strings.Cut(kv, "="); k == field {
+			return strconv.ParseInt(v, 10, 64)
 		}
-		n, _ := strconv.ParseInt(rest[:strings.IndexByte(rest, ',')], 10, 64)
-		return n
 	}
-	return calls("evalsha"), calls("eval")
+	return 0, nil
+}
+
+// scriptCalls returns how many EVALSHA and EVAL calls s has run.
+func scriptCalls(t *testing.T, s *redistest.Server) (evalsha, eval int64) {
+	t.Helper()
+	return cmdStat(t, s, "evalsha", "calls"), cmdStat(t, s, "eval", "calls")
 }
 
 func (f *demotedPrimary) backend() backend {

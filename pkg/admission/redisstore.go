@@ -121,11 +121,12 @@ type RedisStore struct {
 	cfg    RedisConfig
 	log    *zap.Logger
 	b      *batcher
-	timers sync.Pool // of stopped *time.Timer, for call timeouts
-	cmds   sync.Pool // of *[]any: EVALSHA argument lists, reused once parsed
-	bufs   sync.Pool // of *pipelineBuf: a pipeline's calls, reused once parsed
-	pipes  sync.Pool // of redis.Pipeliner after Exec (which empties them): reused
-	dones  sync.Pool // of op.done channels that were received from: empty
+	timers sync.Pool     // of stopped *time.Timer, for call timeouts
+	cmds   sync.Pool     // of *[]any: EVALSHA argument lists, reused once parsed
+	bufs   sync.Pool     // of *pipelineBuf: a pipeline's calls, reused once parsed
+	pipes  sync.Pool     // of redis.Pipeliner after Exec (which empties them): reused
+	dones  sync.Pool     // of op.done channels that were received from: empty
+	pause  time.Duration // before a resend of a call refused for a passing state; see resend
 
 	// reuse is set when commands may be reused (see reusable): not for a
 	// Cluster client. evals[n] holds reusable commands of n arguments.
@@ -160,7 +161,7 @@ func NewRedisStore(client redis.UniversalClient, cfg RedisConfig, opts ...RedisO
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	s := &RedisStore{client: client, sha: ScriptSHA(), cfg: cfg, log: zap.NewNop()}
+	s := &RedisStore{client: client, sha: ScriptSHA(), cfg: cfg, log: zap.NewNop(), pause: resendPause}
 	s.shaArg = s.sha
 	_, cluster := client.(*redis.ClusterClient)
 	s.reuse = !cluster
@@ -349,42 +350,91 @@ func (s *RedisStore) exec(batch []*op) {
 // three attempts in all, go-redis's own default (Options.MaxRetries).
 const maxResends = 2
 
-// resend sends again, as EVAL with the script's source, the calls Redis
-// refused before the script wrote anything, so that sending them again
-// cannot debit twice:
+// resendPause is the pause before the first resend of a call refused for a
+// passing state (TRYAGAIN, LOADING, CLUSTERDOWN, MASTERDOWN), doubled for
+// the next; go-redis's retries wait 8 ms and more (MinRetryBackoff).
+const resendPause = 10 * time.Millisecond
+
+// A refusal is how Redis refused a call before running any of it.
+type refusal int
+
+const (
+	notRefused refusal = iota // answered, or failed in a way the script may have run
+	refusedNow                // worth sending again at once
+	refusedFor                // refused for a passing state: sent again after a pause
+)
+
+// refusalOf classifies a call's error. Sending a refused call again cannot
+// debit twice, because nothing of it ran:
 //   - NOSCRIPT: the node lost its script cache (a restart, a failover,
-//     SCRIPT FLUSH); EVAL loads the script as it runs it.
+//     SCRIPT FLUSH); the call goes again as EVAL, which loads the script.
 //   - READONLY: the node is a replica now (a failover demoted it). A
 //     replica refuses every write, so the script's first write failed and
-//     none came before it. go-redis closed the connection (its first reply
-//     was the error), so the call goes out on a new one, which a Sentinel
-//     client, or a DNS name that follows the primary, points at the new
-//     primary; a call that meets another stale connection is sent again,
-//     up to maxResends times within the pipeline's deadline.
+//     none came before it. go-redis closed the connection (the pipeline's
+//     first reply was the error), so the call goes out on a new one, which
+//     a Sentinel client, or a DNS name that follows the primary, points at
+//     the new primary.
+//   - TRYAGAIN (a Redis Cluster slot half moved: some of the call's keys
+//     left for another node), LOADING (a restarted node reading its data),
+//     CLUSTERDOWN and MASTERDOWN: refused before the command ran, until a
+//     state passes.
 //
 // Any other error stands: the script may have run, and the rules' fail
 // modes decide (see onceCmd).
+func refusalOf(err error) refusal {
+	switch {
+	case err == nil:
+		return notRefused
+	case isNoScript(err), isReadOnly(err):
+		return refusedNow
+	case redis.HasErrorPrefix(err, "TRYAGAIN"), redis.HasErrorPrefix(err, "LOADING"),
+		redis.HasErrorPrefix(err, "CLUSTERDOWN"), redis.HasErrorPrefix(err, "MASTERDOWN"):
+		return refusedFor
+	}
+	return notRefused
+}
+
+// resend sends again, as EVAL with the script's source, the calls Redis
+// refused before running them (refusalOf), up to maxResends times within the
+// pipeline's deadline, pausing first (s.pause, doubled each time) when one
+// was refused for a passing state.
 func (s *RedisStore) resend(ctx context.Context, calls []pipelined) {
 	var again []int
+	pause := s.pause
 	for round := 0; round < maxResends; round++ {
 		again = again[:0]
-		readonly := 0
+		var wait bool
+		var first error
 		for i := range calls {
-			switch err := calls[i].cmd.Err(); {
-			case isNoScript(err):
-				again = append(again, i)
-			case isReadOnly(err):
-				again = append(again, i)
-				readonly++
+			err := calls[i].cmd.Err()
+			switch refusalOf(err) {
+			case notRefused:
+				continue
+			case refusedFor:
+				wait = true
 			}
+			if first == nil {
+				first = err
+			}
+			again = append(again, i)
 		}
 		if len(again) == 0 || ctx.Err() != nil {
 			return
 		}
-		if readonly > 0 {
-			s.log.Info("a Redis node refused writes (READONLY), sending the calls again on a new connection", zap.Int("calls", len(again)), zap.Int("attempt", round+2))
-		} else {
+		if isNoScript(first) {
 			s.log.Debug("reloading script", zap.Int("calls", len(again)))
+		} else {
+			s.log.Info("Redis refused calls before running them; sending them again", zap.Int("calls", len(again)), zap.Int("attempt", round+2), zap.Error(first))
+		}
+		if wait {
+			t := time.NewTimer(pause)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return
+			case <-t.C:
+			}
+			pause *= 2
 		}
 		pipe := s.client.Pipeline()
 		for _, i := range again {
