@@ -323,22 +323,16 @@ func (s *RedisStore) exec(batch []*op) {
 	// size, rather than grown call by call (Exec leaves it nil).
 	_ = pipe.BatchProcess(ctx, cmds...)
 	_, _ = pipe.Exec(ctx) // each command carries its own error
-	s.resend(ctx, calls)
+	refused := false
 	for i, o := range batch {
-		c := &calls[i]
-		o.err = parseReply(c.cmd, o)
-		// Drop the references (pointers into o among them) before o is
-		// finished and may be reused, and before the list is.
-		clear(c.args)
-		*c.buf = c.args[:0]
-		s.cmds.Put(c.buf)
-		if r := c.re; r != nil {
-			clear(r.args)
-			r.cmd.SetVal(nil)
-			r.cmd.SetErr(nil)
-			s.evals[len(r.args)].Put(r)
+		if refusalOf(calls[i].cmd.Err()) == notRefused {
+			s.settle(o, &calls[i])
+		} else {
+			refused = true
 		}
-		o.finish()
+	}
+	if refused {
+		s.resend(ctx, batch, calls)
 	}
 	clear(calls)
 	clear(cmds)
@@ -394,23 +388,32 @@ func refusalOf(err error) refusal {
 	return notRefused
 }
 
-// resend sends again, as EVAL with the script's source, the calls Redis
-// refused before running them (refusalOf), up to maxResends times within the
-// pipeline's deadline, pausing first (s.pause, doubled each time) when one
-// was refused for a passing state.
-func (s *RedisStore) resend(ctx context.Context, calls []pipelined) {
+// resend sends again, as EVAL with the script's source, the calls of batch
+// Redis refused before running them (refusalOf), up to maxResends times
+// within the pipeline's deadline, pausing first (s.pause, doubled each time)
+// when one was refused for a passing state. The calls that were answered
+// are settled already, so a pause delays only the refused ones; each
+// refused call is settled once answered, or with its refusal when the
+// resends or the deadline run out.
+func (s *RedisStore) resend(ctx context.Context, batch []*op, calls []pipelined) {
 	var again []int
 	pause := s.pause
-	for round := 0; round < maxResends; round++ {
+	for round := 0; ; round++ {
 		again = again[:0]
 		var wait bool
 		var first error
 		for i := range calls {
-			err := calls[i].cmd.Err()
-			switch refusalOf(err) {
-			case notRefused:
+			c := &calls[i]
+			if c.buf == nil {
+				continue // settled
+			}
+			err := c.cmd.Err()
+			r := refusalOf(err)
+			if r == notRefused || round == maxResends || ctx.Err() != nil {
+				s.settle(batch[i], c)
 				continue
-			case refusedFor:
+			}
+			if r == refusedFor {
 				wait = true
 			}
 			if first == nil {
@@ -418,7 +421,7 @@ func (s *RedisStore) resend(ctx context.Context, calls []pipelined) {
 			}
 			again = append(again, i)
 		}
-		if len(again) == 0 || ctx.Err() != nil {
+		if len(again) == 0 {
 			return
 		}
 		if isNoScript(first) {
@@ -431,7 +434,7 @@ func (s *RedisStore) resend(ctx context.Context, calls []pipelined) {
 			select {
 			case <-ctx.Done():
 				t.Stop()
-				return
+				continue // settles them with their refusals
 			case <-t.C:
 			}
 			pause *= 2
@@ -445,6 +448,25 @@ func (s *RedisStore) resend(ctx context.Context, calls []pipelined) {
 		}
 		_, _ = pipe.Exec(ctx)
 	}
+}
+
+// settle parses c's reply into o, gives c's argument list and reused
+// command back, and finishes o. c.buf is nil afterwards.
+func (s *RedisStore) settle(o *op, c *pipelined) {
+	o.err = parseReply(c.cmd, o)
+	// Drop the references (pointers into o among them) before o is
+	// finished and may be reused, and before the list is.
+	clear(c.args)
+	*c.buf = c.args[:0]
+	s.cmds.Put(c.buf)
+	c.buf = nil
+	if r := c.re; r != nil {
+		clear(r.args)
+		r.cmd.SetVal(nil)
+		r.cmd.SetErr(nil)
+		s.evals[len(r.args)].Put(r)
+	}
+	o.finish()
 }
 
 // onceCmd is a script call that go-redis must not retry. A pipeline that
