@@ -85,7 +85,9 @@
 //
 //  1. Create a store: NewMemoryStore, or NewRedisStore on a go-redis client
 //     (with ContextTimeoutEnabled, so that RedisConfig.PipelineTimeout bounds
-//     a round trip; the store never lets go-redis retry a script call).
+//     a round trip; the store never lets go-redis retry a script call, and
+//     sends a call again itself only when Redis refused it before running
+//     it: NOSCRIPT, READONLY, TRYAGAIN, LOADING, CLUSTERDOWN, MASTERDOWN).
 //  2. Create the engine from a parsed policy and its version: New.
 //  3. For each request, build descriptors from verified claims (never from
 //     client headers) and call Decide. Allow: forward, and Release the
