@@ -129,7 +129,9 @@ func TestReadOnlyIsSentAgain(t *testing.T) {
 	if st := h.e.Stats(); st.StoreErrors != 0 || st.FailClosed != 0 {
 		t.Errorf("stats %+v: want no store error and no fail-mode decision", st)
 	}
-	if keys := scanKeys(t, f.primary.Client(), h.ns+":*"); len(keys) != 1 {
+	pc := f.primary.Client()
+	defer pc.Close()
+	if keys := scanKeys(t, pc, h.ns+":*"); len(keys) != 1 {
 		t.Errorf("the new primary holds %v; want the tenant's one window", keys)
 	}
 }
