@@ -16,6 +16,9 @@
 //  3. Use [Server.Pause] (SIGSTOP) and [Server.Resume] (SIGCONT) to make a
 //     server hang without closing its connections, the failure a timeout and a
 //     circuit breaker must handle.
+//  4. Use [Cluster.StartMove] to catch a cluster slot halfway through a move
+//     between two masters (a command on its keys, some moved and some not,
+//     gets TRYAGAIN), and [SlotMove.Finish] to complete it.
 //
 // The servers run with persistence off and are killed with the test process
 // on Linux (Pdeathsig), so a crashed test binary leaves no server behind.
