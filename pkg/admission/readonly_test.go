@@ -3,8 +3,6 @@ package admission_test
 import (
 	"context"
 	"net"
-	"strconv"
-	"strings"
 	"sync/atomic"
 	"testing"
 
@@ -55,36 +53,14 @@ func newDemotedPrimary(t *testing.T) *demotedPrimary {
 	return f
 }
 
-// cmdStat returns one figure of s's INFO commandstats for cmd ("calls",
-// "rejected_calls", ...); 0 when cmd has not been called.
+// cmdStat returns one figure of s's INFO commandstats for cmd.
 func cmdStat(t *testing.T, s *redistest.Server, cmd, field string) int64 {
 	t.Helper()
-	n, err := commandStat(s, cmd, field)
+	n, err := s.CommandStat(context.Background(), cmd, field)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return n
-}
-
-// commandStat is cmdStat without a *testing.T, for helper goroutines.
-func commandStat(s *redistest.Server, cmd, field string) (int64, error) {
-	c := s.Client()
-	defer c.Close()
-	info, err := c.Info(context.Background(), "commandstats").Result()
-	if err != nil {
-		return 0, err
-	}
-	_, line, ok := strings.Cut(info, "cmdstat_"+cmd+":")
-	if !ok {
-		return 0, nil
-	}
-	line, _, _ = strings.Cut(line, "\r\n")
-	for _, kv := range strings.Split(line, ",") {
-		if k, v, _ := strings.Cut(kv, "="); k == field {
-			return strconv.ParseInt(v, 10, 64)
-		}
-	}
-	return 0, nil
 }
 
 // scriptCalls returns how many EVALSHA and EVAL calls s has run.

@@ -59,7 +59,7 @@ func TestTryAgainIsSentAgain(t *testing.T) {
 			// After the first refusal, during the store's pause.
 			deadline := time.Now().Add(10 * time.Second)
 			for time.Now().Before(deadline) {
-				if n, _ := commandStat(m.Src, "evalsha", "rejected_calls"); n > 0 {
+				if n, _ := m.Src.CommandStat(context.Background(), "evalsha", "rejected_calls"); n > 0 {
 					break
 				}
 				time.Sleep(2 * time.Millisecond)
