@@ -1,6 +1,9 @@
 package admission
 
-import "testing"
+import (
+	"testing"
+	"time"
+)
 
 // TestBreaker walks the breaker through its states: closed, open after the
 // threshold, one probe after the cooldown, closed again on success, open
@@ -39,6 +42,38 @@ func TestBreaker(t *testing.T) {
 	}
 	b.done(214, false)
 	if ok, _ := b.allow(215); !ok || b.isOpen(215) || b.failures.Load() != 0 {
+		t.Fatal("a successful probe did not close the breaker")
+	}
+}
+
+// TestQuotingRetryTakesNoProbe: a fail-closed rule's 503 quotes when the
+// breaker will let a call through. Quoting it once the cooldown had passed
+// used to take the probe slot without making a call, and as no call ever
+// returned the slot, every later call was refused until the process
+// restarted (a probe whose caller gave up, then a fail-closed rule).
+func TestQuotingRetryTakesNoProbe(t *testing.T) {
+	e := &Engine{cfg: Config{UnavailableRetryAfter: 2 * time.Second}}
+	e.brk = breaker{threshold: 1, cooldown: int64(time.Second)}
+	e.brk.done(0, true) // open until 1 s
+	if got := e.unavailableRetry(int64(300 * time.Millisecond)); got != 1 {
+		t.Fatalf("open breaker: Retry-After %d, want 1 (the rest of the cooldown)", got)
+	}
+	if ok, _ := e.brk.allow(int64(time.Second)); !ok {
+		t.Fatal("no probe after the cooldown")
+	}
+	e.brk.abort() // the probe's caller gave up
+	mono := int64(time.Second + time.Millisecond)
+	if got := e.unavailableRetry(mono); got != 2 {
+		t.Fatalf("probe free: Retry-After %d, want the configured 2", got)
+	}
+	if ok, _ := e.brk.allow(mono); !ok {
+		t.Fatal("quoting a Retry-After took the probe: the breaker would stay shut")
+	}
+	if got := e.unavailableRetry(mono); got != 1 {
+		t.Fatalf("probe out: Retry-After %d, want 1 (a cooldown)", got)
+	}
+	e.brk.done(mono, false)
+	if e.brk.isOpen(mono) || e.brk.probeAt(mono) != 0 {
 		t.Fatal("a successful probe did not close the breaker")
 	}
 }

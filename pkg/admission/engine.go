@@ -678,7 +678,7 @@ func (e *Engine) failGroup(g *group, items []item, now time.Time, mono int64, co
 // unavailableRetry is the Retry-After of a 503: until the breaker lets a
 // probe through, or the configured default.
 func (e *Engine) unavailableRetry(mono int64) int64 {
-	if ok, at := e.brk.allow(mono); !ok && at > mono {
+	if at := e.brk.probeAt(mono); at > mono {
 		return retrySeconds(at, mono)
 	}
 	return ceilSeconds(e.cfg.UnavailableRetryAfter.Milliseconds())

@@ -41,6 +41,26 @@ func (b *breaker) allow(now int64) (bool, int64) {
 	return true, 0
 }
 
+// probeAt reports, changing nothing, when the breaker will let a call
+// through: 0 when it would at now (closed, or open with the probe free),
+// else the time to quote in a Retry-After. Unlike allow it never takes the
+// probe, so an answer that makes no call cannot keep the breaker shut.
+func (b *breaker) probeAt(now int64) int64 {
+	u := b.openUntil.Load()
+	if u == 0 {
+		return 0
+	}
+	if now < u {
+		return u
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.probing {
+		return now + b.cooldown
+	}
+	return 0
+}
+
 // done records the outcome of a call allowed at now.
 func (b *breaker) done(now int64, failed bool) {
 	if !failed {
