@@ -531,9 +531,11 @@ func (e *Engine) call(ctx context.Context, o *op, mono int64, timeout time.Durat
 		// failure nor a fail mode's engagement, and counted as neither.
 		e.m.storeCanceled.Add(1)
 		e.brk.abort()
-	case errors.Is(err, ErrOverloaded) || errors.Is(err, ErrClosed) || ctx.Err() != nil:
-		// Our own queue, our own shutdown or the caller's deadline passing
-		// first: not the store's fault, so the breaker does not count it.
+	case errors.Is(err, ErrOverloaded) || errors.Is(err, ErrClosed) || errors.Is(err, ErrStoreFull) || ctx.Err() != nil:
+		// Our own queue, our own shutdown, the caller's deadline passing
+		// first, or the embedded store refusing a new key at its cap (it
+		// still answers for the keys it holds): not the store failing, so
+		// the breaker does not count it and other tenants keep their store.
 		e.m.storeErrors.Add(1)
 		e.brk.abort()
 	default:

@@ -391,7 +391,8 @@ func TestMemoryStoreFull(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	for i := 0; i < 4; i++ {
+	full := cfg.BreakerFailures + 2 // tenants that find the store full
+	for i := 0; i < 2+full; i++ {
 		d, err := e.Decide(ctx, &admission.Request{Descriptors: entries("tenant", "t"+itoa(i))})
 		if err != nil || !d.Allowed() {
 			t.Fatalf("Decide: %v %v", d, err)
@@ -400,7 +401,16 @@ func TestMemoryStoreFull(t *testing.T) {
 	if store.Len() > 2 {
 		t.Fatalf("store holds %d keys, cap 2", store.Len())
 	}
-	if e.Stats().FailOpen != 2 {
-		t.Fatalf("FailOpen %d, want 2 (two tenants found the store full)", e.Stats().FailOpen)
+	if got := e.Stats().FailOpen; got != uint64(full) {
+		t.Fatalf("FailOpen %d, want %d (the tenants that found the store full)", got, full)
+	}
+	// A full store refuses new keys, not the tenants it holds: it must not
+	// open the breaker and send every tenant to its fail mode.
+	d, err := e.Decide(ctx, &admission.Request{Descriptors: entries("tenant", "t0")})
+	if err != nil || !d.Allowed() || d.Source != admission.SourceStore {
+		t.Fatalf("a tenant the store holds, after %d refusals: %v %v; want decided by the store", full, d, err)
+	}
+	if n := e.Stats().BreakerOpens; n != 0 {
+		t.Fatalf("BreakerOpens %d: a full store opened the breaker", n)
 	}
 }
