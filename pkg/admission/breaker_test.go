@@ -77,3 +77,34 @@ func TestQuotingRetryTakesNoProbe(t *testing.T) {
 		t.Fatal("a successful probe did not close the breaker")
 	}
 }
+
+// TestFallbackBucketKeepsFractions: a fallback bucket whose share refills
+// less than a token per call interval still refills. It used to move its
+// stamp to every call's time while adding only whole millitokens, so a key
+// called every millisecond on a share under 1,000 millitokens a second (P-READ,
+// 2 tokens/s, on five gateways: 400) never earned a token back.
+func TestFallbackBucketKeepsFractions(t *testing.T) {
+	sp := &spec{kind: kindBucket, fbCap: 4000, fbRefill: 400}
+	s := &fbState{tok: 0, ts: 0}
+	first := int64(-1)
+	for now := int64(1); now <= 5000; now++ {
+		if ok, _ := s.check(sp, 1000, now); ok {
+			first = now
+			break
+		}
+	}
+	if first != 2500 {
+		t.Fatalf("called every ms from empty at 400 millitokens/s: first admission at %d ms, want 2500", first)
+	}
+	// A long idle spell fills the bucket without overflowing.
+	s = &fbState{tok: 0, ts: 0}
+	if ok, _ := s.check(sp, 4000, 1<<50); !ok || s.tok != sp.fbCap || s.ts != 1<<50 {
+		t.Fatalf("after a long idle spell: tok %d ts %d, want full at the call", s.tok, s.ts)
+	}
+	// No refill for negative time.
+	s = &fbState{tok: 1000, ts: 100}
+	s.refill(sp, 50)
+	if s.tok != 1000 || s.ts != 100 {
+		t.Fatalf("clock went back: tok %d ts %d, want 1000 at 100", s.tok, s.ts)
+	}
+}

@@ -116,6 +116,7 @@ type fallback struct {
 // fbState is one fallback counter. Times are wall milliseconds.
 type fbState struct {
 	tok, ts  int64 // bucket: millitokens and last refill
+	frac     int64 // bucket: thousandths of a millitoken earned by ts
 	w, c     int64 // window index and count
 	inflight int64 // concurrency slots held
 	last     int64 // last use, for sweeping
@@ -184,11 +185,26 @@ func (f *fallback) release(s *fbState) {
 	f.mu.Unlock()
 }
 
+// refill adds what the bucket earned since its stamp, keeping the fraction
+// of a millitoken for later: a key called more often than its share earns a
+// millitoken still refills at its share.
 func (s *fbState) refill(sp *spec, now int64) {
-	if s.tok < sp.fbCap && sp.fbRefill > 0 && now > s.ts {
-		s.tok = min(sp.fbCap, s.tok+(now-s.ts)*sp.fbRefill/1000)
+	if s.tok >= sp.fbCap || sp.fbRefill <= 0 {
+		s.ts, s.frac = max(s.ts, now), 0
+		return
 	}
-	s.ts = max(s.ts, now)
+	if now <= s.ts {
+		return // never refill for negative time
+	}
+	delta := now - s.ts
+	if delta >= ceilDiv((sp.fbCap-s.tok)*1000, sp.fbRefill) {
+		s.tok, s.ts, s.frac = sp.fbCap, now, 0
+		return
+	}
+	earned := delta*sp.fbRefill + s.frac // thousandths of a millitoken
+	s.tok += earned / 1000
+	s.frac = earned % 1000
+	s.ts = now
 }
 
 func (s *fbState) window(sp *spec, now int64) {
