@@ -80,6 +80,31 @@ func TestExtraDescriptors(t *testing.T) {
 	wantAllowed(t, h.decide(append(export("cedar"), "plan", "gold")...), "extra descriptor")
 }
 
+// TestStandardDescriptorsAreKnown: the standard keys (which httpmw sends
+// with every request) are accepted by a policy that uses none of them, and
+// any other unused key is still refused.
+func TestStandardDescriptorsAreKnown(t *testing.T) {
+	h := newHarness(t, memoryBackend(), parse(t, `
+name: routes-only
+rules:
+  - name: per-route
+    scope: route
+    match: [{key: tenant}, {key: route}]
+    kind: token_bucket
+    capacity: 5
+    refill_per_second: 1
+`), nil)
+	d := h.decide("ip", "203.0.113.7", "auth", "token", "tenant", "atlas", "user", "U-1", "route", "GET /catalog")
+	wantAllowed(t, d, "all five standard keys")
+	if got := rule(t, d, "per-route").Remaining; got != 4 {
+		t.Fatalf("per-route remaining %d, want 4", got)
+	}
+	_, err := h.e.Decide(context.Background(), &admission.Request{Descriptors: entries("tenant", "atlas", "colour", "blue")})
+	if !errors.Is(err, admission.ErrUnknownDescriptor) {
+		t.Fatalf("unused non-standard key: %v, want ErrUnknownDescriptor", err)
+	}
+}
+
 func TestConfigValidate(t *testing.T) {
 	tests := []struct {
 		name   string

@@ -77,6 +77,9 @@ func compile(doc *policy.Document, version uint64, cfg *Config) (*snapshot, erro
 		quotas:  make(map[string]*spec),
 		known:   make(map[string]bool),
 	}
+	for _, k := range standardDescriptors {
+		s.known[k] = true
+	}
 	for _, k := range cfg.ExtraDescriptors {
 		s.known[k] = true
 	}

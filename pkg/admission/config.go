@@ -45,8 +45,9 @@ type Config struct {
 	// fallback denies new keys (it never grows without bound).
 	FallbackKeys int
 	// ExtraDescriptors are descriptor keys accepted although no rule uses
-	// them (e.g. keys a newer policy will use); any other unused key is
-	// rejected with ErrUnknownDescriptor.
+	// them (e.g. keys a newer policy will use). The standard keys tenant,
+	// user, route, ip and auth are always accepted; any other key no rule
+	// uses is rejected with ErrUnknownDescriptor.
 	ExtraDescriptors []string
 	// Namespace prefixes every store key ("<namespace>:{tag}:..."), so that
 	// several deployments can share one Redis; 1-32 of [a-z0-9_-].
@@ -56,6 +57,12 @@ type Config struct {
 	// Every gateway of a region must use the same salt.
 	KeySalt string
 }
+
+// standardDescriptors are the descriptor keys of the reference design's
+// vocabulary, which httpmw sends with every request. They are accepted
+// whether or not a rule uses them: a policy without ip rules (or an update
+// that removes the last one) must not turn every request into a bad one.
+var standardDescriptors = []string{"tenant", "user", "route", "ip", "auth"}
 
 // DefaultConfig returns the defaults: a 50 ms store timeout, one gateway, a
 // 250 ms negative cache of 4096 keys, 2 minutes of idempotency, a breaker

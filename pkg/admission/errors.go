@@ -16,8 +16,9 @@ var ErrInvalidRequest = errors.New("invalid request")
 // Decide returns wraps one of them with the field at fault, e.g.
 // `descriptors[3].key: unknown descriptor "colour"`.
 var (
-	// ErrUnknownDescriptor is a descriptor key no rule of the policy uses
-	// (and not listed in Config.ExtraDescriptors): most likely a typo.
+	// ErrUnknownDescriptor is a descriptor key no rule of the policy uses,
+	// neither a standard key (tenant, user, route, ip, auth) nor listed in
+	// Config.ExtraDescriptors: most likely a typo.
 	ErrUnknownDescriptor = wrapInvalid("unknown descriptor")
 	// ErrBadDescriptor is a malformed descriptor: an empty or invalid key, a
 	// key given twice, or a value that is not printable UTF-8.

@@ -397,3 +397,42 @@ func TestPooledDecisionsAnswerAsDecide(t *testing.T) {
 		t.Fatalf("pooled path: %.0f allocations per request, Decide's path %.0f: want fewer", p, q)
 	}
 }
+
+// TestPolicyWithoutAddressRules: the middleware sends ip and auth with every
+// request. A policy that limits only tenants and routes (examples/plans.yaml
+// has no ip rule) must still decide them, not answer 400.
+func TestPolicyWithoutAddressRules(t *testing.T) {
+	doc, err := policy.Parse([]byte(`
+name: tenants-only
+rules:
+  - name: p-tenant
+    scope: tenant
+    match: [{key: tenant}]
+    kind: token_bucket
+    capacity: 2
+    refill_per_second: 1
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	clock := windowClock()
+	e, err := admission.New(admission.DefaultConfig(), memStore(t, clock), doc, 1, admission.WithClock(clock))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.Close() })
+	mw, err := httpmw.New(e, httpmw.DefaultConfig(), httpmw.WithIdentity(identify))
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := &gateway{e: e, srv: httptest.NewServer(auth(mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }))))}
+	t.Cleanup(g.srv.Close)
+	for i, want := range []int{200, 200, 429} {
+		if resp := g.do(t, "GET", "/catalog", "atlas/U-1"); resp.StatusCode != want {
+			t.Fatalf("request %d: %d, want %d", i+1, resp.StatusCode, want)
+		}
+	}
+	if resp := g.do(t, "GET", "/catalog", ""); resp.StatusCode != 200 {
+		t.Fatalf("anonymous request (no rule matches it): %d, want 200", resp.StatusCode)
+	}
+}
