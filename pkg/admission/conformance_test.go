@@ -39,6 +39,8 @@ var conformance = []struct {
 	{"atomicity: one winner for the last token", testAtomicity},
 	{"tenants are isolated", testTenantIsolation},
 	{"rules under two tags: refund on denial", testCrossTagRefund},
+	{"refund: a shadow rule that denied is not given back", testRefundSkipsShadow},
+	{"refund: the undone decision leaves no record to replay", testRefundDropsRecord},
 	{"policy versions", testApply},
 	{"key layout: tags and hashed principals", testKeyLayout},
 	{"numbers beyond 32 bits", testLargeNumbers},
@@ -823,6 +825,86 @@ func testCrossTagRefund(t *testing.T, b backend) {
 		wantAllowed(t, h.decide("ip", "192.0.2.1", "tenant", "t"+itoa(i)), "other tenants")
 	}
 	wantDenied(t, h.decide("ip", "192.0.2.1", "tenant", "t6"), "ip full", "per-ip", policy.ScopeIP, 60)
+}
+
+// testRefundSkipsShadow: when a later tag's rule denies, the refund gives
+// back only what the earlier call debited. A shadow rule that denied in that
+// call was not debited, and refunding it would undercount what it watches.
+func testRefundSkipsShadow(t *testing.T, b backend) {
+	h := newHarness(t, b, parse(t, crossTagPolicy+`
+  - name: ip-watch
+    scope: ip
+    match: [{key: ip}]
+    kind: fixed_window
+    limit: 1
+    window: 1m
+    shadow: true
+`), nil)
+	d := h.decide("ip", "192.0.2.1", "tenant", "t1")
+	wantAllowed(t, d, "first")
+	if d.WouldDeny {
+		t.Fatal("first request: would_deny within the shadow limit")
+	}
+	d = h.decide("ip", "192.0.2.1", "tenant", "t1")
+	wantDenied(t, d, "tenant full", "per-tenant", policy.ScopeTenant, 60)
+	if rule(t, d, "ip-watch").Allowed {
+		t.Fatal("second request: the shadow rule should have denied")
+	}
+	// The shadow counter still holds the first request: it denies again.
+	d = h.decide("ip", "192.0.2.1", "tenant", "t2")
+	wantAllowed(t, d, "another tenant")
+	if !d.WouldDeny || rule(t, d, "ip-watch").Allowed {
+		t.Fatal("third request: want would_deny; the refund gave the shadow rule back a request it never counted")
+	}
+	if got := rule(t, d, "per-ip").Remaining; got != 3 {
+		t.Fatalf("per-ip remaining %d, want 3 (the denied request refunded)", got)
+	}
+}
+
+// testRefundDropsRecord: a request admitted under one tag and denied under
+// a later one is refunded under the first, and the refund drops the first
+// call's idempotency record with it. Left behind, a retry of the request
+// would replay the refunded call and pass that tag without being charged.
+func testRefundDropsRecord(t *testing.T, b backend) {
+	h := newHarness(t, b, parse(t, `
+name: refund-record
+rules:
+  - name: per-ip
+    scope: ip
+    match: [{key: ip}]
+    kind: token_bucket
+    capacity: 5
+    refill_per_second: 0
+    zero_refill_reason: counts every request of the test
+  - name: per-tenant
+    scope: tenant
+    match: [{key: tenant}]
+    kind: fixed_window
+    limit: 1
+    window: 1m
+`), func(c *admission.Config) { c.IdempotencyTTL = time.Hour })
+	req := func(id, tenant string) *admission.Request {
+		return &admission.Request{Descriptors: entries("ip", "192.0.2.1", "tenant", tenant), RequestID: id}
+	}
+	wantAllowed(t, h.decideReq(req("r1", "t1")), "r1")
+	wantDenied(t, h.decideReq(req("r2", "t1")), "r2, tenant full", "per-tenant", policy.ScopeTenant, 60)
+	h.clock.Advance(time.Minute) // the tenant's window turns
+	d := h.decideReq(req("r2", "t1"))
+	wantAllowed(t, d, "r2 retried in the next window")
+	if d.Source == admission.SourceReplay {
+		t.Fatal("r2's retry replayed a refunded decision")
+	}
+	if got := rule(t, d, "per-ip").Remaining; got != 3 {
+		t.Fatalf("r2's retry: per-ip remaining %d, want 3 (r1 and r2 charged)", got)
+	}
+	d = h.decideReq(req("r3", "t2"))
+	if got := rule(t, d, "per-ip").Remaining; got != 2 {
+		t.Fatalf("r3: per-ip remaining %d, want 2", got)
+	}
+	// A retry of an admitted request still replays.
+	if d := h.decideReq(req("r1", "t1")); d.Source != admission.SourceReplay {
+		t.Fatalf("r1 retried: source %s, want a replay", d.Source)
+	}
 }
 
 // testApply: versions move forward atomically; an older or invalid version

@@ -774,7 +774,18 @@ func (e *Engine) compensate(groups []group, items []item, mono int64) {
 			it.spent = nil
 		case g.op != nil && !g.replay:
 			r := *g.op
-			r.code, r.idemTTL, r.done, r.out = opRefund, 0, nil, nil
+			r.code, r.done, r.out = opRefund, nil, nil
+			// Only the rules the decide debited: a shadow rule that denied
+			// was not, and giving it back tokens would undercount it.
+			r.rules = r.ruleBuf[:0]
+			for j, ra := range g.op.rules {
+				if g.op.out[2+4*j] == 1 {
+					r.rules = append(r.rules, ra)
+				}
+			}
+			if len(r.rules) == 0 && r.idemTTL == 0 {
+				break // nothing to give back
+			}
 			if _, err := e.call(context.Background(), &r, mono, e.cfg.StoreTimeout); err != nil {
 				// The store may still be sending r, which shares g.op's
 				// keys: g.op must not be reused.

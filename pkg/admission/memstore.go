@@ -137,8 +137,8 @@ func (s *MemoryStore) run(ctx context.Context, o *op) error {
 	// anything, so a full store fails an operation whole, never half-done.
 	missing := int64(0)
 	for i, k := range o.keys {
-		if i == 0 && (o.code == opDecide || o.code == opRefund) && o.idemTTL == 0 {
-			continue // the idempotency key is only written with a TTL
+		if i == 0 && (o.code == opRefund || o.code == opDecide && o.idemTTL == 0) {
+			continue // the idempotency key is written only by a decide with a TTL
 		}
 		if x.get(k) == nil {
 			missing++
@@ -651,6 +651,13 @@ func (x *memExec) decide(o *op) {
 		out = append(out, ok, remaining, retry, reset)
 	}
 	if refund {
+		// The decision being undone leaves no record to replay: a retry
+		// of its request must be charged again.
+		if o.idemTTL > 0 {
+			if e := x.get(o.keys[0]); e != nil && strings.HasPrefix(e.s, o.id+"|") {
+				x.del(o.keys[0])
+			}
+		}
 		o.out, o.outID = []int64{0, 0}, o.id
 		return
 	}

@@ -25,7 +25,9 @@
 --               {replay, firstDeny, then per rule: ok remaining retry reset}
 --               packed after the earlier decision's id on a replay (empty
 --               otherwise: the caller knows its own).
---   r  refund   same layout as d: gives back what a decide debited
+--   r  refund   same layout as d: gives back what a decide debited (the
+--               caller sends only the rules it debited) and deletes the
+--               decide's idempotency record (idemTTL > 0, the record id's)
 --   D, R        d and r writing state in the text form (see below)
 --   t  take     KEYS: pool z, pool h   ARGV: op now want -> {taken, ttl, retry}
 --   p  deposit  KEYS: pool z, pool h   ARGV: op now grant tokens ttl start
@@ -398,7 +400,15 @@ if op == 'd' or op == 'r' then
       o = o + 4
     end
   end
-  if refund then return decision_reply('', out, 2) end
+  if refund then
+    -- The decision being undone leaves no record to replay: a retry of its
+    -- request must be charged again.
+    if idemTTL > 0 then
+      local prev = call('GET', KEYS[1])
+      if prev and string.sub(prev, 1, #ARGV[3] + 1) == ARGV[3] .. '|' then call('DEL', KEYS[1]) end
+    end
+    return decision_reply('', out, 2)
+  end
   out[2] = deny
   if deny == 0 then
     -- every live rule allows: debit them all (and each allowing shadow rule)
