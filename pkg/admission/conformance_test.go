@@ -41,6 +41,7 @@ var conformance = []struct {
 	{"rules under two tags: refund on denial", testCrossTagRefund},
 	{"refund: a shadow rule that denied is not given back", testRefundSkipsShadow},
 	{"refund: the undone decision leaves no record to replay", testRefundDropsRecord},
+	{"idempotency: a replay holds no slot of its own", testReplayHoldsNoSlot},
 	{"policy versions", testApply},
 	{"key layout: tags and hashed principals", testKeyLayout},
 	{"numbers beyond 32 bits", testLargeNumbers},
@@ -905,6 +906,28 @@ rules:
 	if d := h.decideReq(req("r1", "t1")); d.Source != admission.SourceReplay {
 		t.Fatalf("r1 retried: source %s, want a replay", d.Source)
 	}
+}
+
+// testReplayHoldsNoSlot: a replayed export returns the earlier decision,
+// whose request holds the concurrency slot. The replay holds none, so
+// releasing it cannot free the slot while the earlier request still runs.
+func testReplayHoldsNoSlot(t *testing.T, b backend) {
+	h := newHarness(t, b, northstar(t), func(c *admission.Config) { c.IdempotencyTTL = time.Hour })
+	req := func(id string) *admission.Request {
+		return &admission.Request{Descriptors: entries(export("cedar")...), RequestID: id}
+	}
+	for _, id := range []string{"a", "b", "c"} {
+		wantAllowed(t, h.decideReq(req(id)), "export "+id)
+		h.clock.Advance(5 * time.Second)
+	}
+	d := h.decideReq(req("a"))
+	if d.Source != admission.SourceReplay || d.HasSlots() {
+		t.Fatalf("export a retried: source %s, holds slots %v; want a replay holding none", d.Source, d.HasSlots())
+	}
+	if err := h.e.Release(context.Background(), d); err != nil {
+		t.Fatal(err)
+	}
+	wantDenied(t, h.decideReq(req("d")), "a fourth export while a, b and c run", "p-export-concurrency", policy.ScopeTenant, 1)
 }
 
 // testApply: versions move forward atomically; an older or invalid version

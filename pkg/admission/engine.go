@@ -282,10 +282,18 @@ func (e *Engine) DecideInto(ctx context.Context, req *Request, d *Decision) erro
 		}
 	}
 	e.finish(d, items, results, -1, Allow, 0)
-	for i := range items {
-		it := &items[i]
-		if it.sp.kind == kindSlots && it.res.Allowed && it.res.FailMode == "" {
-			d.slots = append(d.slots, slotRef{key: it.key, member: member, ttl: it.sp.b})
+	for gi := range groups {
+		g := &groups[gi]
+		if g.local || g.replay {
+			// A replay's slots are the earlier decision's, held by the
+			// request that made it: releasing them is that request's.
+			continue
+		}
+		for _, i := range g.idx {
+			it := &items[i]
+			if it.sp.kind == kindSlots && it.res.Allowed && it.res.FailMode == "" {
+				d.slots = append(d.slots, slotRef{key: it.key, member: member, ttl: it.sp.b})
+			}
 		}
 	}
 	for gi := range groups {
