@@ -29,8 +29,9 @@ type Config struct {
 	// memory is fixed.
 	NegativeCacheSize int
 	// IdempotencyTTL is how long the store remembers an admitted request id:
-	// a retry with the same id within it returns the earlier decision and
-	// debits nothing again. Zero disables idempotency.
+	// a retry with the same id (and the same descriptors and hits) within it
+	// returns the earlier decision and debits nothing again; the id on
+	// another request is decided afresh. Zero disables idempotency.
 	IdempotencyTTL time.Duration
 	// BreakerFailures is the number of consecutive failed store calls that
 	// opens the circuit breaker; while it is open no call is attempted.

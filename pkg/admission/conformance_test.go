@@ -702,6 +702,18 @@ func testIdempotency(t *testing.T, b backend) {
 	if got := rule(t, other, "p-export").Remaining; got != 0 {
 		t.Fatalf("remaining %d, want 0: the retry must not have been charged", got)
 	}
+	// The id on another request is a new request: decided and charged, not
+	// handed the export's admission (another tenant, another route).
+	h.fund("p-global", 1000)
+	for _, kv := range [][]string{export("elm"), catalog("cedar", "U-1")} {
+		d := h.decideReq(&admission.Request{Descriptors: entries(kv...), RequestID: "req-1"})
+		if d.Source == admission.SourceReplay || d.ID == first.ID {
+			t.Fatalf("req-1 on %v: source %s id %s; want a new decision", kv, d.Source, d.ID)
+		}
+	}
+	if d := h.decideReq(&admission.Request{Descriptors: entries(export("elm")...), RequestID: "req-1"}); d.Source != admission.SourceReplay {
+		t.Fatalf("elm's req-1 retried: source %s, want a replay of elm's own decision", d.Source)
+	}
 	// Bounded retention: after the TTL (real time for Redis, the fake
 	// clock for the embedded store) the id is new again.
 	h.clock.Advance(10 * time.Second)

@@ -39,8 +39,9 @@
 //   - Negative cache: after a denial with retry hint R, the same counter is
 //     denied in process for min(R, Config.NegativeCacheTTL) with no store
 //     call, in fixed memory.
-//   - Idempotency: a request id admitted within Config.IdempotencyTTL gets the
-//     earlier decision back and is not charged again.
+//   - Idempotency: a retry of a request admitted within
+//     Config.IdempotencyTTL (the same request id, descriptors and hits) gets
+//     the earlier decision back and is not charged again.
 //   - Fail modes: when the store does not answer within Config.StoreTimeout,
 //     or the circuit breaker is open, each rule's fail mode decides: closed
 //     answers Unavailable (503), open admits (counted), fallback spends an

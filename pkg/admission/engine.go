@@ -486,7 +486,7 @@ func (e *Engine) decideOp(g *group, items []item, req *Request, id, member strin
 		o.keys = make([]string, 0, n)
 	}
 	if req.RequestID != "" && e.cfg.IdempotencyTTL > 0 {
-		o.keys = append(o.keys, e.hash.idemKey(g.tag, req.RequestID))
+		o.keys = append(o.keys, e.hash.idemKey(g.tag, req))
 		o.idemTTL = e.cfg.IdempotencyTTL.Milliseconds()
 	} else {
 		// Without an idempotency record the first key is only a place

@@ -24,7 +24,7 @@ import (
 // template, or a hashed name that does not carry the tenant). An instance
 // name carries its values in clear, as the allocator must know it: policy
 // documents that templates be keyed by tenant or plan ids, not principals.
-//	al:{<tag>}:id:<request id hash>                  an idempotency record
+//	al:{<tag>}:id:<hash of request id and request>   an idempotency record
 //
 // Principals (users, addresses, any wildcard value) appear only hashed with
 // the configured salt; the tenant appears in clear in its tag, as the design
@@ -91,8 +91,25 @@ func (h hasher) counter(tag, digest string, parts []string) (string, uint64) {
 	return sb.String(), binary.LittleEndian.Uint64(sum[:8]) | 1
 }
 
-// idemKey is the key of a request id's idempotency record in a tag.
-func (h hasher) idemKey(tag, requestID string) string {
-	sum := h.sum("id", tag, requestID)
+// idemKey is the key of req's idempotency record in a tag. It hashes the
+// request id with the request itself (its descriptors, in order, and its
+// hits), so a record is replayed only to a retry of the request that made
+// it: the id reused on another route, tenant or cost is a new request, to
+// be decided and charged, not handed the earlier admission.
+func (h hasher) idemKey(tag string, req *Request) string {
+	var stack [512]byte
+	b := stack[:0]
+	b = appendField(b, h.salt)
+	b = appendField(b, "id")
+	b = appendField(b, tag)
+	b = appendField(b, req.RequestID)
+	b = binary.BigEndian.AppendUint64(b, uint64(max(req.Hits, 1)))
+	for _, e := range req.Descriptors {
+		if e.Value != "" { // an empty value counts as absent
+			b = appendField(b, e.Key)
+			b = appendField(b, e.Value)
+		}
+	}
+	sum := sha256.Sum256(b)
 	return h.ns + ":{" + tag + "}:id:" + base64.RawURLEncoding.EncodeToString(sum[:12])
 }

@@ -34,9 +34,9 @@ type Request struct {
 	// hits); 0 means 1. A concurrency rule takes one slot whatever the hits.
 	Hits int64
 	// RequestID makes the decision idempotent: a retry carrying the same id
-	// within Config.IdempotencyTTL gets the earlier admission back and is not
-	// charged again. It also names the request's concurrency slots. Empty
-	// means none.
+	// (with the same descriptors and hits) within Config.IdempotencyTTL gets
+	// the earlier admission back and is not charged again. It also names
+	// the request's concurrency slots. Empty means none.
 	RequestID string
 }
 
