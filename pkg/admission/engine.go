@@ -718,17 +718,20 @@ func (e *Engine) runLocal(ctx context.Context, g *group, items []item, now time.
 			it.res.RetryAfter = retrySeconds(retryAt, mono)
 			return Deny, it.res.RetryAfter
 		}
-		if ch := c.refill; ch != nil {
+		if t := c.refill; t != nil {
 			c.mu.Unlock()
 			select {
-			case <-ch:
+			case <-t.done:
+				if t.failed {
+					return failMode(true)
+				}
 				continue
 			case <-ctx.Done():
 				return failMode(!callerLeft(ctx, ctx.Err()))
 			}
 		}
-		ch := make(chan struct{})
-		c.refill = ch
+		t := &chunkTake{done: make(chan struct{})}
+		c.refill = t
 		c.mu.Unlock()
 
 		o := &op{code: opTake, now: e.storeNow(now), keys: []string{it.sp.poolZ, it.sp.poolH}, n1: it.sp.gatewayChunk}
@@ -738,7 +741,10 @@ func (e *Engine) runLocal(ctx context.Context, g *group, items []item, now time.
 		mono = e.mono(now)
 		c.mu.Lock()
 		c.refill = nil
-		close(ch)
+		// The store failed the take unless it answered, or the taker's own
+		// context ended first (then the waiters take their own turn).
+		t.failed = (err != nil || len(o.out) != 3) && ctx.Err() == nil
+		close(t.done)
 		if err == nil && len(o.out) == 3 && o.out[0] > 0 {
 			e.m.localTakes.Add(1)
 			st := &chunkState{expires: sent + o.out[1]*int64(time.Millisecond)}

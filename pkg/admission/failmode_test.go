@@ -211,6 +211,53 @@ func TestFailModesPaused(t *testing.T) {
 // error nor as a fail mode's engagement, and does not open the breaker; a
 // caller whose deadline passes first is a store that did not answer in
 // time: the fail mode decides and is counted.
+// TestChunkWaitersTakeTheFailMode: requests that find the gateway-local
+// chunk empty wait on the one take in flight. When the store fails that
+// take, they take P-GLOBAL's fail mode (fallback) as the taker does. They
+// used to take again one after another, and a request that had waited on
+// three failed takes was denied (429, "p-global") with a quota it was never
+// told about.
+func TestChunkWaitersTakeTheFailMode(t *testing.T) {
+	srv := redistest.NewServer(t)
+	h, _ := failHarness(t, srv.Addr(), northstar(t), func(c *admission.Config) {
+		c.Gateways = 1
+		c.BreakerFailures = 100 // every take goes to the store and waits out its timeout
+	})
+	if err := srv.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = srv.Resume() }()
+	var (
+		wg       sync.WaitGroup
+		mu       sync.Mutex
+		outcomes = map[string]int{}
+	)
+	for i := 0; i < 8; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			d, err := h.e.Decide(context.Background(), &admission.Request{Descriptors: entries(catalog("cedar", "U-"+itoa(i))...)})
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			outcomes[d.Outcome.String()+" "+d.Rule]++
+			if d.Outcome == admission.Deny && d.Rule == "p-global" {
+				return
+			}
+			if r := rule(t, d, "p-global"); r.FailMode != policy.FailFallback {
+				t.Errorf("p-global decided by %q (allowed %v), want its fallback", r.FailMode, r.Allowed)
+			}
+		}(i)
+	}
+	wg.Wait()
+	if n := outcomes["deny p-global"]; n > 0 {
+		t.Fatalf("%d of 8 requests denied by p-global while the store was down (outcomes %v); want its fail mode", n, outcomes)
+	}
+}
+
 func TestCallerLeavingIsNotAStoreError(t *testing.T) {
 	srv := redistest.NewServer(t)
 	h, _ := failHarness(t, srv.Addr(), northstar(t), nil)

@@ -16,9 +16,18 @@ type localChunk struct {
 	cur atomic.Pointer[chunkState]
 
 	mu      sync.Mutex
-	refill  chan struct{} // closed when the running take ends; nil when none runs
-	starved int64         // no take before this (monotonic ns): the pool was empty
-	retryAt int64         // the pool's retry hint ends (monotonic ns)
+	refill  *chunkTake // the take running; nil when none runs
+	starved int64      // no take before this (monotonic ns): the pool was empty
+	retryAt int64      // the pool's retry hint ends (monotonic ns)
+}
+
+// chunkTake is a take from the pool that requests wait on instead of
+// making their own: done is closed when it ends, and failed (written
+// before) says whether the store failed to answer it, in which case the
+// waiters take the fail mode as the taker did rather than a take each.
+type chunkTake struct {
+	done   chan struct{}
+	failed bool
 }
 
 // chunkState is one chunk taken from the pool.
