@@ -60,6 +60,21 @@ type snapshot struct {
 	specs   map[*policy.Rule]*spec
 	quotas  map[string]*spec // global_quota rules (single pools and templates) by name
 	known   map[string]bool  // descriptor keys the policy uses
+	// floored names the fallback rules whose share of the rule (divided by
+	// Config.Gateways) was under one request and was raised to one.
+	floored []string
+}
+
+// share is a gateway's fallback share of amount: amount divided by the
+// gateways, but at least one request's unit (when amount allows any), since
+// a smaller share would deny every request of the outage. It reports
+// whether it raised the share.
+func share(amount, gateways, unit int64) (int64, bool) {
+	v := amount / gateways
+	if amount > 0 && v < unit {
+		return unit, true
+	}
+	return v, false
 }
 
 func compile(doc *policy.Document, version uint64, cfg *Config) (*snapshot, error) {
@@ -86,6 +101,7 @@ func compile(doc *policy.Document, version uint64, cfg *Config) (*snapshot, erro
 	g := int64(cfg.Gateways)
 	for i := range doc.Rules {
 		r := &doc.Rules[i]
+		raised := false // the fallback share was raised to one request
 		for _, m := range r.Match {
 			s.known[m.Key] = true
 		}
@@ -103,7 +119,8 @@ func compile(doc *policy.Document, version uint64, cfg *Config) (*snapshot, erro
 			sp.unit, sp.ceiling = r.Cost*1000, r.Capacity*1000
 			sp.a, sp.b = r.Capacity*1000, r.RefillMilliPerSecond
 			sp.d = bucketTTL(sp.a, sp.b)
-			sp.fbCap, sp.fbRefill = sp.a/g, sp.b/g
+			sp.fbCap, raised = share(sp.a, g, sp.unit)
+			sp.fbRefill, _ = share(sp.b, g, 1)
 			sp.quota = r.Capacity
 			if r.RefillMilliPerSecond > 0 {
 				sp.window = ceilDiv(sp.a, r.RefillMilliPerSecond) // seconds to refill fully
@@ -115,13 +132,14 @@ func compile(doc *policy.Document, version uint64, cfg *Config) (*snapshot, erro
 			}
 			sp.unit, sp.ceiling = r.Cost, r.Limit
 			sp.a, sp.b = r.Limit, r.Window.Milliseconds()
-			sp.fbLimit, sp.fbWindow = r.Limit/g, sp.b
+			sp.fbLimit, raised = share(r.Limit, g, r.Cost)
+			sp.fbWindow = sp.b
 			sp.quota, sp.window = r.Limit, ceilDiv(sp.b, 1000)
 		case policy.KindConcurrency:
 			sp.kind = kindSlots
 			sp.unit, sp.ceiling = 0, 0
 			sp.a, sp.b = r.MaxInFlight, r.SlotTTL.Milliseconds()
-			sp.fbLimit = r.MaxInFlight / g
+			sp.fbLimit, raised = share(r.MaxInFlight, g, 1)
 			sp.slotTTL = r.SlotTTL
 		case policy.KindGlobalQuota:
 			sp.kind = kindPool
@@ -136,7 +154,8 @@ func compile(doc *policy.Document, version uint64, cfg *Config) (*snapshot, erro
 				sp.poolZ, sp.poolH = poolKeys(cfg.Namespace, sp.poolTag, r.Name)
 			}
 			if r.Lease != nil {
-				sp.fbLimit, sp.fbWindow = r.Lease.FallbackPerRegion/g, r.Window.Milliseconds()
+				sp.fbLimit, raised = share(r.Lease.FallbackPerRegion, g, r.Cost)
+				sp.fbWindow = r.Window.Milliseconds()
 				if r.Lease.GatewayChunk > 0 {
 					sp.local, sp.gatewayChunk = true, r.Lease.GatewayChunk
 					sp.ceiling = r.Lease.GatewayChunk
@@ -145,6 +164,9 @@ func compile(doc *policy.Document, version uint64, cfg *Config) (*snapshot, erro
 			s.quotas[r.Name] = sp
 		default:
 			return nil, fmt.Errorf("%w: rules[%d].kind: %q is not supported by this engine", ErrInvalidPolicy, i, r.Kind)
+		}
+		if raised && r.FailMode == policy.FailFallback {
+			s.floored = append(s.floored, r.Name)
 		}
 		s.specs[r] = sp
 	}

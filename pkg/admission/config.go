@@ -18,7 +18,9 @@ type Config struct {
 	StoreTimeout time.Duration
 	// Gateways is how many gateways share one regional store. Fallback
 	// buckets are sized as the rule divided by it, so the fleet cannot exceed
-	// the rule while the store is down.
+	// the rule while the store is down, but never under one request (a
+	// share that small would deny every request of the outage; such rules
+	// are logged when a policy is applied).
 	Gateways int
 	// NegativeCacheTTL is the ceiling on how long a denied key is denied
 	// locally without a store call: min(retry hint, NegativeCacheTTL). Zero

@@ -45,7 +45,8 @@
 //   - Fail modes: when the store does not answer within Config.StoreTimeout,
 //     or the circuit breaker is open, each rule's fail mode decides: closed
 //     answers Unavailable (503), open admits (counted), fallback spends an
-//     in-process bucket of the rule divided by Config.Gateways. The caller's
+//     in-process bucket of the rule divided by Config.Gateways (at least
+//     one request). The caller's
 //     context bounds the wait too: when its deadline passes first the fail
 //     modes decide the same way. A caller that leaves (its context canceled)
 //     also gets the fail modes' decision, but the call is counted as

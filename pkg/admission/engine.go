@@ -124,6 +124,10 @@ func (e *Engine) Apply(doc *policy.Document, version uint64) error {
 	}
 	e.chunks = live
 	e.snap.Store(s)
+	if len(s.floored) > 0 {
+		e.log.Warn("fallback share under one request per gateway, raised to one: during an outage the fleet may admit up to one request per gateway where the rule allows fewer",
+			zap.Strings("rules", s.floored), zap.Int("gateways", e.cfg.Gateways), zap.Uint64("version", version))
+	}
 	return nil
 }
 

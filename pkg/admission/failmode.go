@@ -105,8 +105,10 @@ func (b *breaker) isOpen(now int64) bool {
 // the store cannot answer (reference chapter 13): each is the rule divided by
 // the number of gateways, so if traffic splits evenly the fleet admits at most
 // the rule, and fewer if it does not. It is a reduced guarantee, stated as
-// such. Global quotas use their lease's fallback_per_region instead. Sliding
-// windows fall back to a fixed window of the same share.
+// such. A share under one request is raised to one: with more gateways than
+// the rule has requests, the fleet may admit one per gateway. Global quotas
+// use their lease's fallback_per_region instead. Sliding windows fall back
+// to a fixed window of the same share.
 type fallback struct {
 	mu  sync.Mutex
 	m   map[uint64]*fbState

@@ -2,6 +2,7 @@ package admission_test
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -9,7 +10,9 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/allot-dev/allot/internal/redistest"
 	"github.com/allot-dev/allot/pkg/admission"
@@ -137,6 +140,61 @@ func TestFailModesUnreachable(t *testing.T) {
 	// Off the decision path the store's trouble is an error.
 	if _, err := h.e.PoolStats(context.Background(), "p-global"); err == nil {
 		t.Fatal("PoolStats on an unreachable store succeeded")
+	}
+}
+
+// TestFallbackShareFloor: with more gateways than a fallback rule has
+// requests (P-READ's 20 tokens and P-ANON's 20 a window on 25 gateways),
+// each gateway's share is one request, not zero: the outage admits one
+// request per key and gateway and then refuses with a Retry-After. Applying
+// such a policy logs the rules whose share was raised.
+func TestFallbackShareFloor(t *testing.T) {
+	addr, err := redistest.ClosedAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	client := redis.NewClient(&redis.Options{Addr: addr, DialTimeout: 200 * time.Millisecond, MaxRetries: -1, DialerRetries: 1})
+	t.Cleanup(func() { client.Close() })
+	store, err := admission.NewRedisStore(client, admission.DefaultRedisConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { store.Close() })
+	core, logs := observer.New(zap.WarnLevel)
+	clock := newFakeClock(t0)
+	cfg := admission.DefaultConfig()
+	cfg.Namespace = namespace()
+	cfg.Gateways = 25
+	cfg.NegativeCacheTTL = 0
+	e, err := admission.New(cfg, store, northstar(t), 1, admission.WithClock(clock), admission.WithLogger(zap.New(core)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.Close() })
+	h := &harness{t: t, e: e, clock: clock, ns: cfg.Namespace}
+
+	d := h.decide(catalog("cedar", "U-17")...)
+	wantAllowed(t, d, "first read in the outage")
+	if r := rule(t, d, "p-read"); r.FailMode != policy.FailFallback {
+		t.Fatalf("p-read decided by %q, want fallback", r.FailMode)
+	}
+	// One token a gateway, refilled at 2/25 tokens/s: 12.5 s for the next.
+	wantDenied(t, h.decide(catalog("cedar", "U-17")...), "second read", "p-read", policy.ScopeUser, 13)
+	wantAllowed(t, h.decide(anon("203.0.113.7")...), "first anonymous request")
+	if d := h.decide(anon("203.0.113.7")...); d.Allowed() || d.Rule != "p-anon" || d.RetryAfter < 1 {
+		t.Fatalf("second anonymous request: %+v; want denied by p-anon's fallback with a Retry-After", d)
+	}
+
+	var floored []string
+	for _, l := range logs.FilterMessageSnippet("raised to one").All() {
+		for _, f := range l.Context {
+			if f.Key == "rules" {
+				floored = append(floored, fmt.Sprint(f.Interface))
+			}
+		}
+	}
+	if len(floored) != 1 || !strings.Contains(floored[0], "p-read") || !strings.Contains(floored[0], "p-anon") {
+		t.Fatalf("warnings naming the raised rules: %v; want one naming p-read and p-anon", floored)
 	}
 }
 
