@@ -106,6 +106,9 @@
 // decisions are all-or-nothing within one hash tag (rules under different
 // tags, such as an ip rule beside a tenant's rules, are decided in order and
 // compensated with a refund when a later one denies; a refund that fails
-// leaves the earlier rules charged, the safe direction); Retry-After is a
-// hint, never a reservation.
+// leaves the earlier rules charged, the safe direction. A leased pool decided
+// in the store under a tag of its own, a fleet-wide quota without
+// gateway_chunk or a template instance with a hashed name, is not refunded:
+// its token stays spent, which can waste quota but never overshoots it);
+// Retry-After is a hint, never a reservation.
 package admission
