@@ -443,8 +443,11 @@ func (s *state) restoreQuota(q *quota, sq snapQuota) error {
 			}
 			g := &grant{id: sg.ID, region: sg.Region, tokens: sg.Tokens, released: sg.Released, grantedAt: sg.GrantedUnixMs, expires: sg.ExpiresUnixMs}
 			w.add(g)
-			if w.granted > 2*MaxLimit {
-				return fmt.Errorf("windows[%d]: granted beyond any limit", i)
+			// What is outstanding never exceeds a limit (every grant is
+			// capped by the pool), whatever the running totals: released
+			// tokens granted again count twice in granted.
+			if w.granted-w.released > MaxLimit {
+				return fmt.Errorf("windows[%d]: %d tokens outstanding, beyond any limit", i, w.granted-w.released)
 			}
 			s.grants[g.id] = &grantRef{q: q, w: w, g: g}
 		}
