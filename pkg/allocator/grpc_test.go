@@ -3,6 +3,7 @@ package allocator
 import (
 	"context"
 	"errors"
+	"math"
 	"net"
 	"strings"
 	"testing"
@@ -64,6 +65,10 @@ func TestGRPCListener(t *testing.T) {
 		{"empty region", &allotv1.AcquireRequest{RequestId: "b1", Wants: []*allotv1.Want{{Quota: "atlas", Tokens: 1}}}, connect.CodeInvalidArgument, "region: must not be empty"},
 		{"unknown quota", &allotv1.AcquireRequest{Region: "eu", RequestId: "b2", Wants: []*allotv1.Want{{Quota: "nope", Tokens: 1}}}, connect.CodeNotFound, "nope"},
 		{"negative tokens", &allotv1.AcquireRequest{Region: "eu", RequestId: "b3", Wants: []*allotv1.Want{{Quota: "atlas", Tokens: -5}}}, connect.CodeInvalidArgument, "tokens"},
+		// A NaN cannot be encoded into a Raft entry: it used to fail as
+		// Internal, with every call batched into the same entry.
+		{"NaN demand", &allotv1.AcquireRequest{Region: "eu", RequestId: "b4", Wants: []*allotv1.Want{{Quota: "atlas", Tokens: 1, DemandPerSecond: math.NaN()}}}, connect.CodeInvalidArgument, "wants[0].demand_per_second"},
+		{"infinite demand", &allotv1.AcquireRequest{Region: "eu", RequestId: "b5", Wants: []*allotv1.Want{{Quota: "atlas", Tokens: 1}, {Quota: "atlas", DemandPerSecond: math.Inf(1)}}}, connect.CodeInvalidArgument, "wants[1].demand_per_second"},
 	} {
 		_, err := c.Acquire(ctx, tt.req)
 		if connect.CodeOf(err) != tt.code || !strings.Contains(err.Error(), tt.msg) {

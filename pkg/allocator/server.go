@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"math"
 	"net/http"
 	"sync"
 	"time"
@@ -113,6 +114,14 @@ func validateAcquire(m *allotv1.AcquireRequest, maxWants int) error {
 		return fmt.Errorf("wants: must not be empty: %w", errInvalid)
 	case len(m.GetWants()) > maxWants:
 		return fmt.Errorf("wants: %d exceeds the maximum of %d per call: %w", len(m.GetWants()), maxWants, errInvalid)
+	}
+	// The FSM checks the demand too, but a NaN or an infinity cannot even be
+	// encoded into the Raft entry, and that entry may carry other callers'
+	// commands (group commit): refuse it here, naming the field.
+	for i, w := range m.GetWants() {
+		if d := w.GetDemandPerSecond(); !(d >= 0) || math.IsInf(d, 1) {
+			return fmt.Errorf("wants[%d].demand_per_second %v: must be finite and >= 0: %w", i, d, errInvalid)
+		}
 	}
 	return nil
 }
