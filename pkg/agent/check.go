@@ -262,12 +262,16 @@ func (a *Agent) ReleaseSlot(ctx context.Context, descriptors []policy.Entry, req
 	// removes the request id from each: the store holds the truth, whichever
 	// agent or gateway took the slots.
 	released, err := eng.ReleaseRequest(ctx, &admission.Request{Descriptors: descriptors, RequestID: requestID})
-	if err != nil {
-		if errors.Is(err, admission.ErrInvalidRequest) {
-			return 0, err
-		}
-		return 0, fmt.Errorf("release slots of %s: %w: %w", requestID, admission.ErrUnavailable, err)
+	if err != nil && errors.Is(err, admission.ErrInvalidRequest) {
+		return 0, err
 	}
+	var errs []error
+	if err != nil {
+		errs = append(errs, fmt.Errorf("release slots of %s in the store: %w: %w", requestID, ErrUnavailable, err))
+	}
+	// Slots a fallback took live in this process and are freed here even
+	// when the store cannot be reached: they have no TTL, and left held
+	// they would deny the rule's requests for the rest of the outage.
 	if d := a.slots.take(requestID); d != nil {
 		for i := range d.Rules {
 			if r := &d.Rules[i]; r.Kind == policy.KindConcurrency && r.Allowed && r.FailMode != "" {
@@ -275,10 +279,10 @@ func (a *Agent) ReleaseSlot(ctx context.Context, descriptors []policy.Entry, req
 			}
 		}
 		if err := eng.Release(ctx, d); err != nil {
-			return released, err
+			errs = append(errs, fmt.Errorf("release slots of %s: %w: %w", requestID, ErrUnavailable, err))
 		}
 	}
-	return released, nil
+	return released, errors.Join(errs...)
 }
 
 // slotTable remembers, by request id, the decisions holding slots taken by

@@ -44,7 +44,7 @@ func codeOf(err error) connect.Code {
 	switch {
 	case errors.Is(err, ErrInvalidRequest), errors.Is(err, admission.ErrInvalidRequest):
 		return connect.CodeInvalidArgument
-	case errors.Is(err, ErrNotReady), errors.Is(err, ErrUnavailable), errors.Is(err, admission.ErrClosed):
+	case errors.Is(err, ErrNotReady), errors.Is(err, ErrUnavailable), errors.Is(err, admission.ErrUnavailable), errors.Is(err, admission.ErrClosed):
 		return connect.CodeUnavailable
 	case errors.Is(err, context.DeadlineExceeded):
 		return connect.CodeDeadlineExceeded
