@@ -76,7 +76,10 @@ func Deadline(sentAt time.Time, expiresUnixMs, leaderNowUnixMs int64, margin tim
 	// leaderNow is the leader's clock truncated to the millisecond: the
 	// stamp was taken up to 1 ms after it, so the remaining time may be up
 	// to 1 ms shorter than expires-leaderNow. One millisecond comes off.
-	remaining := msToDuration(satSub(expiresUnixMs, leaderNowUnixMs)) - time.Millisecond
+	remaining := msToDuration(satSub(expiresUnixMs, leaderNowUnixMs))
+	if remaining > math.MinInt64+time.Millisecond { // saturated: do not wrap around
+		remaining -= time.Millisecond
+	}
 	return sentAt.Add(remaining).Add(-margin)
 }
 

@@ -103,6 +103,11 @@ func TestDeadline(t *testing.T) {
 			}
 		})
 	}
+	// A span that saturates on the negative side stays before sentAt: the
+	// millisecond taken off used to wrap it round to centuries ahead.
+	if got := Deadline(sent, math.MinInt64, math.MaxInt64, 0); !got.Before(sent) {
+		t.Fatalf("hugely negative span: Deadline = %s, want before %s", got, sent)
+	}
 }
 
 // TestDeadlineNeverAfterExpiry models real time explicitly: the region and
