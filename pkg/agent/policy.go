@@ -136,15 +136,20 @@ type watcher struct {
 func (w *watcher) Run(ctx context.Context) error {
 	pause := w.backoff
 	for {
-		err := w.once(ctx)
+		lasted, err := w.once(ctx)
 		if ctx.Err() != nil {
 			return nil
 		}
-		if err != nil {
-			w.log.Warn("policy watch interrupted; retrying", zap.Error(err), zap.Duration("in", pause))
-		} else {
+		if lasted >= w.max {
+			// The stream had been up for a while: this break is a new one
+			// (a leader change, a restart), not more of the same outage, so
+			// the pause starts again from the first. once always ends with
+			// an error (a stream that ends is one), so without this the
+			// pause would stay at its maximum after a few breaks over days;
+			// a stream that keeps breaking at once still backs off.
 			pause = w.backoff
 		}
+		w.log.Warn("policy watch interrupted; retrying", zap.Error(err), zap.Duration("in", pause))
 		select {
 		case <-ctx.Done():
 			return nil
@@ -156,8 +161,9 @@ func (w *watcher) Run(ctx context.Context) error {
 
 // once reads the current policy (unary, with failover, which also moves
 // the client to a live endpoint) and then streams newer versions until the
-// stream ends.
-func (w *watcher) once(ctx context.Context) error {
+// stream ends. It reports how long the stream was open (0 when it did not
+// open).
+func (w *watcher) once(ctx context.Context) (lasted time.Duration, err error) {
 	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	cur, err := w.client.Operator().GetPolicy(cctx, &allotv1.GetPolicyRequest{})
 	cancel()
@@ -167,18 +173,19 @@ func (w *watcher) once(ctx context.Context) error {
 	case connect.CodeOf(err) == connect.CodeNotFound:
 		// nothing published yet: the watch will bring the first version
 	default:
-		return fmt.Errorf("get policy: %w", err)
+		return 0, fmt.Errorf("get policy: %w", err)
 	}
 	stream, err := w.client.Operator().WatchPolicy(ctx, w.current())
 	if err != nil {
-		return fmt.Errorf("watch policy: %w", err)
+		return 0, fmt.Errorf("watch policy: %w", err)
 	}
 	defer stream.Close()
+	opened := time.Now()
 	for stream.Receive() {
 		w.apply(stream.Msg().GetPolicy())
 	}
 	if err := stream.Err(); err != nil {
-		return fmt.Errorf("watch policy: %w", err)
+		return time.Since(opened), fmt.Errorf("watch policy: %w", err)
 	}
-	return errors.New("watch policy: stream ended")
+	return time.Since(opened), errors.New("watch policy: stream ended")
 }
