@@ -2,6 +2,8 @@ package allocator
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"net/http"
@@ -11,6 +13,7 @@ import (
 	"connectrpc.com/connect"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/proto"
 
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
 	"github.com/allot-dev/allot/proto/allot/v1/allotv1connect"
@@ -207,8 +210,17 @@ func (c *Client) Acquire(ctx context.Context, req *allotv1.AcquireRequest) (*all
 	})
 }
 
-// Release calls AllocatorService.Release.
+// Release calls AllocatorService.Release. A request without a request_id is
+// given one, so that the client's retries cannot credit the tokens twice.
 func (c *Client) Release(ctx context.Context, req *allotv1.ReleaseRequest) (*allotv1.ReleaseResponse, error) {
+	if req.GetRequestId() == "" {
+		// The client retries a call whose answer was lost, and a Release
+		// without an id would credit its tokens again on each retry (the
+		// pool could then grant what the region still holds). One id for
+		// every attempt makes the retries replays.
+		req = proto.Clone(req).(*allotv1.ReleaseRequest)
+		req.RequestId = newReleaseID()
+	}
 	if c.fast != nil {
 		return call(ctx, c, c.fast, func(ctx context.Context, addr string) (*allotv1.ReleaseResponse, error) {
 			r, err := c.grpc[addr].Release(ctx, req)
@@ -310,3 +322,10 @@ func (o *OperatorClient) WatchPolicy(ctx context.Context, afterVersion uint64) (
 
 // Endpoints returns the configured endpoints.
 func (c *Client) Endpoints() []string { return append([]string(nil), c.api.endpoints...) }
+
+// newReleaseID returns a request id for a Release that came without one.
+func newReleaseID() string {
+	var b [12]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails (Go 1.24+)
+	return "release-" + hex.EncodeToString(b[:])
+}

@@ -3,9 +3,12 @@ package allocator
 import (
 	"context"
 	"errors"
+	"io"
 	"math"
 	"net"
+	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -134,5 +137,55 @@ func TestGRPCErrorKeepsLeaderHint(t *testing.T) {
 	}
 	if got := connectError(grpcError(errors.New("plain"))); connect.CodeOf(got) != connect.CodeInternal {
 		t.Fatalf("a non-Connect error: %v, want Internal", got)
+	}
+}
+
+// lossyTransport delivers the first request whose path ends in suffix and
+// then loses its answer, as a connection that breaks after the server
+// committed: the client sees an error and tries again.
+type lossyTransport struct {
+	suffix string
+	lost   atomic.Bool
+}
+
+func (l *lossyTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	resp, err := http.DefaultTransport.RoundTrip(r)
+	if err == nil && strings.HasSuffix(r.URL.Path, l.suffix) && l.lost.CompareAndSwap(false, true) {
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		return nil, errors.New("connection reset after the request was delivered")
+	}
+	return resp, err
+}
+
+// TestReleaseWithoutIDIsCreditedOnce: a Release that carries no request id
+// and whose answer is lost is retried by the client; the tokens are given
+// back once. Without an id the retry credited them again, and the pool could
+// grant tokens the region still held.
+func TestReleaseWithoutIDIsCreditedOnce(t *testing.T) {
+	tc := newTestCluster(t, 1)
+	l := tc.leader()
+	publishTest(t, tc.addrs, clusterPolicy, 1)
+	lossy := &lossyTransport{suffix: "/Release"}
+	c, err := NewClient(tc.addrs, WithHTTPClient(&http.Client{Transport: lossy}), WithBackoff(10*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	first, err := c.Acquire(ctx, &allotv1.AcquireRequest{Region: "eu", RequestId: "a1", Wants: []*allotv1.Want{{Quota: "atlas", Tokens: 100}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := first.GetGrants()[0]
+	if _, err := c.Release(ctx, &allotv1.ReleaseRequest{Region: "eu", GrantId: g.GetGrantId(), Tokens: 30}); err != nil {
+		t.Fatalf("release: %v", err)
+	}
+	if !lossy.lost.Load() {
+		t.Fatal("the transport lost no answer: the test proved nothing")
+	}
+	if w := l.FSM().CurrentWindow("atlas", first.GetLeaderNowUnixMs()); w.Granted != 100 || w.Released != 30 {
+		t.Fatalf("window granted %d released %d, want 100 and 30 (the retried release credited once)", w.Granted, w.Released)
 	}
 }
