@@ -481,10 +481,17 @@ func (l *leases) Run(ctx context.Context) error {
 	}
 }
 
-// Tick does one round: retry a pending Acquire with its request id, read the
-// pools that are due, ask for every pool under its low watermark in one
-// Acquire (more only when more than MaxWantsPerCall are due, or more than
-// maxAcquireBytes of them), and forget the idle instances of templates.
+// Tick does one round: read the pools that are due, deposit the fallback
+// allowances due while cut off, retry a pending Acquire with its request id,
+// ask for every pool under its low watermark in one Acquire (more only when
+// more than MaxWantsPerCall are due, or more than maxAcquireBytes of them),
+// and forget the idle instances of templates.
+//
+// The fallbacks go before the retry: while the allocator is unreachable a
+// retry can take AcquireTimeout, and a window's fallback allowance must not
+// wait for it (requests starve for StarveWait, then get 503). Planning
+// before the retry asks for nothing twice: the retried call's pools stay
+// in flight until it settles.
 func (l *leases) Tick(ctx context.Context) {
 	eng := l.eng.Load()
 	if eng == nil {
@@ -494,17 +501,13 @@ func (l *leases) Tick(ctx context.Context) {
 	pend := l.pending
 	l.pending = nil
 	l.mu.Unlock()
-	retried := false
-	if len(pend) > 0 && l.client != nil {
-		l.send(ctx, eng, pend)
-		retried = true
-	}
 
 	stats := l.poll(ctx, eng)
 
 	l.mu.Lock()
 	now := l.clock.Now()
 	var wants []*allotv1.Want
+	var wantQ []*quota // the quota of each want
 	var fallbacks []*quota
 	for _, s := range stats {
 		if l.quotas[s.q.name] != s.q {
@@ -514,6 +517,7 @@ func (l *leases) Tick(ctx context.Context) {
 		w, fb := l.plan(s.q, now)
 		if w != nil {
 			wants = append(wants, w)
+			wantQ = append(wantQ, s.q)
 		}
 		if fb {
 			fallbacks = append(fallbacks, s.q)
@@ -522,6 +526,25 @@ func (l *leases) Tick(ctx context.Context) {
 			l.forget(s.q)
 		}
 	}
+	l.mu.Unlock()
+
+	for _, q := range fallbacks {
+		l.depositFallback(ctx, eng, q)
+	}
+	retried := false
+	if len(pend) > 0 && l.client != nil {
+		l.send(ctx, eng, pend)
+		retried = true
+	}
+
+	l.mu.Lock()
+	live := wants[:0]
+	for i, w := range wants {
+		if l.quotas[w.Quota] == wantQ[i] { // not forgotten by a policy applied meanwhile
+			live = append(live, w)
+		}
+	}
+	wants = live
 	skipSend := l.client == nil || (retried && l.cutOff)
 	var calls []*acquireCall
 	if !skipSend && len(wants) > 0 {
@@ -545,9 +568,6 @@ func (l *leases) Tick(ctx context.Context) {
 	}
 	l.mu.Unlock()
 
-	for _, q := range fallbacks {
-		l.depositFallback(ctx, eng, q)
-	}
 	if len(calls) > 0 {
 		l.send(ctx, eng, calls)
 	}

@@ -7,6 +7,7 @@ import (
 	"math"
 	"net"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -591,5 +592,70 @@ func TestShortLivedGrantsAreSpentBeforeTheyExpire(t *testing.T) {
 	}
 	if allowed < offered*9/10 {
 		t.Errorf("allowed %d of %d: renewals did not keep up", allowed, offered)
+	}
+}
+
+// TestFallbackDoesNotWaitForARetry: once cut off, a fallback quota's
+// allowance is deposited before the round retries the pending Acquire. The
+// retry can hang for AcquireTimeout while the allocator is unreachable; the
+// allowance used to wait behind it, so requests starved and got 503s.
+func TestFallbackDoesNotWaitForARetry(t *testing.T) {
+	rdb := sharedRedis(t)
+	fa := startFakeAllocator(t)
+	doc := quotasPolicy(t, "5", "30s", "1h", 3, "fallback")
+	fa.publish(doc)
+	cfg := testConfig("eu", fa.addr)
+	cfg.Lease.AcquireTimeout = time.Minute // a retry hangs until the test lets it go
+	cfg.StarveWait = 3 * time.Second       // ample for the deposit that follows the cut-off
+	var (
+		calls    atomic.Int32
+		ag       atomic.Pointer[agent.Agent]
+		once     sync.Once
+		retrying = make(chan struct{})
+		release  = make(chan struct{})
+	)
+	defer close(release)
+	fa.setHook(func(ctx context.Context, _ *allotv1.AcquireRequest, commit func() (*allotv1.AcquireResponse, error)) (*allotv1.AcquireResponse, error) {
+		if calls.Add(1) == 1 {
+			return commit()
+		}
+		// The renewal gets no answer (every attempt of the client), so the
+		// agent finds itself cut off and keeps the call to retry; that
+		// retry, the first call once cut off, hangs.
+		if a := ag.Load(); a != nil && a.CutOff() {
+			once.Do(func() { close(retrying) })
+			select {
+			case <-release:
+			case <-ctx.Done():
+			}
+		}
+		return nil, connect.NewError(connect.CodeUnavailable, errors.New("partitioned"))
+	})
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
+	ag.Store(a.Agent)
+	// Spend the grant. The request that finds it gone waits (StarveWait)
+	// for the renewal, which fails: the agent is cut off, deposits the
+	// fallback allowance and retries the renewal, which hangs. The waiting
+	// request and the next two are served by the allowance, the one after
+	// them is refused. With the allowance behind the retry, the waiting
+	// request got a 503 after the grant.
+	allowed := 0
+	var last *agent.Verdict
+	for i := 0; i < 20; i++ {
+		if last = mustCheck(t, a.Agent, tenant("a")); !last.Allowed {
+			break
+		}
+		allowed++
+	}
+	select {
+	case <-retrying:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the agent never retried its unanswered renewal")
+	}
+	if held := fa.window("q-a").Granted; int64(allowed) != held+3 || !last.Unavailable {
+		t.Fatalf("admitted %d, then %+v; want the %d granted and the fallback allowance of 3 while the retry hangs, then unavailable", allowed, last, held)
+	}
+	if !a.CutOff() {
+		t.Fatal("agent does not report being cut off")
 	}
 }
