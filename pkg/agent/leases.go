@@ -880,18 +880,32 @@ func (l *leases) depositFallback(ctx context.Context, eng *admission.Engine, q *
 	}
 	w := q.spec.Window.Milliseconds()
 	idx := lease.WindowIndex(now.UnixMilli()+l.offsetMs, w)
-	end := l.windowEndEstimate(q, now)
-	ttl := lease.RedisTTL(end.Add(-l.cfg.Margin), now, l.storeDelay)
+	deadline := l.windowEndEstimate(q, now).Add(-l.cfg.Margin)
 	// The metric is labelled with the rule: a template's name for its
 	// instances, so the labels stay bounded.
 	name, rule, tokens := q.name, q.spec.Name, q.spec.FallbackPerRegion
 	l.mu.Unlock()
+	// As a grant's deposit (see grant): bounded by depositBound, and the
+	// TTL counted from the send minus that bound, so a deposit that
+	// succeeds expires by the deadline however slow the store was; one
+	// that may still land late (a timeout) is withdrawn with a tombstone,
+	// so this window's allowance cannot spill into the next one (the
+	// tombstone also voids this window's later attempts: the region goes
+	// without its allowance, the safe side).
+	bound := l.depositBound()
+	ttl := lease.RedisTTL(deadline, l.clock.Now(), bound)
 	if ttl < l.cfg.MinUsefulTTL {
 		return
 	}
 	id := "fb-" + l.region + "-" + strconv.FormatInt(idx, 10)
-	if _, err := eng.DepositChunk(ctx, name, id, tokens, ttl); err != nil {
+	dctx, cancel := context.WithTimeout(ctx, bound)
+	_, err := eng.DepositChunk(dctx, name, id, tokens, ttl)
+	cancel()
+	if err != nil {
 		l.storeError("deposit", err)
+		if !admission.Unsent(err) {
+			l.unsureDeposit(ctx, eng, &allotv1.Grant{Quota: name, GrantId: id, Tokens: tokens}, deadline, true)
+		}
 		return
 	}
 	l.m.fallbackDep.WithLabelValues(rule).Inc()
