@@ -287,14 +287,34 @@ func carryOver(c Config, g, regions, held int64) Term {
 		return t
 	}
 	// Without a cap a region can hold G from each window its lease spans.
+	// A lease is spent up to its TTL and, when the margin falls short of
+	// drift, delay and skew, that much longer (the timing term leaves such
+	// late spending to this one): a lease as long as the window, granted at
+	// its end, then reaches a second window.
 	spans := int64(1)
-	if c.Window > 0 && c.TTL > c.Window {
-		spans = int64((c.TTL + c.Window - 1) / c.Window)
+	if life := c.TTL + lateBy(c); c.Window > 0 && life > c.Window {
+		spans = int64((life + c.Window - 1) / c.Window)
 	}
 	t.Tokens = min(satMul(regions, held), satMul(g, spans))
 	t.Assumption = fmt.Sprintf("Leases are not clamped: tokens granted in one window (TTL %s) can be spent in the next, "+
 		"up to %d held per region x %d regions, at most %d x G.", fmtDur(c.TTL), held, regions, spans)
 	return t
+}
+
+// timingNeed is what the expiry margin must cover: the drift over a TTL,
+// the one-way delay and the leaders' skew, and that sum spelled out.
+func timingNeed(c Config) (time.Duration, string) {
+	drift := mulDivCeil(int64(max(c.TTL, 0)), max(c.MaxDriftPPM, 0), 1_000_000)
+	need := time.Duration(satAdd(satAdd(drift, int64(max(c.MaxOneWayDelay, 0))), int64(max(c.MaxLeaderSkew, 0))))
+	return need, fmt.Sprintf("drift %d ppm x TTL %s (%s) + one-way delay %s + leader skew %s = %s",
+		c.MaxDriftPPM, fmtDur(c.TTL), fmtDur(time.Duration(drift)), fmtDur(c.MaxOneWayDelay), fmtDur(c.MaxLeaderSkew), fmtDur(need))
+}
+
+// lateBy is how long past the allocator's expiry a region may spend: what
+// the margin does not cover of timingNeed.
+func lateBy(c Config) time.Duration {
+	need, _ := timingNeed(c)
+	return max(0, need-max(c.ExpiryMargin, 0))
 }
 
 func fallback(c Config, regions int64) Term {
@@ -322,11 +342,8 @@ func lostGrants(c Config, outstanding int64) Term {
 }
 
 func timing(c Config, outstanding int64) Term {
-	drift := mulDivCeil(int64(max(c.TTL, 0)), max(c.MaxDriftPPM, 0), 1_000_000)
-	need := time.Duration(satAdd(satAdd(drift, int64(max(c.MaxOneWayDelay, 0))), int64(max(c.MaxLeaderSkew, 0))))
+	need, sum := timingNeed(c)
 	margin := max(c.ExpiryMargin, 0)
-	sum := fmt.Sprintf("drift %d ppm x TTL %s (%s) + one-way delay %s + leader skew %s = %s",
-		c.MaxDriftPPM, fmtDur(c.TTL), fmtDur(time.Duration(drift)), fmtDur(c.MaxOneWayDelay), fmtDur(c.MaxLeaderSkew), fmtDur(need))
 	t := Term{Name: TermTiming, HowToZero: fmt.Sprintf("raise the expiry margin to at least %s (%s), or shorten the TTL; "+
 		"a larger margin leaves each lease's last moments unspent.", fmtDur(need), sum)}
 	if margin >= need {

@@ -102,6 +102,20 @@ func TestCalculate(t *testing.T) {
 			wantStrand: 1000,
 		},
 		{
+			// A lease as long as the window, granted at its end, is spent
+			// 203 ms past its expiry: into a second window.
+			name: "unclamped TTL equal to the window, margin short: two windows of carry-over",
+			give: func(c *Config) {
+				c.Clamp = false
+				c.MaxHeldPerRegion = 0
+				c.TTL = time.Minute
+				c.ExpiryMargin = 0
+			},
+			want:       map[string]int64{TermCarryOver: 2000},
+			wantTotal:  2000,
+			wantStrand: 1000,
+		},
+		{
 			name:       "no margin, rate unknown: timing is bounded by held tokens",
 			give:       func(c *Config) { c.ExpiryMargin = 0 },
 			want:       map[string]int64{TermTiming: 200},
@@ -339,7 +353,7 @@ func TestBoundProperties(t *testing.T) {
 			t.Fatalf("terms %s", got)
 		}
 		tm := terms(b)
-		spans := int64((c.TTL + c.Window - 1) / c.Window)
+		spans := int64((c.TTL + lateBy(c) + c.Window - 1) / c.Window)
 		if tm[TermCarryOver] > c.Limit*spans || tm[TermLostGrants] > c.Limit || tm[TermTiming] > c.Limit || tm[TermStoreRollback] > c.Limit {
 			t.Fatalf("a term exceeds its pool: %v (G %d)", tm, c.Limit)
 		}
