@@ -1028,7 +1028,13 @@ func (l *leases) failed(ctx context.Context, c *acquireCall, err error, now time
 	// No answer: the allocator may have committed the grants. Keep the call
 	// to retry it with the same request id, as long as anything it could
 	// return might still be spendable.
-	if ctx.Err() != nil { // shutting down: shutdown resolves nothing of it
+	if ctx.Err() != nil {
+		// Shutting down cut the call short, and the allocator may have
+		// committed its grants: shutdown replays it with its request id and
+		// releases what it granted, as for a call kept to retry.
+		l.mu.Lock()
+		l.pending = append(l.pending, c)
+		l.mu.Unlock()
 		l.settle(c, false)
 		return
 	}

@@ -659,3 +659,62 @@ func TestFallbackDoesNotWaitForARetry(t *testing.T) {
 		t.Fatal("agent does not report being cut off")
 	}
 }
+
+// TestShutdownReleasesACutShortAcquire: an Acquire the allocator committed
+// but whose answer the agent's shutdown cut short is replayed by shutdown
+// with its request id, and its grant released. It used to be dropped, and
+// its chunk stayed granted, stranded, until its lease or window ended.
+func TestShutdownReleasesACutShortAcquire(t *testing.T) {
+	rdb, fa, doc, cfg := quotasAgent(t, "5", "30s")
+	cfg.Lease.AcquireTimeout = time.Minute
+	var (
+		mu        sync.Mutex
+		first     string // the cut-short call's request id
+		grant     string
+		committed = make(chan struct{})
+	)
+	fa.setHook(func(ctx context.Context, req *allotv1.AcquireRequest, commit func() (*allotv1.AcquireResponse, error)) (*allotv1.AcquireResponse, error) {
+		mu.Lock()
+		hold := first == ""
+		if hold {
+			first = req.RequestId
+		}
+		mu.Unlock()
+		resp, err := commit()
+		if !hold || err != nil {
+			return resp, err // the replay gets the recorded answer
+		}
+		mu.Lock()
+		grant = resp.Grants[0].GrantId
+		mu.Unlock()
+		close(committed)
+		<-ctx.Done() // the answer never leaves before the agent stops
+		return nil, ctx.Err()
+	})
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_, _ = a.Check(ctx, tenant("a")) // starts the renewal; its verdict does not matter
+	}()
+	select {
+	case <-committed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the agent never asked for a chunk")
+	}
+	if err := a.stop(); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	mu.Lock()
+	g := grant
+	mu.Unlock()
+	var released int64
+	for _, r := range fa.releaseLog() {
+		if r.GrantId == g {
+			released += r.Tokens
+		}
+	}
+	if held := fa.window("q-a").Granted; released == 0 || released != held {
+		t.Fatalf("released %d of grant %s (%d granted): want the whole cut-short grant handed back on shutdown", released, g, held)
+	}
+}
