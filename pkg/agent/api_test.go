@@ -114,15 +114,15 @@ func badInput(t *testing.T, c allotv1connect.AdmissionServiceClient) {
 		wantCode connect.Code
 		wantMsg  string
 	}{
-		{"unknown descriptor", &allotv1.CheckRequest{Entries: entries("tenant", "acme", "user", "u1", "colour", "red")}, connect.CodeInvalidArgument, "descriptors[2].key"},
+		{"unknown descriptor", &allotv1.CheckRequest{Entries: entries("tenant", "acme", "user", "u1", "colour", "red")}, connect.CodeInvalidArgument, "entries[2].key"},
 		{"negative cost", &allotv1.CheckRequest{Entries: good.Entries, Cost: -1}, connect.CodeInvalidArgument, "cost: must not be negative"},
 		{"huge cost", &allotv1.CheckRequest{Entries: good.Entries, Cost: 1 << 50}, connect.CodeInvalidArgument, "cost:"},
 		{"cost above capacity", &allotv1.CheckRequest{Entries: good.Entries, Cost: 101}, connect.CodeInvalidArgument, "can ever admit"},
 		{"user without tenant", &allotv1.CheckRequest{Entries: entries("user", "u1")}, connect.CodeInvalidArgument, "tenant"},
-		{"duplicate key", &allotv1.CheckRequest{Entries: entries("tenant", "acme", "tenant", "beta")}, connect.CodeInvalidArgument, "descriptors[1].key"},
-		{"unprintable value", &allotv1.CheckRequest{Entries: entries("tenant", "acme", "user", "u\x01")}, connect.CodeInvalidArgument, "descriptors[1].value"},
+		{"duplicate key", &allotv1.CheckRequest{Entries: entries("tenant", "acme", "tenant", "beta")}, connect.CodeInvalidArgument, "entries[1].key: \"tenant\" also at entries[0]"},
+		{"unprintable value", &allotv1.CheckRequest{Entries: entries("tenant", "acme", "user", "u\x01")}, connect.CodeInvalidArgument, "entries[1].value"},
 		{"long request id", &allotv1.CheckRequest{Entries: good.Entries, RequestId: strings.Repeat("r", 200)}, connect.CodeInvalidArgument, "request_id"},
-		{"too many descriptors", &allotv1.CheckRequest{Entries: many}, connect.CodeInvalidArgument, "descriptors: 41 entries"},
+		{"too many descriptors", &allotv1.CheckRequest{Entries: many}, connect.CodeInvalidArgument, "entries: 41 entries"},
 		{"oversized body", &allotv1.CheckRequest{Entries: entries("tenant", "acme", "user", strings.Repeat("x", 100<<10))}, connect.CodeResourceExhausted, ""},
 	}
 	for _, tt := range tests {
@@ -285,6 +285,8 @@ func TestEnvoyRateLimitService(t *testing.T) {
 		{"negative hits", negative, codes.InvalidArgument, "is_negative_hits"},
 		{"hits mismatch", mismatch, codes.InvalidArgument, "hits_addend"},
 		{"unknown key", rlsReq(0, []string{"tenant", "acme", "colour", "red"}), codes.InvalidArgument, "colour"},
+		// The engine's index of a merged entry is named as Envoy sent it.
+		{"unknown key, named where Envoy sent it", rlsReq(0, []string{"tenant", "acme"}, []string{"tenant", "acme", "colour", "red"}), codes.InvalidArgument, "descriptors[1].entries[1].key"},
 		{"cost above capacity", rlsReq(500, []string{"tenant", "acme", "user", "u2"}), codes.InvalidArgument, "can ever admit"},
 		{"oversized", rlsReq(0, []string{"tenant", "acme", "user", strings.Repeat("x", 100<<10)}), codes.ResourceExhausted, ""},
 	}

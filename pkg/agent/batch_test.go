@@ -73,7 +73,7 @@ func TestCheckBatchDecidesEachCheckOnItsOwn(t *testing.T) {
 		if r := got[2].GetResponse(); r.Remaining != 95 {
 			t.Fatalf("u2 remaining %d, want 95", r.Remaining)
 		}
-		for i, want := range map[uint32]string{1: "cost: must not be negative", 3: "descriptors[1].key"} {
+		for i, want := range map[uint32]string{1: "cost: must not be negative", 3: "entries[1].key"} {
 			e := got[i].GetError()
 			if got[i].GetResponse() != nil || e.GetCode() != connect.CodeInvalidArgument.String() || !strings.Contains(e.GetMessage(), want) {
 				t.Fatalf("check %d: %v, want invalid_argument naming %q", i, got[i], want)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"strconv"
 
 	"connectrpc.com/connect"
 	"github.com/prometheus/client_golang/prometheus"
@@ -78,8 +79,12 @@ func (s *AdmissionService) check(ctx context.Context, m *allotv1.CheckRequest) (
 	if err != nil {
 		return nil, err
 	}
-	return s.a.Check(ctx, &Input{Descriptors: es, Cost: m.GetCost(), RequestID: m.GetRequestId()})
+	v, err := s.a.Check(ctx, &Input{Descriptors: es, Cost: m.GetCost(), RequestID: m.GetRequestId()})
+	return v, apiFields(err, entryPath, "entries", "cost")
 }
+
+// entryPath is the Check API's path of a request's i-th entry.
+func entryPath(i int) string { return "entries[" + strconv.Itoa(i) + "]" }
 
 // ReleaseSlot implements AdmissionService.ReleaseSlot.
 func (s *AdmissionService) ReleaseSlot(ctx context.Context, req *connect.Request[allotv1.ReleaseSlotRequest]) (*connect.Response[allotv1.ReleaseSlotResponse], error) {
@@ -96,7 +101,8 @@ func (s *AdmissionService) releaseSlot(ctx context.Context, m *allotv1.ReleaseSl
 	if err != nil {
 		return 0, err
 	}
-	return s.a.ReleaseSlot(ctx, es, m.GetRequestId())
+	n, err := s.a.ReleaseSlot(ctx, es, m.GetRequestId())
+	return n, apiFields(err, entryPath, "entries", "cost")
 }
 
 // Mux serves the agent's Connect API, /metrics (when gatherer is set),

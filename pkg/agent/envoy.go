@@ -75,10 +75,16 @@ func NewGRPCServer(a *Agent, opts ...grpc.ServerOption) *grpc.Server {
 func (s *RateLimitService) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) (*rlsv3.RateLimitResponse, error) {
 	t0 := s.a.now()
 	defer func() { s.a.m.latency.WithLabelValues("envoy").Observe(s.a.now().Sub(t0).Seconds()) }()
-	in, err := s.input(req)
+	in, paths, err := s.input(req)
 	var v *Verdict
 	if err == nil {
 		v, err = s.a.Check(ctx, in)
+		err = apiFields(err, func(i int) string {
+			if i >= 0 && i < len(paths) {
+				return paths[i]
+			}
+			return "descriptors (merged entry " + strconv.Itoa(i) + ")"
+		}, "descriptors", "hits_addend")
 	}
 	if err != nil {
 		s.a.m.badRequests.WithLabelValues("envoy", codeOf(err).String()).Inc()
@@ -118,70 +124,73 @@ func (s *RateLimitService) ShouldRateLimit(ctx context.Context, req *rlsv3.RateL
 	return resp, nil
 }
 
-// input validates an Envoy request and merges its descriptors.
-func (s *RateLimitService) input(req *rlsv3.RateLimitRequest) (*Input, error) {
+// input validates an Envoy request and merges its descriptors. paths[i]
+// is where the merged entry i came from (descriptors[d].entries[e]), for
+// errors about it.
+func (s *RateLimitService) input(req *rlsv3.RateLimitRequest) (in *Input, paths []string, err error) {
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf(format+": %w", append(args, ErrInvalidRequest)...)
 	}
 	switch {
 	case req.GetDomain() == "":
-		return nil, bad("domain: must not be empty")
+		return nil, nil, bad("domain: must not be empty")
 	case s.a.cfg.EnvoyDomain != "" && req.GetDomain() != s.a.cfg.EnvoyDomain:
-		return nil, bad("domain: %q is not served here (want %q)", truncate(req.GetDomain()), s.a.cfg.EnvoyDomain)
+		return nil, nil, bad("domain: %q is not served here (want %q)", truncate(req.GetDomain()), s.a.cfg.EnvoyDomain)
 	case len(req.GetDescriptors()) == 0:
-		return nil, bad("descriptors: must not be empty")
+		return nil, nil, bad("descriptors: must not be empty")
 	case len(req.GetDescriptors()) > admission.MaxDescriptors:
-		return nil, bad("descriptors: %d, the limit is %d", len(req.GetDescriptors()), admission.MaxDescriptors)
+		return nil, nil, bad("descriptors: %d, the limit is %d", len(req.GetDescriptors()), admission.MaxDescriptors)
 	}
-	in := &Input{Cost: int64(req.GetHitsAddend())}
+	in = &Input{Cost: int64(req.GetHitsAddend())}
 	from := map[string]int{} // key -> index of the first descriptor giving it
 	var descHits int64 = -1
 	for i, d := range req.GetDescriptors() {
 		switch {
 		case d == nil || len(d.GetEntries()) == 0:
-			return nil, bad("descriptors[%d].entries: must not be empty", i)
+			return nil, nil, bad("descriptors[%d].entries: must not be empty", i)
 		case d.GetLimit() != nil:
-			return nil, bad("descriptors[%d].limit: overrides are not supported; limits come from the allot policy", i)
+			return nil, nil, bad("descriptors[%d].limit: overrides are not supported; limits come from the allot policy", i)
 		case d.GetIsNegativeHits():
-			return nil, bad("descriptors[%d].is_negative_hits: refunds are not supported", i)
+			return nil, nil, bad("descriptors[%d].is_negative_hits: refunds are not supported", i)
 		}
 		if h := d.GetHitsAddend(); h != nil {
 			if h.GetValue() > uint64(admission.MaxHits) {
-				return nil, bad("descriptors[%d].hits_addend: %d exceeds the maximum %d", i, h.GetValue(), int64(admission.MaxHits))
+				return nil, nil, bad("descriptors[%d].hits_addend: %d exceeds the maximum %d", i, h.GetValue(), int64(admission.MaxHits))
 			}
 			if descHits >= 0 && int64(h.GetValue()) != descHits {
-				return nil, bad("descriptors[%d].hits_addend: %d differs from %d in an earlier descriptor; one request has one cost", i, h.GetValue(), descHits)
+				return nil, nil, bad("descriptors[%d].hits_addend: %d differs from %d in an earlier descriptor; one request has one cost", i, h.GetValue(), descHits)
 			}
 			descHits = int64(h.GetValue())
 		}
 		for j, e := range d.GetEntries() {
 			if e.GetKey() == "" {
-				return nil, bad("descriptors[%d].entries[%d].key: must not be empty", i, j)
+				return nil, nil, bad("descriptors[%d].entries[%d].key: must not be empty", i, j)
 			}
 			if e.GetKey() == RequestIDKey {
 				if in.RequestID != "" && in.RequestID != e.GetValue() {
-					return nil, bad("descriptors[%d].entries[%d]: a second, different request_id", i, j)
+					return nil, nil, bad("descriptors[%d].entries[%d]: a second, different request_id", i, j)
 				}
 				in.RequestID = e.GetValue()
 				continue
 			}
 			if k, seen := from[e.GetKey()]; seen {
 				if prev := in.Descriptors[k].Value; prev != e.GetValue() {
-					return nil, bad("descriptors[%d].entries[%d]: %s=%q conflicts with %q given earlier", i, j, truncate(e.GetKey()), truncate(e.GetValue()), truncate(prev))
+					return nil, nil, bad("descriptors[%d].entries[%d]: %s=%q conflicts with %q given earlier", i, j, truncate(e.GetKey()), truncate(e.GetValue()), truncate(prev))
 				}
 				continue
 			}
 			from[e.GetKey()] = len(in.Descriptors)
 			in.Descriptors = append(in.Descriptors, policy.Entry{Key: e.GetKey(), Value: e.GetValue()})
+			paths = append(paths, fmt.Sprintf("descriptors[%d].entries[%d]", i, j))
 		}
 	}
 	if descHits >= 0 {
 		if in.Cost != 0 && in.Cost != descHits {
-			return nil, bad("hits_addend: %d differs from the descriptors' %d", in.Cost, descHits)
+			return nil, nil, bad("hits_addend: %d differs from the descriptors' %d", in.Cost, descHits)
 		}
 		in.Cost = descHits
 	}
-	return in, nil
+	return in, paths, nil
 }
 
 func secondsDuration(n int64) time.Duration { return time.Duration(n) * time.Second }

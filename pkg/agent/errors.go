@@ -3,6 +3,9 @@ package agent
 import (
 	"context"
 	"errors"
+	"regexp"
+	"strconv"
+	"strings"
 
 	"connectrpc.com/connect"
 	"go.uber.org/zap"
@@ -76,3 +79,47 @@ func toGRPC(log *zap.Logger, err error) error {
 	}
 	return status.Error(codes.Code(code), err.Error())
 }
+
+// apiFields presents an engine error about a request under the field names
+// of the API the request came through. The engine names a request's
+// entries descriptors[i] (and their list descriptors) and its cost hits;
+// the Check API calls them entries[i] and cost, the Envoy API
+// descriptors[i].entries[j] and hits_addend. path maps the engine's index of
+// an entry to the API's path; list and hits are the API's names. Other
+// errors come back as they are.
+func apiFields(err error, path func(int) string, list, hits string) error {
+	if err == nil || !errors.Is(err, admission.ErrInvalidRequest) {
+		return err
+	}
+	msg := err.Error()
+	switch {
+	case strings.HasPrefix(msg, "descriptors:"):
+		msg = list + msg[len("descriptors"):]
+	case strings.HasPrefix(msg, "hits:"):
+		msg = hits + msg[len("hits"):]
+	}
+	msg = entryRef.ReplaceAllStringFunc(msg, func(ref string) string {
+		i, perr := strconv.Atoi(ref[len("descriptors[") : len(ref)-1])
+		if perr != nil {
+			return ref
+		}
+		return path(i)
+	})
+	if msg == err.Error() {
+		return err
+	}
+	return &fieldError{msg: msg, err: err}
+}
+
+// entryRef is the engine's name of a request's entry.
+var entryRef = regexp.MustCompile(`descriptors\[[0-9]+\]`)
+
+// fieldError is an error with its message rewritten by apiFields; it still
+// wraps the engine's error for errors.Is.
+type fieldError struct {
+	msg string
+	err error
+}
+
+func (e *fieldError) Error() string { return e.msg }
+func (e *fieldError) Unwrap() error { return e.err }
