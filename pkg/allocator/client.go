@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/allot-dev/allot/pkg/policy"
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
 	"github.com/allot-dev/allot/proto/allot/v1/allotv1connect"
 )
@@ -259,10 +260,42 @@ func opCall[Req, Resp any](ctx context.Context, c *Client, req *Req,
 }
 
 // PublishPolicy calls OperatorService.PublishPolicy.
+//
+// The client retries a call whose answer was lost, and a conditional
+// publish (expected_version set) whose first attempt committed is then
+// refused as stale (FailedPrecondition) although it took effect. On that
+// refusal PublishPolicy reads the expected version: when it holds this
+// request's document (by digest), author and reason, the publish is
+// reported as the success it was.
 func (o *OperatorClient) PublishPolicy(ctx context.Context, req *allotv1.PublishPolicyRequest) (*allotv1.PublishPolicyResponse, error) {
-	return opCall(ctx, o.c, req, func(s allotv1connect.OperatorServiceClient) func(context.Context, *connect.Request[allotv1.PublishPolicyRequest]) (*connect.Response[allotv1.PublishPolicyResponse], error) {
+	resp, err := opCall(ctx, o.c, req, func(s allotv1connect.OperatorServiceClient) func(context.Context, *connect.Request[allotv1.PublishPolicyRequest]) (*connect.Response[allotv1.PublishPolicyResponse], error) {
 		return s.PublishPolicy
 	})
+	if err == nil || req.GetExpectedVersion() == 0 || connect.CodeOf(err) != connect.CodeFailedPrecondition {
+		return resp, err
+	}
+	if rec := o.committed(ctx, req); rec != nil {
+		return &allotv1.PublishPolicyResponse{Policy: rec}, nil
+	}
+	return resp, err
+}
+
+// committed returns the record at req's expected version when it is req's
+// own publication (the same document, author and reason), else nil.
+func (o *OperatorClient) committed(ctx context.Context, req *allotv1.PublishPolicyRequest) *allotv1.PolicyRecord {
+	doc, err := policy.Parse(req.GetDocument())
+	if err != nil {
+		return nil
+	}
+	got, err := o.GetPolicy(ctx, &allotv1.GetPolicyRequest{Version: req.GetExpectedVersion()})
+	if err != nil {
+		return nil
+	}
+	rec := got.GetPolicy()
+	if rec.GetDigest() != policy.Digest(doc) || rec.GetAuthor() != req.GetAuthor() || rec.GetReason() != req.GetReason() {
+		return nil
+	}
+	return rec
 }
 
 // GetPolicy calls OperatorService.GetPolicy.

@@ -189,3 +189,32 @@ func TestReleaseWithoutIDIsCreditedOnce(t *testing.T) {
 		t.Fatalf("window granted %d released %d, want 100 and 30 (the retried release credited once)", w.Granted, w.Released)
 	}
 }
+
+// TestConditionalPublishWhoseAnswerIsLost: a conditional publish commits,
+// its answer is lost, and the client's retry is refused as stale. The
+// client reports the success it was (the record at the expected version is
+// this request's), while a stale publish of someone else's stays refused.
+func TestConditionalPublishWhoseAnswerIsLost(t *testing.T) {
+	tc := newTestCluster(t, 1)
+	tc.leader()
+	publishTest(t, tc.addrs, clusterPolicy, 1)
+	lossy := &lossyTransport{suffix: "/PublishPolicy"}
+	c, err := NewClient(tc.addrs, WithHTTPClient(&http.Client{Transport: lossy}), WithBackoff(10*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	resp, err := c.Operator().PublishPolicy(ctx, &allotv1.PublishPolicyRequest{Document: []byte(clusterPolicy), ExpectedVersion: 2, Author: "alice", Reason: "retune"})
+	if !lossy.lost.Load() {
+		t.Fatal("the transport lost no answer: the test proved nothing")
+	}
+	if err != nil || resp.GetPolicy().GetVersion() != 2 || resp.GetPolicy().GetAuthor() != "alice" {
+		t.Fatalf("publish whose answer was lost: %v, %v; want version 2 by alice", resp, err)
+	}
+	_, err = c.Operator().PublishPolicy(ctx, &allotv1.PublishPolicyRequest{Document: []byte(clusterPolicy), ExpectedVersion: 2, Author: "bob", Reason: "another change"})
+	if connect.CodeOf(err) != connect.CodeFailedPrecondition {
+		t.Fatalf("bob's stale publish: %v, want FailedPrecondition", err)
+	}
+}
