@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"connectrpc.com/connect"
@@ -263,15 +264,18 @@ func opCall[Req, Resp any](ctx context.Context, c *Client, req *Req,
 //
 // The client retries a call whose answer was lost, and a conditional
 // publish (expected_version set) whose first attempt committed is then
-// refused as stale (FailedPrecondition) although it took effect. On that
-// refusal PublishPolicy reads the expected version: when it holds this
-// request's document (by digest), author and reason, the publish is
-// reported as the success it was.
+// refused as stale (FailedPrecondition) although it took effect. When a
+// retried publish is refused so, PublishPolicy reads the expected version:
+// when it holds this request's document (by digest), author and reason, the
+// publish is reported as the success it was. A refusal at the first attempt
+// stays a refusal.
 func (o *OperatorClient) PublishPolicy(ctx context.Context, req *allotv1.PublishPolicyRequest) (*allotv1.PublishPolicyResponse, error) {
+	var attempts atomic.Int32
 	resp, err := opCall(ctx, o.c, req, func(s allotv1connect.OperatorServiceClient) func(context.Context, *connect.Request[allotv1.PublishPolicyRequest]) (*connect.Response[allotv1.PublishPolicyResponse], error) {
+		attempts.Add(1)
 		return s.PublishPolicy
 	})
-	if err == nil || req.GetExpectedVersion() == 0 || connect.CodeOf(err) != connect.CodeFailedPrecondition {
+	if err == nil || attempts.Load() < 2 || req.GetExpectedVersion() == 0 || connect.CodeOf(err) != connect.CodeFailedPrecondition {
 		return resp, err
 	}
 	if rec := o.committed(ctx, req); rec != nil {
