@@ -158,20 +158,28 @@ func (l *lossyTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 	return resp, err
 }
 
+// lossyCluster starts a one-node cluster with clusterPolicy published and a
+// client whose transport loses the first answer to a call ending in suffix.
+func lossyCluster(t *testing.T, suffix string) (*Node, *Client, *lossyTransport) {
+	t.Helper()
+	tc := newTestCluster(t, 1)
+	l := tc.leader()
+	publishTest(t, tc.addrs, clusterPolicy, 1)
+	lossy := &lossyTransport{suffix: suffix}
+	c, err := NewClient(tc.addrs, WithHTTPClient(&http.Client{Transport: lossy}), WithBackoff(10*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return l, c, lossy
+}
+
 // TestReleaseWithoutIDIsCreditedOnce: a Release that carries no request id
 // and whose answer is lost is retried by the client; the tokens are given
 // back once. Without an id the retry credited them again, and the pool could
 // grant tokens the region still held.
 func TestReleaseWithoutIDIsCreditedOnce(t *testing.T) {
-	tc := newTestCluster(t, 1)
-	l := tc.leader()
-	publishTest(t, tc.addrs, clusterPolicy, 1)
-	lossy := &lossyTransport{suffix: "/Release"}
-	c, err := NewClient(tc.addrs, WithHTTPClient(&http.Client{Transport: lossy}), WithBackoff(10*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	l, c, lossy := lossyCluster(t, "/Release")
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	first, err := c.Acquire(ctx, &allotv1.AcquireRequest{Region: "eu", RequestId: "a1", Wants: []*allotv1.Want{{Quota: "atlas", Tokens: 100}}})
@@ -195,15 +203,7 @@ func TestReleaseWithoutIDIsCreditedOnce(t *testing.T) {
 // client reports the success it was (the record at the expected version is
 // this request's), while a stale publish of someone else's stays refused.
 func TestConditionalPublishWhoseAnswerIsLost(t *testing.T) {
-	tc := newTestCluster(t, 1)
-	tc.leader()
-	publishTest(t, tc.addrs, clusterPolicy, 1)
-	lossy := &lossyTransport{suffix: "/PublishPolicy"}
-	c, err := NewClient(tc.addrs, WithHTTPClient(&http.Client{Transport: lossy}), WithBackoff(10*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	_, c, lossy := lossyCluster(t, "/PublishPolicy")
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	resp, err := c.Operator().PublishPolicy(ctx, &allotv1.PublishPolicyRequest{Document: []byte(clusterPolicy), ExpectedVersion: 2, Author: "alice", Reason: "retune"})
