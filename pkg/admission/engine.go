@@ -181,6 +181,7 @@ type group struct {
 	op     *op        // the store call, for a refund
 	fb     []*fbState // fallback debits, for a refund
 	fbIdx  []int
+	fbAt   int64 // wall ms of the fallback debits
 	replay bool
 }
 
@@ -304,7 +305,7 @@ func (e *Engine) DecideInto(ctx context.Context, req *Request, d *Decision) erro
 		for j, s := range groups[gi].fb {
 			it := &items[groups[gi].fbIdx[j]]
 			if it.sp.kind == kindSlots {
-				d.slots = append(d.slots, slotRef{fb: s})
+				d.slots = append(d.slots, slotRef{fb: s, fbDeadline: slotDeadline(it.sp, groups[gi].fbAt)})
 			}
 		}
 	}
@@ -678,7 +679,7 @@ func (e *Engine) failGroup(g *group, items []item, now time.Time, mono int64, co
 			add(&e.m.fallback, 1)
 			return Deny, fbIdx[deny], it.res.RetryAfter
 		}
-		g.fb, g.fbIdx = states, fbIdx
+		g.fb, g.fbIdx, g.fbAt = states, fbIdx, wall
 		add(&e.m.fallback, uint64(len(fbItems)))
 	}
 	for _, i := range g.idx {
@@ -819,9 +820,7 @@ func (e *Engine) compensate(groups []group, items []item, mono int64) {
 			case kindBucket:
 				s.tok = min(it.sp.fbCap, s.tok+it.cost)
 			case kindSlots:
-				if s.inflight > 0 {
-					s.inflight--
-				}
+				s.free(slotDeadline(it.sp, g.fbAt))
 			default:
 				s.c = max(0, s.c-it.cost)
 			}

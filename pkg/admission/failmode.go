@@ -117,11 +117,11 @@ type fallback struct {
 
 // fbState is one fallback counter. Times are wall milliseconds.
 type fbState struct {
-	tok, ts  int64 // bucket: millitokens and last refill
-	frac     int64 // bucket: thousandths of a millitoken earned by ts
-	w, c     int64 // window index and count
-	inflight int64 // concurrency slots held
-	last     int64 // last use, for sweeping
+	tok, ts int64   // bucket: millitokens and last refill
+	frac    int64   // bucket: thousandths of a millitoken earned by ts
+	w, c    int64   // window index and count
+	slots   []int64 // concurrency: the deadlines (wall ms) of the slots held
+	last    int64   // last use, for sweeping
 }
 
 // fbItem is one rule of a group decided by the fallback.
@@ -142,7 +142,7 @@ func (f *fallback) state(hash uint64, now int64, sp *spec) *fbState {
 	}
 	if len(f.m) >= f.max {
 		for k, s := range f.m { // drop idle counters (over a minute unused)
-			if s.inflight == 0 && now-s.last > 60_000 {
+			if s.held(now) == 0 && now-s.last > 60_000 {
 				delete(f.m, k)
 			}
 		}
@@ -178,13 +178,38 @@ func (f *fallback) decide(items []fbItem, now int64) (int, int64, []*fbState) {
 	return -1, 0, states
 }
 
-// release gives back a fallback concurrency slot.
-func (f *fallback) release(s *fbState) {
+// release gives back the fallback concurrency slot of s that expires at
+// deadline; nothing when it expired already.
+func (f *fallback) release(s *fbState, deadline int64) {
 	f.mu.Lock()
-	if s.inflight > 0 {
-		s.inflight--
-	}
+	s.free(deadline)
 	f.mu.Unlock()
+}
+
+// held drops the slots whose deadline has passed and returns how many are
+// left. Slots are leases, as in the store: one whose holder never releases
+// it (a crashed handler, a proxy with no completion call) lapses after the
+// rule's slot_ttl instead of holding the fallback for the process's life.
+func (s *fbState) held(now int64) int {
+	live := s.slots[:0]
+	for _, dl := range s.slots {
+		if dl > now {
+			live = append(live, dl)
+		}
+	}
+	clear(s.slots[len(live):])
+	s.slots = live
+	return len(live)
+}
+
+// free removes one slot expiring at deadline.
+func (s *fbState) free(deadline int64) {
+	for i, dl := range s.slots {
+		if dl == deadline {
+			s.slots = append(s.slots[:i], s.slots[i+1:]...)
+			return
+		}
+	}
 }
 
 // refill adds what the bucket earned since its stamp, keeping the fraction
@@ -218,6 +243,10 @@ func (s *fbState) window(sp *spec, now int64) {
 	}
 }
 
+// slotDeadline is when a fallback slot taken at now lapses: the rule's
+// slot_ttl later, as the store's would.
+func slotDeadline(sp *spec, now int64) int64 { return now + sp.b }
+
 func (s *fbState) check(sp *spec, cost, now int64) (bool, int64) {
 	switch sp.kind {
 	case kindBucket:
@@ -236,7 +265,7 @@ func (s *fbState) check(sp *spec, cost, now int64) (bool, int64) {
 		}
 		return false, (s.w+1)*sp.fbWindow - now
 	case kindSlots:
-		if s.inflight < sp.fbLimit {
+		if int64(s.held(now)) < sp.fbLimit {
 			return true, 0
 		}
 		return false, scriptEmptyRetry
@@ -252,6 +281,6 @@ func (s *fbState) debit(sp *spec, cost, now int64) {
 	case kindFixed, kindSliding, kindPool:
 		s.c += cost
 	case kindSlots:
-		s.inflight++
+		s.slots = append(s.slots, slotDeadline(sp, now))
 	}
 }

@@ -519,3 +519,75 @@ func TestMemoryStoreFull(t *testing.T) {
 		t.Fatalf("BreakerOpens %d: a full store opened the breaker", n)
 	}
 }
+
+const fallbackSlotsPolicy = `
+name: fallback-slots
+rules:
+  - name: workers
+    scope: tenant
+    match: [{key: tenant}]
+    kind: concurrency
+    max_in_flight: 4
+    slot_ttl: 30s
+    fail_mode: fallback
+`
+
+// TestFallbackSlotsLapse: a slot the fallback takes while the store is down
+// is a lease, as in the store. Released, it frees at once; never released (a
+// crashed handler, a proxy with no completion call), it lapses after the
+// rule's slot_ttl instead of holding the fallback until the process restarts.
+func TestFallbackSlotsLapse(t *testing.T) {
+	addr, err := redistest.ClosedAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, _ := failHarness(t, addr, parse(t, fallbackSlotsPolicy), nil)
+	ctx := context.Background()
+
+	// 4 slots on 2 gateways: 2 here.
+	first := h.decide("tenant", "cedar")
+	wantAllowed(t, first, "first slot")
+	if r := rule(t, first, "workers"); r.FailMode != policy.FailFallback || !first.HasSlots() {
+		t.Fatalf("first slot: %+v; want a fallback slot held", first)
+	}
+	second := h.decide("tenant", "cedar")
+	wantAllowed(t, second, "second slot")
+	if d := h.decide("tenant", "cedar"); d.Allowed() || d.Rule != "workers" {
+		t.Fatalf("third slot: %+v; want denied by workers' fallback", d)
+	}
+
+	// A release frees its slot at once, and only once.
+	for i := 0; i < 2; i++ {
+		if err := h.e.Release(ctx, first); err != nil {
+			t.Fatalf("release %d: %v", i, err)
+		}
+	}
+	wantAllowed(t, h.decide("tenant", "cedar"), "slot after a release")
+	if d := h.decide("tenant", "cedar"); d.Allowed() {
+		t.Fatalf("a second release freed another slot: %+v", d)
+	}
+
+	// Never released, the two held slots lapse after slot_ttl.
+	h.clock.Advance(29 * time.Second)
+	if d := h.decide("tenant", "cedar"); d.Allowed() {
+		t.Fatalf("before slot_ttl: %+v; want still denied", d)
+	}
+	h.clock.Advance(2 * time.Second)
+	a := h.decide("tenant", "cedar")
+	wantAllowed(t, a, "after slot_ttl")
+	wantAllowed(t, h.decide("tenant", "cedar"), "second after slot_ttl")
+	if d := h.decide("tenant", "cedar"); d.Allowed() {
+		t.Fatalf("third after slot_ttl: %+v; want denied", d)
+	}
+	// Releasing a lapsed slot's decision frees nothing of the new ones.
+	if err := h.e.Release(ctx, second); err != nil {
+		t.Fatal(err)
+	}
+	if d := h.decide("tenant", "cedar"); d.Allowed() {
+		t.Fatalf("releasing a lapsed decision freed a live slot: %+v", d)
+	}
+	if err := h.e.Release(ctx, a); err != nil {
+		t.Fatal(err)
+	}
+	wantAllowed(t, h.decide("tenant", "cedar"), "after releasing a live slot")
+}

@@ -14,6 +14,9 @@ type slotRef struct {
 	member string
 	ttl    int64 // ms
 	fb     *fbState
+	// fbDeadline is when the fallback slot lapses (wall ms), which names
+	// it among the state's slots.
+	fbDeadline int64
 }
 
 // Release gives back the concurrency slots d holds, when the work they
@@ -28,7 +31,7 @@ func (e *Engine) Release(ctx context.Context, d *Decision) error {
 	for i := range d.slots {
 		s := &d.slots[i]
 		if s.fb != nil {
-			e.fb.release(s.fb)
+			e.fb.release(s.fb, s.fbDeadline)
 			s.fb = nil
 			continue
 		}
