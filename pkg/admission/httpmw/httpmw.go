@@ -25,6 +25,14 @@
 //	RateLimit: "p-read";r=12;t=4
 //
 // Anonymous callers get none: quotas and reset times would leak plan details.
+// A rule that never refills (zero_refill_reason) denies without Retry-After
+// and is advertised without a reset time: waiting will not help.
+//
+// An authenticated identity without a tenant is a fault of the identity
+// function: such a caller is limited as anonymous (by address), never left
+// unlimited, and the fault is logged. Likewise a descriptor the gateway adds
+// (WithDescriptors) that no rule uses is the gateway's fault: 500, logged,
+// not a 400 blaming the client.
 package httpmw
 
 import (
@@ -32,12 +40,15 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"net"
 	"net/http"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"go.uber.org/zap"
 
@@ -116,8 +127,8 @@ type options struct {
 func WithIdentity(f func(*http.Request) Identity) Option { return func(o *options) { o.identify = f } }
 
 // WithRoute sets the route class of a request, e.g. "GET /catalog". The
-// default is the method and the URL path; give a template function when paths
-// carry ids, or every id becomes its own counter.
+// default (DefaultRoute) is the method and the URL path; give a template
+// function when paths carry ids, or every id becomes its own counter.
 func WithRoute(f func(*http.Request) string) Option { return func(o *options) { o.route = f } }
 
 // WithClientIP sets how the client address is found. The default is the
@@ -125,8 +136,13 @@ func WithRoute(f func(*http.Request) string) Option { return func(o *options) { 
 // control, take the address your own edge appended, never the client's.
 func WithClientIP(f func(*http.Request) string) Option { return func(o *options) { o.clientIP = f } }
 
-// WithRequestID sets the idempotency key of a request (e.g. a verified
-// Idempotency-Key); the default is none.
+// WithRequestID sets the idempotency key of a request; the default is none.
+// A request repeating a key within the engine's IdempotencyTTL gets the
+// first admission back: its handler runs uncharged and holds no concurrency
+// slot. So the key must be one your server vouches for (an Idempotency-Key
+// your idempotency layer answers repeats of, an id your own edge assigns),
+// never a bare client header: a client repeating one key would run the
+// handler without limit.
 func WithRequestID(f func(*http.Request) string) Option { return func(o *options) { o.requestID = f } }
 
 // WithHits sets how many hits a request counts for (e.g. a batch size); the
@@ -151,7 +167,7 @@ func New(d Decider, cfg Config, opts ...Option) (func(http.Handler) http.Handler
 	}
 	o := options{
 		identify: func(*http.Request) Identity { return Identity{} },
-		route:    func(r *http.Request) string { return r.Method + " " + r.URL.Path },
+		route:    DefaultRoute,
 		clientIP: remoteHost,
 		logger:   zap.NewNop(),
 	}
@@ -162,6 +178,47 @@ func New(d Decider, cfg Config, opts ...Option) (func(http.Handler) http.Handler
 	m.into, _ = d.(intoDecider)
 	m.pool.New = func() any { return new(admission.Decision) }
 	return m.wrap, nil
+}
+
+// maxRoute bounds DefaultRoute's labels below admission.MaxValueLen.
+const maxRoute = 200
+
+// DefaultRoute is the route class WithRoute defaults to: the method and the
+// URL path, e.g. "GET /catalog". HEAD counts as GET (net/http serves HEAD
+// with GET handlers, so GET's limits must apply). A path that is not
+// printable UTF-8 is taken in its escaped form, and one too long for a
+// descriptor is cut, with a hash of the whole path appended, so a client's
+// odd path never turns into a 400 from the limiter.
+func DefaultRoute(r *http.Request) string {
+	method := r.Method
+	if method == http.MethodHead {
+		method = http.MethodGet
+	}
+	path := r.URL.Path
+	if !printable(path) {
+		path = r.URL.EscapedPath()
+	}
+	label := method + " " + path
+	if len(label) <= maxRoute {
+		return label
+	}
+	h := fnv.New64a()
+	h.Write([]byte(label))
+	cut := maxRoute - 17
+	for cut > 0 && !utf8.RuneStart(label[cut]) {
+		cut--
+	}
+	return label[:cut] + "#" + strconv.FormatUint(h.Sum64()|1<<63, 16)
+}
+
+// printable reports whether s is valid UTF-8 without control characters.
+func printable(s string) bool {
+	for _, c := range s {
+		if c < 0x20 || c == 0x7f || c == utf8.RuneError || (c >= 0x80 && c < 0xa0) {
+			return false
+		}
+	}
+	return true
 }
 
 func remoteHost(r *http.Request) string {
@@ -179,6 +236,9 @@ type middleware struct {
 	cfg  Config
 	o    options
 	log  *zap.Logger
+	// lastNoTenant is when a tenantless identity was last logged (unix
+	// ns), so a broken identity function logs once a minute, not per request.
+	lastNoTenant atomic.Int64
 }
 
 func (m *middleware) wrap(next http.Handler) http.Handler {
@@ -233,11 +293,12 @@ func (m *middleware) request(r *http.Request, id Identity) *admission.Request {
 	if ip := m.o.clientIP(r); ip != "" {
 		entries = append(entries, policy.Entry{Key: "ip", Value: ip})
 	}
+	if id.Authenticated && id.Tenant == "" {
+		m.noTenant()
+		id = Identity{}
+	}
 	if id.Authenticated {
-		entries = append(entries, policy.Entry{Key: "auth", Value: "token"})
-		if id.Tenant != "" {
-			entries = append(entries, policy.Entry{Key: "tenant", Value: id.Tenant})
-		}
+		entries = append(entries, policy.Entry{Key: "auth", Value: "token"}, policy.Entry{Key: "tenant", Value: id.Tenant})
 		if id.User != "" {
 			entries = append(entries, policy.Entry{Key: "user", Value: id.User})
 		}
@@ -258,6 +319,17 @@ func (m *middleware) request(r *http.Request, id Identity) *admission.Request {
 	return req
 }
 
+// noTenant logs, at most once a minute, that the identity function returned
+// an authenticated caller without a tenant.
+func (m *middleware) noTenant() {
+	now := time.Now().UnixNano()
+	last := m.lastNoTenant.Load()
+	if now-last < int64(time.Minute) || !m.lastNoTenant.CompareAndSwap(last, now) {
+		return
+	}
+	m.log.Error("identity: an authenticated caller without a tenant; limited as anonymous (by address) until the identity function sets the tenant")
+}
+
 func (m *middleware) release(ctx context.Context, d *admission.Decision) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), m.cfg.ReleaseTimeout)
 	defer cancel()
@@ -266,9 +338,24 @@ func (m *middleware) release(ctx context.Context, d *admission.Decision) {
 	}
 }
 
-// fail answers a request the engine refused to decide.
+// fail answers a request the engine refused to decide. The client's own
+// input (its path, hits, request id) is a 400 naming the field; a
+// descriptor no rule uses can only come from the gateway (the standard keys
+// are always known), so it is a 500 and logged. A cost beyond a rule's
+// capacity is a 400 that names no rule or limit: the details, which would
+// tell an anonymous caller the plan, go to the log.
 func (m *middleware) fail(w http.ResponseWriter, err error) {
-	if errors.Is(err, admission.ErrInvalidRequest) {
+	switch {
+	case errors.Is(err, admission.ErrUnknownDescriptor):
+		m.log.Error("a descriptor the gateway adds is used by no rule", zap.Error(err))
+		reject(w, http.StatusInternalServerError, 0, body{Error: "limiter_misconfigured"})
+		return
+	case errors.Is(err, admission.ErrBadCost):
+		m.log.Debug("bad request", zap.Error(err))
+		reject(w, http.StatusBadRequest, 0, body{Error: "bad_request", Message: "hits: more than this request's limits admit"})
+		return
+	case errors.Is(err, admission.ErrInvalidRequest):
+		m.log.Debug("bad request", zap.Error(err))
 		reject(w, http.StatusBadRequest, 0, body{Error: "bad_request", Message: err.Error()})
 		return
 	}
@@ -305,13 +392,17 @@ func advertise(h http.Header, d *admission.Decision) {
 			continue
 		}
 		name := sfString(r.Rule)
-		p := name + ";q=" + strconv.FormatInt(r.Quota, 10)
+		p := name + ";q=" + sfInt(r.Quota)
 		if r.Window > 0 {
-			p += ";w=" + strconv.FormatInt(r.Window, 10)
+			p += ";w=" + sfInt(r.Window)
 		}
 		pol = append(pol, p)
 		if r.Remaining >= 0 {
-			lim = append(lim, name+";r="+strconv.FormatInt(r.Remaining, 10)+";t="+strconv.FormatInt(r.Reset, 10))
+			l := name + ";r=" + sfInt(r.Remaining)
+			if r.Window > 0 { // a rule that never refills has no reset time
+				l += ";t=" + sfInt(r.Reset)
+			}
+			lim = append(lim, l)
 		}
 	}
 	if len(pol) > 0 {
@@ -321,6 +412,13 @@ func advertise(h http.Header, d *admission.Decision) {
 		h.Set("RateLimit", strings.Join(lim, ", "))
 	}
 }
+
+// sfMaxInt is the largest structured-field Integer (15 digits, RFC 9651).
+const sfMaxInt = 999_999_999_999_999
+
+// sfInt encodes n as a structured-field Integer, clamped to its range (a
+// bucket refilling over years has a window of more than 15 digits).
+func sfInt(n int64) string { return strconv.FormatInt(min(max(n, -sfMaxInt), sfMaxInt), 10) }
 
 // sfString encodes s as a structured-field String (RFC 9651): quoted, with
 // backslash and quote escaped. Rule names are [a-z0-9._-], so this is

@@ -7,10 +7,12 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/goleak"
@@ -51,7 +53,13 @@ type gateway struct {
 
 func newGateway(t *testing.T, store admission.Store, cfg admission.Config, opts ...admission.Option) *gateway {
 	t.Helper()
-	doc, err := policy.Parse(examples.Northstar)
+	return newGatewayWith(t, examples.Northstar, nil, store, cfg, opts...)
+}
+
+// newGatewayWith is newGateway with policy src and middleware options mw.
+func newGatewayWith(t *testing.T, src []byte, mw []httpmw.Option, store admission.Store, cfg admission.Config, opts ...admission.Option) *gateway {
+	t.Helper()
+	doc, err := policy.Parse(src)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -61,13 +69,13 @@ func newGateway(t *testing.T, store admission.Store, cfg admission.Config, opts 
 	}
 	t.Cleanup(func() { e.Close() })
 	g := &gateway{e: e}
-	mw, err := httpmw.New(e, httpmw.DefaultConfig(), httpmw.WithIdentity(identify))
+	m, err := httpmw.New(e, httpmw.DefaultConfig(), append([]httpmw.Option{httpmw.WithIdentity(identify)}, mw...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") })
-	g.srv = httptest.NewServer(auth(mw(mux)))
+	g.srv = httptest.NewServer(auth(m(mux)))
 	t.Cleanup(g.srv.Close)
 	return g
 }
@@ -308,13 +316,34 @@ func TestUnavailable(t *testing.T) {
 	}
 }
 
+// TestBadRequest: a client's bad input is a 400 naming the field but no
+// rule or limit; a descriptor the gateway adds that no rule uses is the
+// gateway's fault, a 500.
 func TestBadRequest(t *testing.T) {
-	g := memGateway(t)
-	resp := g.do(t, "GET", "/"+strings.Repeat("x", 400), "cedar/U-1")
-	if resp.StatusCode != http.StatusBadRequest {
-		t.Fatalf("oversized route: %d, want 400", resp.StatusCode)
+	clock := windowClock()
+	hits := httpmw.WithHits(func(r *http.Request) int64 {
+		n, _ := strconv.ParseInt(r.URL.Query().Get("n"), 10, 64)
+		return n
+	})
+	g := newGatewayWith(t, examples.Northstar, []httpmw.Option{hits}, memStore(t, clock), admission.DefaultConfig(), admission.WithClock(clock))
+	for _, n := range []string{"-1", "21"} {
+		resp := g.do(t, "GET", "/catalog?n="+n, "")
+		if resp.StatusCode != http.StatusBadRequest {
+			t.Fatalf("hits %s: %d, want 400", n, resp.StatusCode)
+		}
+		msg := decode(t, resp)["message"].(string)
+		if !strings.HasPrefix(msg, "hits") || strings.Contains(msg, "p-anon") || strings.Contains(msg, "20") {
+			t.Fatalf("hits %s: message %q; want one naming hits and no rule or limit", n, msg)
+		}
 	}
-	if b := decode(t, resp); !strings.Contains(b["message"].(string), "value") {
+
+	plan := httpmw.WithDescriptors(func(*http.Request) []policy.Entry { return []policy.Entry{{Key: "plan", Value: "gold"}} })
+	g = newGatewayWith(t, examples.Northstar, []httpmw.Option{plan}, memStore(t, clock), admission.DefaultConfig(), admission.WithClock(clock))
+	resp := g.do(t, "GET", "/catalog", "cedar/U-1")
+	if resp.StatusCode != http.StatusInternalServerError {
+		t.Fatalf("a gateway descriptor no rule uses: %d, want 500", resp.StatusCode)
+	}
+	if b := decode(t, resp); b["error"] != "limiter_misconfigured" {
 		t.Fatalf("body %v", b)
 	}
 	if _, err := httpmw.New(nil, httpmw.DefaultConfig()); err == nil {
@@ -434,5 +463,106 @@ rules:
 	}
 	if resp := g.do(t, "GET", "/catalog", ""); resp.StatusCode != 200 {
 		t.Fatalf("anonymous request (no rule matches it): %d, want 200", resp.StatusCode)
+	}
+}
+
+// TestDefaultRoute: HEAD counts as GET (net/http serves it with the GET
+// handler), and a path too long or odd for a descriptor is still a route,
+// not a 400 from the limiter.
+func TestDefaultRoute(t *testing.T) {
+	req := func(method, target string) *http.Request { return httptest.NewRequest(method, target, nil) }
+	if got := httpmw.DefaultRoute(req("HEAD", "/catalog")); got != "GET /catalog" {
+		t.Fatalf("HEAD /catalog: %q, want GET /catalog", got)
+	}
+	if got := httpmw.DefaultRoute(req("GET", "/a%0Ab")); got != "GET /a%0Ab" {
+		t.Fatalf("a control character: %q, want the escaped path", got)
+	}
+	long1 := httpmw.DefaultRoute(req("GET", "/"+strings.Repeat("x", 400)+"1"))
+	long2 := httpmw.DefaultRoute(req("GET", "/"+strings.Repeat("x", 400)+"2"))
+	if len(long1) > admission.MaxValueLen || long1 == long2 {
+		t.Fatalf("long paths: %q and %q; want distinct labels of at most %d bytes", long1, long2, admission.MaxValueLen)
+	}
+	if got := httpmw.DefaultRoute(req("GET", "/"+strings.Repeat("é", 150))); len(got) > admission.MaxValueLen || !utf8.ValidString(got) {
+		t.Fatalf("a long multibyte path: %q; want valid UTF-8 of at most %d bytes", got, admission.MaxValueLen)
+	}
+
+	g := memGateway(t)
+	if _, err := g.e.DepositChunk(context.Background(), "p-global", "g1", 1000, time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	for _, path := range []string{"/" + strings.Repeat("x", 400), "/a%0Ab", "/a%FFb"} {
+		if resp := g.do(t, "GET", path, "cedar/U-1"); resp.StatusCode != http.StatusOK {
+			t.Fatalf("GET %.40s: %d, want 200", path, resp.StatusCode)
+		}
+	}
+	// P-READ: 20 reads per user, HEAD included.
+	for i := 0; i < 20; i++ {
+		if resp := g.do(t, "HEAD", "/catalog", "cedar/U-7"); resp.StatusCode != http.StatusOK {
+			t.Fatalf("HEAD %d: %d", i, resp.StatusCode)
+		}
+	}
+	if resp := g.do(t, "GET", "/catalog", "cedar/U-7"); resp.StatusCode != http.StatusTooManyRequests {
+		t.Fatalf("GET after 20 HEADs: %d, want 429 (HEAD spends P-READ)", resp.StatusCode)
+	}
+}
+
+// TestAuthenticatedWithoutTenant: an identity function that authenticates
+// a caller but names no tenant leaves it limited as anonymous, by address
+// (P-ANON: 20 per 10 s), never unlimited and never a 400 blaming the client.
+func TestAuthenticatedWithoutTenant(t *testing.T) {
+	for _, token := range []string{"/", "/U-1"} {
+		t.Run(token, func(t *testing.T) {
+			g := memGateway(t)
+			for i := 0; i < 20; i++ {
+				resp := g.do(t, "GET", "/orders", token)
+				if resp.StatusCode != http.StatusOK || resp.Header.Get("RateLimit") != "" {
+					t.Fatalf("request %d: %d RateLimit %q; want 200 without RateLimit", i, resp.StatusCode, resp.Header.Get("RateLimit"))
+				}
+			}
+			resp := g.do(t, "GET", "/orders", token)
+			if b := decode(t, resp); resp.StatusCode != http.StatusTooManyRequests || b["scope"] != "ip" {
+				t.Fatalf("21st request: %d %v; want 429 by the ip scope", resp.StatusCode, b)
+			}
+		})
+	}
+}
+
+const advertisePolicy = `
+name: advertise
+rules:
+  - name: trial
+    scope: tenant
+    match: [{key: tenant}]
+    kind: token_bucket
+    capacity: 1
+    refill_per_second: 0
+    zero_refill_reason: a trial of one request
+  - name: big
+    scope: user
+    match: [{key: tenant}, {key: user}]
+    kind: token_bucket
+    capacity: 1000000000000
+    refill_per_second: 0.001
+`
+
+// TestAdvertiseEdges: a rule that never refills is advertised without a
+// reset time and denies without Retry-After; integers beyond the 15 digits
+// of a structured-field Integer are clamped.
+func TestAdvertiseEdges(t *testing.T) {
+	clock := windowClock()
+	g := newGatewayWith(t, []byte(advertisePolicy), nil, memStore(t, clock), admission.DefaultConfig(), admission.WithClock(clock))
+	resp := g.do(t, "GET", "/x", "cedar/U-1")
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("first request: %d", resp.StatusCode)
+	}
+	if got, want := resp.Header.Get("RateLimit-Policy"), `"trial";q=1, "big";q=1000000000000;w=999999999999999`; got != want {
+		t.Fatalf("RateLimit-Policy %q, want %q", got, want)
+	}
+	if got, want := resp.Header.Get("RateLimit"), `"trial";r=0, "big";r=999999999999;t=1000`; got != want {
+		t.Fatalf("RateLimit %q, want %q", got, want)
+	}
+	resp = g.do(t, "GET", "/x", "cedar/U-1")
+	if resp.StatusCode != http.StatusTooManyRequests || resp.Header.Get("Retry-After") != "" {
+		t.Fatalf("second request: %d Retry-After %q; want 429 without Retry-After", resp.StatusCode, resp.Header.Get("Retry-After"))
 	}
 }
