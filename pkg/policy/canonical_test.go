@@ -3,9 +3,13 @@ package policy
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
+	"fmt"
 	"reflect"
 	"slices"
+	"strings"
 	"testing"
+	"unicode/utf8"
 
 	"github.com/allot-dev/allot/examples"
 	"pgregory.net/rapid"
@@ -116,4 +120,79 @@ func TestCanonicalRoundTripProperty(t *testing.T) {
 			t.Fatal("digest depends on rule order")
 		}
 	})
+}
+
+// TestCanonicalRoundTripText: whatever text Validate accepts in a
+// description survives the canonical round trip. The canonical form writes
+// non-ASCII as is, so a character the YAML reader refuses (U+FFFE, U+FFFF)
+// would make a committed policy unreadable by every agent. Every code point
+// of the Basic Multilingual Plane is tried, and the edges and non-characters
+// of the other planes, in descriptions of a few hundred code points each.
+func TestCanonicalRoundTripText(t *testing.T) {
+	base := mustParse(t, []byte("name: t\nrules:\n  - {name: r, scope: ip, match: [{key: ip}], kind: fixed_window, limit: 1, window: 1s}\n"))
+	roundTrip := func(text string) error {
+		d := base.Clone()
+		d.Description = text
+		c, err := Canonical(d)
+		if err != nil {
+			return err
+		}
+		back, err := Parse(c)
+		if err != nil {
+			return err
+		}
+		if back.Description != text {
+			return fmt.Errorf("description %q came back as %q", text, back.Description)
+		}
+		return nil
+	}
+	var runes []rune
+	for r := rune(0); r < 0x10000; r++ {
+		runes = append(runes, r)
+	}
+	for plane := rune(1); plane <= 16; plane++ {
+		runes = append(runes, plane<<16, plane<<16|0xFFFD, plane<<16|0xFFFE, plane<<16|0xFFFF)
+	}
+	var batch []rune
+	flush := func() {
+		if err := roundTrip(string(batch)); err != nil {
+			for _, r := range batch { // name the culprit
+				if err := roundTrip("a" + string(r) + "b"); err != nil {
+					t.Errorf("%U: Validate accepts it, but the canonical round trip fails: %v", r, err)
+				}
+			}
+		}
+		batch = batch[:0]
+	}
+	accepted := 0
+	for _, r := range runes {
+		if !utf8.ValidRune(r) {
+			continue // surrogates cannot occur in valid UTF-8
+		}
+		var c collector
+		if checkText(&c, "description", "a"+string(r)+"b"); len(c.errs) > 0 {
+			continue
+		}
+		accepted++
+		batch = append(batch, r)
+		if len(string(batch)) > MaxDescriptionLen-8 {
+			flush()
+		}
+	}
+	flush()
+	if accepted < 60000 {
+		t.Errorf("only %d code points accepted in a description", accepted)
+	}
+}
+
+// TestParseRejectsNonCharacter: a document whose description escapes
+// U+FFFE parses as YAML, but Parse refuses it, naming the field.
+func TestParseRejectsNonCharacter(t *testing.T) {
+	for _, esc := range []string{`\uFFFE`, `\uFFFF`} {
+		_, err := Parse([]byte("name: t\ndescription: \"a" + esc + "b\"\nrules:\n  - {name: r, scope: ip, match: [{key: ip}], kind: fixed_window, limit: 1, window: 1s}\n"))
+		var fe *FieldError
+		if !errors.As(err, &fe) || fe.Path != "description" || !strings.Contains(fe.Msg, "non-character") {
+			t.Errorf("%s: Parse error %v; want description: contains non-character", esc, err)
+		}
+	}
 }

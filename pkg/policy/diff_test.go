@@ -80,3 +80,91 @@ func TestDiffKindChange(t *testing.T) {
 		t.Errorf("String = %q", s)
 	}
 }
+
+// TestDiffMatch: a change of match list is reported whenever the digest
+// changes, even when the old text form of the lists was the same: a
+// wildcard against the value "*", and values that contain ", key=".
+func TestDiffMatch(t *testing.T) {
+	base := mustParse(t, examples.Northstar)
+	tests := []struct {
+		name     string
+		old, new []Match
+	}{
+		{"wildcard and the value *",
+			[]Match{{Key: "tenant"}},
+			[]Match{{Key: "tenant", Value: "*", HasValue: true}}},
+		{"a value that reads as two entries",
+			[]Match{{Key: "tenant", Value: "atlas", HasValue: true}, {Key: "route", Value: "GET /x", HasValue: true}},
+			[]Match{{Key: "tenant", Value: "atlas, route=GET /x", HasValue: true}}},
+		{"a separator moved between values",
+			[]Match{{Key: "route", Value: "a, tenant=b", HasValue: true}, {Key: "tenant"}},
+			[]Match{{Key: "route", Value: "a", HasValue: true}, {Key: "tenant", Value: "b, tenant=*", HasValue: true}}},
+		{"a quote and a bracket",
+			[]Match{{Key: "tenant", Value: `"x"`, HasValue: true}},
+			[]Match{{Key: "tenant", Value: "x", HasValue: true}}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			a, b := base.Clone(), base.Clone()
+			a.Rule("p-tenant-atlas").Match = tt.old
+			b.Rule("p-tenant-atlas").Match = tt.new
+			for _, d := range []*Document{a, b} {
+				if err := d.Validate(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if Digest(a) == Digest(b) {
+				t.Fatal("the test documents have equal digests")
+			}
+			got := Diff(a, b)
+			if len(got) != 1 || got[0].Field != "match" || got[0].Old == got[0].New {
+				t.Fatalf("Diff = %+v; want one match change with distinct values", got)
+			}
+			if back := Diff(b, a); len(back) != 1 || back[0].Old != got[0].New || back[0].New != got[0].Old {
+				t.Errorf("Diff(b, a) = %+v, not the reverse of %+v", back, got)
+			}
+		})
+	}
+	// Plain values stay readable.
+	m := []Match{{Key: "route", Value: "GET /catalog", HasValue: true}, {Key: "tenant"}, {Key: "tenant", Value: "*", HasValue: true}}
+	if got, want := formatMatch(m), `[route=GET /catalog, tenant=*, tenant="*"]`; got != want {
+		t.Errorf("formatMatch = %s, want %s", got, want)
+	}
+}
+
+// TestFormatMatchInjective: two match lists have the same text form only if
+// they are equal. Every list of up to two entries is tried, with values made
+// of the form's own punctuation.
+func TestFormatMatchInjective(t *testing.T) {
+	tokens := []string{"x", "*", ",", " ", ", ", "=", "a=", ", a=", ", b=*", `"`, `\`, "[", "]"}
+	var values []string
+	for _, a := range tokens {
+		values = append(values, a)
+		for _, b := range tokens {
+			values = append(values, a+b)
+		}
+	}
+	slices.Sort(values)
+	values = slices.Compact(values)
+	var entries []Match
+	for _, k := range []string{"a", "b"} {
+		entries = append(entries, Match{Key: k})
+		for _, v := range values {
+			entries = append(entries, Match{Key: k, Value: v, HasValue: true})
+		}
+	}
+	seen := make(map[string][]Match)
+	check := func(ms []Match) {
+		s := formatMatch(ms)
+		if prev, dup := seen[s]; dup {
+			t.Fatalf("%#v and %#v are both written %s", prev, ms, s)
+		}
+		seen[s] = ms
+	}
+	for _, e := range entries {
+		check([]Match{e})
+		for _, f := range entries {
+			check([]Match{e, f})
+		}
+	}
+}

@@ -70,7 +70,9 @@
 // and operator views) and to the regional store's key names, unlike the
 // counters of other rules, whose wildcard values are hashed: key templates
 // by identifiers that may be shown, such as tenant or plan ids, not by users
-// or client addresses.
+// or client addresses. Validate refuses a template with a user or ip entry
+// without a value: its pools would name users or clients in clear, one per
+// client.
 //
 // Matched rules come back in the fixed evaluation order: ip, global, tenant,
 // user, route, and by rule name within a scope. The ip scope comes first

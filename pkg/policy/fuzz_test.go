@@ -19,6 +19,10 @@ func FuzzParse(f *testing.F) {
 	f.Add([]byte("name: !!binary aGVsbG8=\n"))
 	f.Add([]byte("---\n...\n---\n"))
 	f.Add([]byte(""))
+	// Non-characters the YAML reader refuses once the canonical form writes
+	// them raw.
+	f.Add([]byte("name: t\ndescription: \"a\\uFFFEb\"\nrules:\n  - {name: r, scope: ip, match: [{key: ip}], kind: fixed_window, limit: 1, window: 1s}\n"))
+	f.Add([]byte(`{"name":"t","rules":[{"name":"r","description":"\uffff","scope":"ip","match":[{"key":"ip"}],"kind":"fixed_window","limit":1,"window":"1s"}]}`))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		d, err := Parse(data)
 		if err != nil {

@@ -116,11 +116,13 @@ func genRule(t *rapid.T, o genOpts, l, name string, regions int) Rule {
 			ceiling = le.GatewayChunk
 		}
 		r.Cost = genAmount(t, l+"-cost", ceiling)
-		if r.FailMode == FailOpen || r.Limit < int64(regions) {
+		// A fallback allowance admits at least one request per region, and
+		// all regions' allowances fit in the limit.
+		if r.FailMode == FailOpen || r.Limit/int64(regions) < r.Cost {
 			r.FailMode = FailClosed
 		}
 		if r.FailMode == FailFallback {
-			le.FallbackPerRegion = genAmount(t, l+"-fallback", r.Limit/int64(regions))
+			le.FallbackPerRegion = r.Cost - 1 + genAmount(t, l+"-fallback", r.Limit/int64(regions)-r.Cost+1)
 		}
 		r.Lease = le
 	}

@@ -2,6 +2,7 @@ package policy
 
 import (
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -113,10 +114,16 @@ type Match struct {
 	HasValue bool
 }
 
-// String formats the entry as key=value, or key=* for a wildcard.
+// String formats the entry as key=value, or key=* for a wildcard. A value
+// that could be misread (the value "*", or one holding a comma, a bracket or
+// a double quote) is written as a Go string literal, key="*", so that a list
+// of entries written "[a=x, b=*]" reads back one way only.
 func (m Match) String() string {
 	if !m.HasValue {
 		return m.Key + "=*"
+	}
+	if m.Value == "*" || strings.ContainsAny(m.Value, `,[]"`) {
+		return m.Key + "=" + strconv.Quote(m.Value)
 	}
 	return m.Key + "=" + m.Value
 }

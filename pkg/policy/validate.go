@@ -14,10 +14,12 @@ import (
 // known kinds, scopes, fail modes and strategies, unique names, well-formed
 // match lists that carry the keys their scope needs, and lease specs that keep
 // the overshoot bound finite (TTL within the window, chunk within the limit,
-// fallback allowances within the limit, no fail-open global quota, no
-// gateway-local chunks for a template), and that the canonical encoding fits
-// in MaxDocumentBytes. A global_quota whose match has entries without a
-// value is a template of pools (see InstanceName), not an error.
+// fallback allowances within the limit and of at least one request's cost,
+// no fail-open global quota, no gateway-local chunks for a template), free
+// text the canonical form can carry, and that the canonical encoding fits in
+// MaxDocumentBytes. A global_quota whose match has entries without a value
+// is a template of pools (see InstanceName), not an error, unless such an
+// entry is keyed by user or ip.
 func (d *Document) Validate() error {
 	var c collector
 	d.validate(&c)
@@ -162,6 +164,14 @@ func (r *Rule) validateGlobal(c *collector, p string, regions int) {
 	// Match entries without a value make the rule a template: one pool per
 	// distinct tuple of values (see InstanceName).
 	template := r.IsTemplate()
+	for i, m := range r.Match {
+		if !m.HasValue {
+			if why, ok := privateTemplateKeys[m.Key]; ok {
+				c.add(fmt.Sprintf("%s.match[%d].key", p, i), 0, "a global_quota template cannot be keyed by %q: instance names carry values in clear, so the allocator's state would hold %s and grow by one pool per client; give the entry a value, or use another kind",
+					m.Key, why)
+			}
+		}
+	}
 	if r.Shadow {
 		c.add(p+".shadow", 0, "a shadow global_quota is not supported: its pool would need leases of its own")
 	}
@@ -200,6 +210,11 @@ func (r *Rule) validateGlobal(c *collector, p string, regions int) {
 		c.add(lp+".fallback_per_region", 0, "%d needs fail_mode fallback (fail_mode is %s)", l.FallbackPerRegion, r.FailMode)
 	case l.FallbackPerRegion == 0 && r.FailMode == FailFallback:
 		c.add(lp+".fallback_per_region", 0, "required with fail_mode fallback: the allowance a cut-off region may admit per window")
+	case l.FallbackPerRegion > 0 && r.Cost > 0 && l.FallbackPerRegion < r.Cost:
+		// Less than one request would deny every request of an outage, so
+		// the gateways raise their share of it to one request each: the
+		// region would then admit more than the bound's fallback term.
+		c.add(lp+".fallback_per_region", 0, "%d is less than cost %d: a cut-off region must be able to admit one request", l.FallbackPerRegion, r.Cost)
 	case l.FallbackPerRegion > 0 && r.Limit > 0 && l.FallbackPerRegion*int64(regions) > r.Limit:
 		c.add(lp+".fallback_per_region", 0, "%d x %d regions = %d exceeds limit %d",
 			l.FallbackPerRegion, regions, l.FallbackPerRegion*int64(regions), r.Limit)
@@ -214,6 +229,14 @@ func (r *Rule) validateGlobal(c *collector, p string, regions int) {
 	case l.GatewayChunk > 0 && r.Cost > l.GatewayChunk:
 		c.add(p+".cost", 0, "%d exceeds lease.gateway_chunk %d", r.Cost, l.GatewayChunk)
 	}
+}
+
+// privateTemplateKeys are the descriptor keys a global_quota template must
+// not leave without a value, with what their values are: one pool per
+// client, named in clear in the allocator's state, snapshots and views.
+var privateTemplateKeys = map[string]string{
+	"ip":   "client addresses",
+	"user": "user ids",
 }
 
 func (r *Rule) validateMatch(c *collector, p string) {
@@ -307,6 +330,11 @@ func checkName(c *collector, path, s string) {
 	}
 }
 
+// checkText reports free text that is too long, not UTF-8, or holds a
+// control character other than newline and tab, or U+FFFE or U+FFFF: the
+// canonical form writes non-ASCII as is, and the YAML reader refuses these
+// two non-characters (the others it accepts), so Parse could not read the
+// canonical form back.
 func checkText(c *collector, path, s string) {
 	if len(s) > MaxDescriptionLen {
 		c.add(path, 0, "%d bytes; the limit is %d", len(s), MaxDescriptionLen)
@@ -317,8 +345,12 @@ func checkText(c *collector, path, s string) {
 		return
 	}
 	for _, r := range s {
-		if unicode.IsControl(r) && r != '\n' && r != '\t' {
+		switch {
+		case unicode.IsControl(r) && r != '\n' && r != '\t':
 			c.add(path, 0, "contains control character %U", r)
+			return
+		case r == 0xFFFE || r == 0xFFFF:
+			c.add(path, 0, "contains non-character %U, which YAML does not allow", r)
 			return
 		}
 	}

@@ -88,6 +88,10 @@ func TestValidateRejects(t *testing.T) {
 			d.Rules[atlas].Lease.Clamp = false
 		}, at(atlas, "lease.ttl") + ": 2m exceeds window 1m"},
 		{"negative fallback", func(d *Document) { d.Rules[global].Lease.FallbackPerRegion = -1 }, at(global, "lease.fallback_per_region") + ": must not be negative"},
+		{"fallback under cost", func(d *Document) {
+			d.Rules[global].Cost = 10
+			d.Rules[global].Lease.FallbackPerRegion = 5
+		}, at(global, "lease.fallback_per_region") + ": 5 is less than cost 10"},
 		{"fallback exceeds limit", func(d *Document) { d.Rules[global].Lease.FallbackPerRegion = 20001 }, at(global, "lease.fallback_per_region") + ": 20001 x 2 regions = 40002 exceeds limit 40000"},
 		{"fallback with fail closed", func(d *Document) { d.Rules[atlas].Lease.FallbackPerRegion = 100 }, at(atlas, "lease.fallback_per_region") + ": 100 needs fail_mode fallback (fail_mode is closed)"},
 		{"fail fallback without allowance", func(d *Document) { d.Rules[atlas].FailMode = FailFallback }, at(atlas, "lease.fallback_per_region") + ": required with fail_mode fallback"},
@@ -96,6 +100,16 @@ func TestValidateRejects(t *testing.T) {
 		{"gateway chunk exceeds chunk", func(d *Document) { d.Rules[global].Lease.GatewayChunk = 4001 }, at(global, "lease.gateway_chunk") + ": 4001 exceeds chunk 4000"},
 		{"negative gateway chunk", func(d *Document) { d.Rules[global].Lease.GatewayChunk = -1 }, at(global, "lease.gateway_chunk") + ": must not be negative"},
 		{"gateway chunk in a template", func(d *Document) { d.Rules[global].Match[0] = Match{Key: "route"} }, at(global, "lease.gateway_chunk") + ": not supported by a template"},
+		{"template keyed by ip", func(d *Document) {
+			d.Rules[atlas].Scope = ScopeGlobal
+			d.Rules[atlas].Match = []Match{{Key: "route", Value: "GET /catalog", HasValue: true}, {Key: "ip"}}
+		}, at(atlas, "match[1].key") + `: a global_quota template cannot be keyed by "ip"`},
+		{"template keyed by user", func(d *Document) {
+			d.Rules[atlas].Match = []Match{{Key: "tenant"}, {Key: "user"}}
+		}, at(atlas, "match[1].key") + `: a global_quota template cannot be keyed by "user"`},
+		{"template keyed by a fixed tenant and user", func(d *Document) {
+			d.Rules[atlas].Match = append(d.Rules[atlas].Match, Match{Key: "user"})
+		}, at(atlas, "match[1].key") + `: a global_quota template cannot be keyed by "user"`},
 		{"shadow template", func(d *Document) { d.Rules[atlas].Match[0] = Match{Key: "tenant"}; d.Rules[atlas].Shadow = true }, at(atlas, "shadow") + ": a shadow global_quota is not supported"},
 		{"global quota per user", func(d *Document) {
 			d.Rules[atlas].Scope = ScopeUser
@@ -130,6 +144,14 @@ func TestValidateRejects(t *testing.T) {
 		{"bad region", func(d *Document) { d.Regions = []string{"eu", "US-East"} }, `regions[1]: "US-East" is not a region name`},
 		{"duplicate region", func(d *Document) { d.Regions = []string{"eu", "eu"} }, `regions[1]: duplicate region "eu" (also regions[0])`},
 		{"control character in description", func(d *Document) { d.Rules[anon].Description = "bell\a" }, at(anon, "description") + ": contains control character U+0007"},
+		{"non-character U+FFFE in description", func(d *Document) { d.Description = "a\uFFFEb" }, "description: contains non-character U+FFFE"},
+		{"non-character U+FFFF in rule description", func(d *Document) { d.Rules[anon].Description = "a\uFFFF" }, at(anon, "description") + ": contains non-character U+FFFF"},
+		{"non-character in zero refill reason", func(d *Document) {
+			d.Rules[read].RefillMilliPerSecond = 0
+			d.Rules[read].ZeroRefillReason = "trial \uFFFE"
+		}, at(read, "zero_refill_reason") + ": contains non-character U+FFFE"},
+		{"DEL in description", func(d *Document) { d.Description = "a\x7fb" }, "description: contains control character U+007F"},
+		{"C1 control in description", func(d *Document) { d.Description = "a\u0085b" }, "description: contains control character U+0085"},
 		{"no rules", func(d *Document) { d.Rules = nil }, "rules: at least one rule is required"},
 		{"canonical form too large", func(d *Document) {
 			for i := range 4000 {
@@ -175,6 +197,23 @@ func TestValidateAccepts(t *testing.T) {
 		{"cost equals capacity", func(d *Document) { d.Rule("p-export").Cost = 20 }},
 		{"ttl equals window", func(d *Document) { d.Rule("p-tenant-atlas").Lease.TTL = time.Minute }},
 		{"chunk equals limit", func(d *Document) { d.Rule("p-tenant-atlas").Lease.Chunk = 1000 }},
+		{"fallback equals cost", func(d *Document) {
+			d.Rule("p-global").Cost = 10
+			d.Rule("p-global").Lease.FallbackPerRegion = 10
+		}},
+		{"template keyed by tenant and route", func(d *Document) {
+			d.Rule("p-tenant-atlas").Match = []Match{{Key: "tenant"}, {Key: "route"}}
+		}},
+		{"template keyed by plan and auth", func(d *Document) {
+			r := d.Rule("p-global")
+			r.Match = []Match{{Key: "plan"}, {Key: "auth"}}
+			r.Lease.GatewayChunk = 0
+		}},
+		{"global quota for a fixed user and address", func(d *Document) {
+			r := d.Rule("p-tenant-atlas")
+			r.Match = append(r.Match, Match{Key: "user", Value: "U-17", HasValue: true}, Match{Key: "ip", Value: "192.0.2.1", HasValue: true})
+		}},
+		{"other non-characters and specials in text", func(d *Document) { d.Description = "\uFDD0 \U0001FFFE \uFEFF \uFFFD \U0010FFFD" }},
 		{"fallback fills the limit", func(d *Document) { d.Rule("p-global").Lease.FallbackPerRegion = 20000 }},
 		{"clamp off", func(d *Document) { d.Rule("p-tenant-atlas").Lease.Clamp = false }},
 		{"fair share", func(d *Document) { d.Rule("p-tenant-atlas").Lease.Strategy = StrategyFairShare }},
