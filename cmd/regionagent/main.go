@@ -92,6 +92,7 @@ func run(ctx context.Context, args []string) error {
 	fs.StringVar(&apiAddr, "api-addr", "127.0.0.1:8081", "Connect API, /metrics, /healthz, /readyz address")
 	fs.StringVar(&envoyAddr, "envoy-addr", "127.0.0.1:8082", "gRPC address: Envoy's rate limit service and allot.v1.AdmissionService; empty disables it")
 	fs.StringVar(&cfg.EnvoyDomain, "envoy-domain", "", "the only Envoy rate limit domain accepted (empty: any)")
+	fs.StringVar(&cfg.EnvoyRequestIDKey, "envoy-request-id-key", "", "Envoy descriptor key whose value is the request id (idempotency, concurrency slot names), e.g. "+agent.RequestIDKey+"; only for ids your own edge generates per request, never clients' (a repeated id is replayed uncharged); empty: none, every entry is a descriptor entry")
 	fs.StringVar(&cfg.Engine.Namespace, "namespace", cfg.Engine.Namespace, "Redis key namespace")
 	fs.StringVar(&cfg.Engine.KeySalt, "key-salt", "", "salt of principal hashes in Redis keys (the same for the whole region)")
 	fs.IntVar(&cfg.Engine.Gateways, "gateways", cfg.Engine.Gateways, "gateways sharing the region's Redis (sizes fallback buckets)")

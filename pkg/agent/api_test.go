@@ -114,6 +114,7 @@ func badInput(t *testing.T, c allotv1connect.AdmissionServiceClient) {
 		wantCode connect.Code
 		wantMsg  string
 	}{
+		{"no entries", &allotv1.CheckRequest{RequestId: "r1"}, connect.CodeInvalidArgument, "entries: must not be empty"},
 		{"unknown descriptor", &allotv1.CheckRequest{Entries: entries("tenant", "acme", "user", "u1", "colour", "red")}, connect.CodeInvalidArgument, "entries[2].key"},
 		{"negative cost", &allotv1.CheckRequest{Entries: good.Entries, Cost: -1}, connect.CodeInvalidArgument, "cost: must not be negative"},
 		{"huge cost", &allotv1.CheckRequest{Entries: good.Entries, Cost: 1 << 50}, connect.CodeInvalidArgument, "cost:"},
@@ -218,7 +219,7 @@ func header(resp *rlsv3.RateLimitResponse, key string) string {
 }
 
 func TestEnvoyRateLimitService(t *testing.T) {
-	_, s := standalone(t, nil)
+	_, s := standalone(t, func(cfg *agent.Config) { cfg.EnvoyRequestIDKey = agent.RequestIDKey })
 	ctx := context.Background()
 	should := func(req *rlsv3.RateLimitRequest) (*rlsv3.RateLimitResponse, error) {
 		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
@@ -226,7 +227,8 @@ func TestEnvoyRateLimitService(t *testing.T) {
 		return s.rls.ShouldRateLimit(cctx, req)
 	}
 
-	// Descriptors are merged into one request and decided at once.
+	// Descriptors are merged into one request and decided at once; the
+	// request_id entry (EnvoyRequestIDKey) is the request id.
 	resp, err := should(rlsReq(0, []string{"tenant", "acme"}, []string{"tenant", "acme", "user", "u2"}, []string{"request_id", "x-1"}))
 	if err != nil {
 		t.Fatal(err)
@@ -301,5 +303,171 @@ func TestEnvoyRateLimitService(t *testing.T) {
 	resp, err = should(rlsReq(2, []string{"tenant", "acme", "user", "u2"}))
 	if err != nil || resp.GetStatuses()[0].GetLimitRemaining() != 97 {
 		t.Fatalf("after the bad requests: %v %v, want 97 left (99 - 2: nothing debited by them)", resp, err)
+	}
+}
+
+// TestReleaseSlotReportsTheCallersEnd: a ReleaseSlot whose caller left or
+// whose deadline passed is answered Canceled or DeadlineExceeded, on the
+// Connect handler and on the gRPC one, not Unavailable: the store did not
+// fail, the caller stopped waiting for it.
+func TestReleaseSlotReportsTheCallersEnd(t *testing.T) {
+	a, _ := standalone(t, nil)
+	export := entries("tenant", "acme", "route", "POST /export")
+	canceled, cancel := context.WithCancel(context.Background())
+	cancel()
+	expired, stop := context.WithDeadline(context.Background(), time.Now().Add(-time.Second))
+	defer stop()
+	for _, tt := range []struct {
+		name string
+		ctx  context.Context
+		want connect.Code
+	}{
+		{"canceled", canceled, connect.CodeCanceled},
+		{"deadline exceeded", expired, connect.CodeDeadlineExceeded},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			req := &allotv1.ReleaseSlotRequest{Entries: export, RequestId: "r1"}
+			_, err := agent.NewAdmissionService(a).ReleaseSlot(tt.ctx, connect.NewRequest(req))
+			if connect.CodeOf(err) != tt.want {
+				t.Fatalf("Connect ReleaseSlot: %v, want %s", err, tt.want)
+			}
+			_, err = agent.NewGRPCAdmissionService(a).ReleaseSlot(tt.ctx, req)
+			if status.Code(err) != codes.Code(tt.want) {
+				t.Fatalf("gRPC ReleaseSlot: %v, want %s", err, tt.want)
+			}
+		})
+	}
+}
+
+// TestEnvoyRequestIDEntryIsADescriptorByDefault: without
+// Config.EnvoyRequestIDKey, a request_id entry is a descriptor entry like
+// any other: a client that controls it (x-request-id passed through) cannot
+// replay an earlier admission uncharged. It used to be the idempotency id
+// whatever the config.
+func TestEnvoyRequestIDEntryIsADescriptorByDefault(t *testing.T) {
+	_, s := standalone(t, func(cfg *agent.Config) {
+		cfg.Engine.ExtraDescriptors = []string{"request_id"} // accepted although no rule uses it
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for i, want := range []uint32{99, 98, 97} {
+		resp, err := s.rls.ShouldRateLimit(ctx, rlsReq(0, []string{"tenant", "acme", "user", "u1"}, []string{"request_id", "same"}))
+		if err != nil || resp.GetOverallCode() != rlsv3.RateLimitResponse_OK || resp.GetStatuses()[0].GetLimitRemaining() != want {
+			t.Fatalf("request %d with request_id=same: %v %v, want OK with %d left (each one charged)", i, resp, err, want)
+		}
+	}
+	// Without the extra descriptor it is an unknown key, named where Envoy
+	// sent it.
+	_, s = standalone(t, nil)
+	_, err := s.rls.ShouldRateLimit(ctx, rlsReq(0, []string{"tenant", "acme"}, []string{"request_id", "x-1"}))
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "descriptors[1].entries[0].key") {
+		t.Fatalf("request_id entry without the opt-in: %v, want InvalidArgument naming descriptors[1].entries[0].key", err)
+	}
+}
+
+// TestEnvoyHitsAddendPerDescriptor: a descriptor's hits_addend overrides
+// the request's (0 meaning 1) for that descriptor, as in Envoy. allot
+// decides one request with one cost, so every descriptor's effective hits
+// must be equal; a descriptor override of 0 (check without consuming) is not
+// supported. Refused requests debit nothing.
+func TestEnvoyHitsAddendPerDescriptor(t *testing.T) {
+	_, s := standalone(t, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	user := []string{"tenant", "acme", "user", "u1"}
+	route := []string{"tenant", "acme", "route", "GET /other"}
+	req := func(top uint32, over ...int) *rlsv3.RateLimitRequest { // over[i] < 0: no override
+		r := rlsReq(top, user, route)
+		for i, h := range over {
+			if h >= 0 {
+				r.Descriptors[i].HitsAddend = wrapperspb.UInt64(uint64(h))
+			}
+		}
+		return r
+	}
+	left := uint32(100)
+	tests := []struct {
+		name    string
+		give    *rlsv3.RateLimitRequest
+		cost    uint32 // when accepted
+		wantErr string
+	}{
+		{"no overrides, request 0 means 1", req(0), 1, ""},
+		{"request's hits", req(3), 3, ""},
+		{"every descriptor overrides the request's 0", req(0, 2, 2), 2, ""},
+		{"every descriptor overrides the request's 1", req(1, 2, 2), 2, ""},
+		{"an override equal to the request's", req(3, -1, 3), 3, ""},
+		{"an override equal to the request's implicit 1", req(0, 1, -1), 1, ""},
+		{"an override next to a descriptor of the request's implicit 1", req(0, -1, 2), 0, "descriptors[1].hits_addend"},
+		{"an override next to a descriptor of the request's 1", req(1, 2, -1), 0, "descriptors[0].hits_addend"},
+		{"different overrides", req(0, 2, 3), 0, "descriptors[1].hits_addend"},
+		{"override 0", req(0, 0, -1), 0, "descriptors[0].hits_addend"},
+		{"override 0 on every descriptor", req(0, 0, 0), 0, "descriptors[0].hits_addend"},
+	}
+	for _, tt := range tests {
+		resp, err := s.rls.ShouldRateLimit(ctx, tt.give)
+		if tt.wantErr != "" {
+			if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), tt.wantErr) {
+				t.Fatalf("%s: %v %v, want InvalidArgument naming %s", tt.name, resp, err, tt.wantErr)
+			}
+			continue
+		}
+		left -= tt.cost
+		if err != nil || resp.GetOverallCode() != rlsv3.RateLimitResponse_OK || resp.GetStatuses()[0].GetLimitRemaining() != left {
+			t.Fatalf("%s: %v %v, want OK with %d left (cost %d)", tt.name, resp, err, left, tt.cost)
+		}
+	}
+	_, err := s.rls.ShouldRateLimit(ctx, req(0, -1, 2))
+	if msg := status.Convert(err).Message(); !strings.Contains(msg, "one cost") {
+		t.Fatalf("mixed hits: %q, want it to say that one request has one cost", msg)
+	}
+	_, err = s.rls.ShouldRateLimit(ctx, req(0, 0, -1))
+	if msg := status.Convert(err).Message(); !strings.Contains(msg, "not supported") {
+		t.Fatalf("override 0: %q, want it to say that it is not supported", msg)
+	}
+}
+
+// TestEnvoyRequestIDKeyOptIn: with Config.EnvoyRequestIDKey set, the entry
+// with that key is the request id, not an entry: a retry with the same id
+// is the earlier admission, not charged again; any other key (request_id
+// included) is an ordinary entry. Errors about the id name the entry it came
+// from, as Envoy sent it.
+func TestEnvoyRequestIDKeyOptIn(t *testing.T) {
+	_, s := standalone(t, func(cfg *agent.Config) {
+		cfg.EnvoyRequestIDKey = "edge_id"
+		cfg.Engine.ExtraDescriptors = []string{"request_id"}
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	user := []string{"tenant", "acme", "user", "u1"}
+	for i, want := range []uint32{99, 99} {
+		resp, err := s.rls.ShouldRateLimit(ctx, rlsReq(0, user, []string{"edge_id", "e-1"}))
+		if err != nil || resp.GetOverallCode() != rlsv3.RateLimitResponse_OK || resp.GetStatuses()[0].GetLimitRemaining() != want {
+			t.Fatalf("request %d with edge_id=e-1: %v %v, want OK with %d left (the retry is not charged)", i, resp, err, want)
+		}
+	}
+	for i, want := range []uint32{98, 97} {
+		resp, err := s.rls.ShouldRateLimit(ctx, rlsReq(0, user, []string{"request_id", "same"}))
+		if err != nil || resp.GetStatuses()[0].GetLimitRemaining() != want {
+			t.Fatalf("request %d with request_id=same: %v %v, want %d left (an ordinary entry: charged)", i, resp, err, want)
+		}
+	}
+	for _, tt := range []struct {
+		name, id, want string
+	}{
+		{"too long", strings.Repeat("r", 200), "descriptors[1].entries[0].value: 200 bytes"},
+		{"unprintable", "r\x01", "descriptors[1].entries[0].value: not printable"},
+	} {
+		_, err := s.rls.ShouldRateLimit(ctx, rlsReq(0, user, []string{"edge_id", tt.id}))
+		if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), tt.want) {
+			t.Fatalf("%s request id: %v, want InvalidArgument containing %q", tt.name, err, tt.want)
+		}
+	}
+	_, err := s.rls.ShouldRateLimit(ctx, rlsReq(0, user, []string{"edge_id", "e-2"}, []string{"edge_id", "e-3"}))
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "descriptors[2].entries[0].value") {
+		t.Fatalf("two request ids: %v, want InvalidArgument naming the second", err)
+	}
+	if resp, err := s.rls.ShouldRateLimit(ctx, rlsReq(0, user)); err != nil || resp.GetStatuses()[0].GetLimitRemaining() != 96 {
+		t.Fatalf("after the bad requests: %v %v, want 96 left (nothing debited by them)", resp, err)
 	}
 }

@@ -43,6 +43,9 @@ func (s *AdmissionService) checkBatch(ctx context.Context, api string, m *allotv
 			t0 := a.now()
 			o := &allotv1.CheckOutcome{Index: uint32(i)}
 			v, err := s.check(ctx, c)
+			if errors.Is(err, errNoEntries) {
+				err = fmt.Errorf("checks[%d].%w", i, err)
+			}
 			if err != nil {
 				code := codeOf(err)
 				a.m.badRequests.WithLabelValues(api, code.String()).Inc()

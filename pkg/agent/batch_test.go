@@ -213,3 +213,34 @@ func TestCheckClientThroughTheAgent(t *testing.T) {
 		}
 	}
 }
+
+// TestCheckWithoutEntriesIsInvalid: a check with no entries at all is a
+// gateway's bug, not a request no rule matches: Check (Connect and the gRPC
+// listener) answers InvalidArgument naming entries, and a batch answers
+// that check InvalidArgument naming checks[i].entries, the others decided.
+// Entries whose values are empty stay a request (an empty value counts as
+// absent).
+func TestCheckWithoutEntriesIsInvalid(t *testing.T) {
+	onBothListeners(t, func(t *testing.T, c allotv1connect.AdmissionServiceClient) {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_, err := c.Check(ctx, connect.NewRequest(&allotv1.CheckRequest{RequestId: "r1"}))
+		if connect.CodeOf(err) != connect.CodeInvalidArgument || !strings.Contains(err.Error(), "entries: must not be empty") {
+			t.Fatalf("Check without entries: %v, want InvalidArgument naming entries", err)
+		}
+		if r := check(t, c, &allotv1.CheckRequest{Entries: entries("tenant", "")}); !r.Allowed {
+			t.Fatalf("Check with an empty value: %+v, want allowed (no rule matches)", r)
+		}
+		got, _ := collectBatch(t, c,
+			&allotv1.CheckRequest{Entries: entries("tenant", "acme", "user", "u1")},
+			&allotv1.CheckRequest{},
+		)
+		if r := got[0].GetResponse(); r == nil || !r.Allowed || r.Rule != "bucket" {
+			t.Fatalf("check 0: %v, want allowed by bucket", got[0])
+		}
+		if e := got[1].GetError(); got[1].GetResponse() != nil || e.GetCode() != connect.CodeInvalidArgument.String() ||
+			!strings.Contains(e.GetMessage(), "checks[1].entries: must not be empty") {
+			t.Fatalf("check 1: %v, want invalid_argument naming checks[1].entries", got[1])
+		}
+	})
+}

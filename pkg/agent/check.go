@@ -230,7 +230,7 @@ func (a *Agent) finish(d *admission.Decision, v *Verdict, in *Input) *Verdict {
 				if id == "" {
 					id = d.ID
 				}
-				a.slots.put(id, d)
+				a.slots.put(tenantOf(in.Descriptors), id, d)
 			}
 		}
 	}
@@ -249,7 +249,11 @@ func ceilSeconds(d time.Duration) int64 {
 // when it was checked with descriptors; it returns how many it freed (0 when
 // they had expired or were released already). It is idempotent and does not
 // depend on this process having made the decision: slots in the store are
-// found from the descriptors and removed by request id.
+// found from the descriptors and removed by request id. Slots a fail-mode
+// fallback took in this process are freed only for the tenant (the
+// descriptors' tenant entry) that took them. When the store cannot be
+// reached the error wraps ErrUnavailable and says so without the store's
+// details (they are logged); when ctx ends first it wraps ctx's error.
 func (a *Agent) ReleaseSlot(ctx context.Context, descriptors []policy.Entry, requestID string) (int64, error) {
 	eng := a.engine.Load()
 	if eng == nil {
@@ -267,67 +271,137 @@ func (a *Agent) ReleaseSlot(ctx context.Context, descriptors []policy.Entry, req
 	}
 	var errs []error
 	if err != nil {
-		errs = append(errs, fmt.Errorf("release slots of %s in the store: %w: %w", requestID, ErrUnavailable, err))
+		errs = append(errs, fmt.Errorf("in the store: %w", err))
 	}
 	// Slots a fallback took live in this process and are freed here even
-	// when the store cannot be reached: they have no TTL, and left held
-	// they would deny the rule's requests for the rest of the outage.
-	if d := a.slots.take(requestID); d != nil {
+	// when the store cannot be reached: left held they would deny the
+	// rule's requests until their slot_ttl ran out.
+	for _, d := range a.slots.take(tenantOf(descriptors), requestID) {
 		for i := range d.Rules {
 			if r := &d.Rules[i]; r.Kind == policy.KindConcurrency && r.Allowed && r.FailMode != "" {
 				released++
 			}
 		}
 		if err := eng.Release(ctx, d); err != nil {
-			errs = append(errs, fmt.Errorf("release slots of %s: %w: %w", requestID, ErrUnavailable, err))
+			errs = append(errs, fmt.Errorf("of decision %s: %w", d.ID, err))
 		}
 	}
-	return released, errors.Join(errs...)
+	if len(errs) == 0 {
+		return released, nil
+	}
+	return released, a.releaseError(ctx, requestID, errors.Join(errs...))
 }
 
-// slotTable remembers, by request id, the decisions holding slots taken by
-// a fail-mode fallback in this process (the store knows nothing of them), so
-// that ReleaseSlot can free them. It is bounded: the oldest entries go first.
+// releaseError is what ReleaseSlot of id answers when releasing failed with
+// err: the end of ctx when the caller left or its deadline passed, else that
+// the store is unavailable. The store's own error (its address, the
+// dialer's message) is logged, not handed to the caller.
+func (a *Agent) releaseError(ctx context.Context, id string, err error) error {
+	if cerr := ctx.Err(); cerr != nil {
+		a.log.Debug("release slots: the call ended before the store answered", zap.String("request_id", id), zap.Error(err))
+		return &publicError{msg: fmt.Sprintf("release slots of %s: the call ended before the store answered: %v", id, cerr), errs: []error{cerr}}
+	}
+	a.log.Warn("release slots: the store is unavailable", zap.String("request_id", id), zap.Error(err))
+	return &publicError{
+		msg:  fmt.Sprintf("release slots of %s: the regional store is unavailable; the slots expire after their slot_ttl", id),
+		errs: []error{ErrUnavailable, admission.ErrUnavailable},
+	}
+}
+
+// tenantOf is the value of the tenant entry of descriptors, "" when there is
+// none.
+func tenantOf(descriptors []policy.Entry) string {
+	for _, e := range descriptors {
+		if e.Key == "tenant" {
+			return e.Value
+		}
+	}
+	return ""
+}
+
+// slotKey names the fallback slots of one request: its tenant and its id,
+// so that one tenant cannot release another's slots by reusing an id.
+type slotKey struct{ tenant, id string }
+
+// slotEntry is the decisions stored under one slotKey (a retried request
+// id takes slots again while the store is down) and when the key was
+// stored, which names it in the table's fifo.
+type slotEntry struct {
+	ds  []*admission.Decision
+	seq uint64
+}
+
+// slotTable remembers, by tenant and request id, the decisions holding slots
+// taken by a fail-mode fallback in this process (the store knows nothing of
+// them), so that ReleaseSlot can free them. It is bounded to max decisions:
+// the oldest keys go first.
 type slotTable struct {
 	mu   sync.Mutex
 	max  int
-	m    map[string]*admission.Decision
-	fifo []string
+	n    int // decisions held
+	seq  uint64
+	m    map[slotKey]*slotEntry
+	fifo []slotRef
+}
+
+// slotRef is a key as it was put in the fifo; seq tells whether the key was
+// taken (and maybe stored again) since.
+type slotRef struct {
+	key slotKey
+	seq uint64
 }
 
 func newSlotTable(max int) *slotTable {
-	return &slotTable{max: max, m: map[string]*admission.Decision{}}
+	return &slotTable{max: max, m: map[slotKey]*slotEntry{}}
 }
 
-func (s *slotTable) put(id string, d *admission.Decision) {
+// put stores d under tenant and id, next to the decisions stored there
+// already.
+func (s *slotTable) put(tenant, id string, d *admission.Decision) {
 	if s.max == 0 {
 		return
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if _, ok := s.m[id]; !ok {
-		for len(s.m) >= s.max && len(s.fifo) > 0 {
-			delete(s.m, s.fifo[0])
-			s.fifo = s.fifo[1:]
+	k := slotKey{tenant, id}
+	for s.n >= s.max && len(s.fifo) > 0 {
+		old := s.fifo[0]
+		s.fifo = s.fifo[1:]
+		if e, ok := s.m[old.key]; ok && e.seq == old.seq {
+			s.n -= len(e.ds)
+			delete(s.m, old.key)
 		}
-		s.fifo = append(s.fifo, id)
 	}
-	s.m[id] = d
+	e, ok := s.m[k]
+	if !ok {
+		s.seq++
+		e = &slotEntry{seq: s.seq}
+		s.m[k] = e
+		s.fifo = append(s.fifo, slotRef{k, e.seq})
+	}
+	e.ds = append(e.ds, d)
+	s.n++
 }
 
-func (s *slotTable) take(id string) *admission.Decision {
+// take removes and returns every decision stored under tenant and id.
+func (s *slotTable) take(tenant, id string) []*admission.Decision {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	d := s.m[id]
-	delete(s.m, id)
-	if len(s.fifo) > 2*s.max+16 { // compact ids already taken
+	k := slotKey{tenant, id}
+	e, ok := s.m[k]
+	if !ok {
+		return nil
+	}
+	delete(s.m, k)
+	s.n -= len(e.ds)
+	if len(s.fifo) > 2*s.max+16 { // compact keys already taken
 		live := s.fifo[:0]
-		for _, k := range s.fifo {
-			if _, ok := s.m[k]; ok {
-				live = append(live, k)
+		for _, r := range s.fifo {
+			if e, ok := s.m[r.key]; ok && e.seq == r.seq {
+				live = append(live, r)
 			}
 		}
 		s.fifo = live
 	}
-	return d
+	return e.ds
 }

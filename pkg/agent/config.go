@@ -59,10 +59,24 @@ type Config struct {
 	// EnvoyDomain, when set, is the only rate limit domain ShouldRateLimit
 	// accepts; others are InvalidArgument.
 	EnvoyDomain string
+	// EnvoyRequestIDKey, when set, is the descriptor key whose value
+	// ShouldRateLimit takes as the request id (idempotency and the names of
+	// concurrency slots) instead of a descriptor entry; RequestIDKey is the
+	// suggested value. Empty (the default) takes no request id from Envoy:
+	// an entry with that key is a descriptor entry like any other. Set it
+	// only when the value is generated per request by your own edge, never
+	// taken from clients: a repeated id is replayed (admitted again without
+	// being charged) and shares the first request's concurrency slots.
+	// Envoy regenerates x-request-id for requests it classes as external,
+	// unless preserve_external_request_id is set; which requests are external
+	// depends on use_remote_address and internal_address_config (Envoy's
+	// "HTTP header sanitizing"). Where clients' x-request-id can reach the
+	// agent, leave this empty.
+	EnvoyRequestIDKey string
 	// MaxTrackedSlots bounds the decisions holding concurrency slots that the
 	// agent remembers for ReleaseSlot; beyond it ReleaseSlot frees the slots
 	// in the store by request id (slots taken by a fail-mode fallback then
-	// free themselves only at the end of the process).
+	// free themselves only after their rule's slot_ttl).
 	MaxTrackedSlots int
 	// DecisionLogSample is the fraction of decisions logged, in [0, 1],
 	// chosen by a hash of the decision id.

@@ -74,13 +74,22 @@ func checkResponse(v *Verdict) *allotv1.CheckResponse {
 	}
 }
 
+// errNoEntries is the answer to a check without entries: a gateway's bug
+// (it sent nothing to decide by), not a request that no rule matches.
+// Entries with empty values are a request (an empty value counts as absent).
+var errNoEntries = fmt.Errorf("entries: must not be empty: %w", ErrInvalidRequest)
+
+// check decides one CheckRequest, for Check and for each check of a batch.
 func (s *AdmissionService) check(ctx context.Context, m *allotv1.CheckRequest) (*Verdict, error) {
+	if len(m.GetEntries()) == 0 {
+		return nil, errNoEntries
+	}
 	es, err := entriesOf(m.GetEntries())
 	if err != nil {
 		return nil, err
 	}
 	v, err := s.a.Check(ctx, &Input{Descriptors: es, Cost: m.GetCost(), RequestID: m.GetRequestId()})
-	return v, apiFields(err, entryPath, "entries", "cost")
+	return v, apiFields(err, entryPath, "entries", "cost", "request_id")
 }
 
 // entryPath is the Check API's path of a request's i-th entry.
@@ -102,7 +111,7 @@ func (s *AdmissionService) releaseSlot(ctx context.Context, m *allotv1.ReleaseSl
 		return 0, err
 	}
 	n, err := s.a.ReleaseSlot(ctx, es, m.GetRequestId())
-	return n, apiFields(err, entryPath, "entries", "cost")
+	return n, apiFields(err, entryPath, "entries", "cost", "request_id")
 }
 
 // Mux serves the agent's Connect API, /metrics (when gatherer is set),

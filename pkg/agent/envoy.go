@@ -17,9 +17,10 @@ import (
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
 )
 
-// RequestIDKey is the descriptor key whose value ShouldRateLimit takes as
-// the request id (Envoy's request_headers action on x-request-id, for
-// example) instead of a descriptor entry.
+// RequestIDKey is the suggested Config.EnvoyRequestIDKey: the descriptor key
+// of the request id (Envoy's request_headers action on x-request-id, for
+// example) when your own edge generates it per request. ShouldRateLimit
+// takes a request id only when Config.EnvoyRequestIDKey is set.
 const RequestIDKey = "request_id"
 
 // RateLimitService serves Envoy's envoy.service.ratelimit.v3 API on an
@@ -29,8 +30,13 @@ const RequestIDKey = "request_id"
 // Envoy sends several descriptors per request; allot decides a request
 // against all of its rules at once, so the entries of every descriptor are
 // merged into one descriptor (a key given twice must carry the same value)
-// and decided atomically. hits_addend is the cost. Every status carries the
-// overall code.
+// and decided atomically. hits_addend is the cost: as in Envoy, a
+// descriptor's hits_addend overrides the request's (0 meaning 1) for that
+// descriptor, and since one request has one cost in allot, every
+// descriptor's hits must then be equal (else InvalidArgument); a descriptor
+// hits_addend of 0 (check without consuming) is not supported. An entry
+// keyed Config.EnvoyRequestIDKey, when that is set, is the request id
+// instead of an entry. Every status carries the overall code.
 //
 // A denial is OVER_LIMIT with retry-after and x-allot-* response headers.
 // When the limiter cannot decide (a fail-closed rule whose store is down, or
@@ -75,7 +81,7 @@ func NewGRPCServer(a *Agent, opts ...grpc.ServerOption) *grpc.Server {
 func (s *RateLimitService) ShouldRateLimit(ctx context.Context, req *rlsv3.RateLimitRequest) (*rlsv3.RateLimitResponse, error) {
 	t0 := s.a.now()
 	defer func() { s.a.m.latency.WithLabelValues("envoy").Observe(s.a.now().Sub(t0).Seconds()) }()
-	in, paths, err := s.input(req)
+	in, paths, idPath, err := s.input(req)
 	var v *Verdict
 	if err == nil {
 		v, err = s.a.Check(ctx, in)
@@ -84,7 +90,7 @@ func (s *RateLimitService) ShouldRateLimit(ctx context.Context, req *rlsv3.RateL
 				return paths[i]
 			}
 			return "descriptors (merged entry " + strconv.Itoa(i) + ")"
-		}, "descriptors", "hits_addend")
+		}, "descriptors", "hits_addend", idPath)
 	}
 	if err != nil {
 		s.a.m.badRequests.WithLabelValues("envoy", codeOf(err).String()).Inc()
@@ -126,56 +132,76 @@ func (s *RateLimitService) ShouldRateLimit(ctx context.Context, req *rlsv3.RateL
 
 // input validates an Envoy request and merges its descriptors. paths[i]
 // is where the merged entry i came from (descriptors[d].entries[e]), for
-// errors about it.
-func (s *RateLimitService) input(req *rlsv3.RateLimitRequest) (in *Input, paths []string, err error) {
+// errors about it; idPath is where the request id came from
+// (descriptors[d].entries[e].value), "" when there is none.
+func (s *RateLimitService) input(req *rlsv3.RateLimitRequest) (in *Input, paths []string, idPath string, err error) {
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf(format+": %w", append(args, ErrInvalidRequest)...)
 	}
+	descs := req.GetDescriptors()
 	switch {
 	case req.GetDomain() == "":
-		return nil, nil, bad("domain: must not be empty")
+		return nil, nil, "", bad("domain: must not be empty")
 	case s.a.cfg.EnvoyDomain != "" && req.GetDomain() != s.a.cfg.EnvoyDomain:
-		return nil, nil, bad("domain: %q is not served here (want %q)", truncate(req.GetDomain()), s.a.cfg.EnvoyDomain)
-	case len(req.GetDescriptors()) == 0:
-		return nil, nil, bad("descriptors: must not be empty")
-	case len(req.GetDescriptors()) > admission.MaxDescriptors:
-		return nil, nil, bad("descriptors: %d, the limit is %d", len(req.GetDescriptors()), admission.MaxDescriptors)
+		return nil, nil, "", bad("domain: %q is not served here (want %q)", truncate(req.GetDomain()), s.a.cfg.EnvoyDomain)
+	case len(descs) == 0:
+		return nil, nil, "", bad("descriptors: must not be empty")
+	case len(descs) > admission.MaxDescriptors:
+		return nil, nil, "", bad("descriptors: %d, the limit is %d", len(descs), admission.MaxDescriptors)
 	}
-	in = &Input{Cost: int64(req.GetHitsAddend())}
+	// A descriptor's hits_addend overrides the request's (0 meaning 1) for
+	// that descriptor. allot charges the merged request once, so every
+	// descriptor's hits must be the same: the request's, when a descriptor
+	// goes without an override, else the first override's.
+	hits, hitsFrom := uint64(max(req.GetHitsAddend(), 1)), ""
+	for i, d := range descs {
+		if d.GetHitsAddend() == nil {
+			hitsFrom = fmt.Sprintf("the %d that descriptors[%d] takes from the request's hits_addend (0 meaning 1)", hits, i)
+			break
+		}
+	}
+	in = &Input{}
 	from := map[string]int{} // key -> index of the first descriptor giving it
-	var descHits int64 = -1
-	for i, d := range req.GetDescriptors() {
+	idKey := s.a.cfg.EnvoyRequestIDKey
+	for i, d := range descs {
 		switch {
 		case d == nil || len(d.GetEntries()) == 0:
-			return nil, nil, bad("descriptors[%d].entries: must not be empty", i)
+			return nil, nil, "", bad("descriptors[%d].entries: must not be empty", i)
 		case d.GetLimit() != nil:
-			return nil, nil, bad("descriptors[%d].limit: overrides are not supported; limits come from the allot policy", i)
+			return nil, nil, "", bad("descriptors[%d].limit: overrides are not supported; limits come from the allot policy", i)
 		case d.GetIsNegativeHits():
-			return nil, nil, bad("descriptors[%d].is_negative_hits: refunds are not supported", i)
+			return nil, nil, "", bad("descriptors[%d].is_negative_hits: refunds are not supported", i)
 		}
 		if h := d.GetHitsAddend(); h != nil {
-			if h.GetValue() > uint64(admission.MaxHits) {
-				return nil, nil, bad("descriptors[%d].hits_addend: %d exceeds the maximum %d", i, h.GetValue(), int64(admission.MaxHits))
+			switch v := h.GetValue(); {
+			case v == 0:
+				return nil, nil, "", bad("descriptors[%d].hits_addend: 0 (check without consuming) is not supported", i)
+			case v > uint64(admission.MaxHits):
+				return nil, nil, "", bad("descriptors[%d].hits_addend: %d exceeds the maximum %d", i, v, int64(admission.MaxHits))
+			case hitsFrom == "":
+				hits, hitsFrom = v, fmt.Sprintf("descriptors[%d].hits_addend", i)
+			case v != hits:
+				return nil, nil, "", bad("descriptors[%d].hits_addend: %d differs from %s; allot decides a request's descriptors together, and one request has one cost in allot", i, v, hitsFrom)
 			}
-			if descHits >= 0 && int64(h.GetValue()) != descHits {
-				return nil, nil, bad("descriptors[%d].hits_addend: %d differs from %d in an earlier descriptor; one request has one cost", i, h.GetValue(), descHits)
-			}
-			descHits = int64(h.GetValue())
 		}
 		for j, e := range d.GetEntries() {
 			if e.GetKey() == "" {
-				return nil, nil, bad("descriptors[%d].entries[%d].key: must not be empty", i, j)
+				return nil, nil, "", bad("descriptors[%d].entries[%d].key: must not be empty", i, j)
 			}
-			if e.GetKey() == RequestIDKey {
-				if in.RequestID != "" && in.RequestID != e.GetValue() {
-					return nil, nil, bad("descriptors[%d].entries[%d]: a second, different request_id", i, j)
+			if idKey != "" && e.GetKey() == idKey {
+				if idPath != "" {
+					if e.GetValue() != in.RequestID {
+						return nil, nil, "", bad("descriptors[%d].entries[%d].value: a second, different %s (%q at %s)", i, j, truncate(idKey), truncate(in.RequestID), idPath)
+					}
+					continue
 				}
 				in.RequestID = e.GetValue()
+				idPath = fmt.Sprintf("descriptors[%d].entries[%d].value", i, j)
 				continue
 			}
 			if k, seen := from[e.GetKey()]; seen {
 				if prev := in.Descriptors[k].Value; prev != e.GetValue() {
-					return nil, nil, bad("descriptors[%d].entries[%d]: %s=%q conflicts with %q given earlier", i, j, truncate(e.GetKey()), truncate(e.GetValue()), truncate(prev))
+					return nil, nil, "", bad("descriptors[%d].entries[%d]: %s=%q conflicts with %q given earlier", i, j, truncate(e.GetKey()), truncate(e.GetValue()), truncate(prev))
 				}
 				continue
 			}
@@ -184,13 +210,8 @@ func (s *RateLimitService) input(req *rlsv3.RateLimitRequest) (in *Input, paths 
 			paths = append(paths, fmt.Sprintf("descriptors[%d].entries[%d]", i, j))
 		}
 	}
-	if descHits >= 0 {
-		if in.Cost != 0 && in.Cost != descHits {
-			return nil, nil, bad("hits_addend: %d differs from the descriptors' %d", in.Cost, descHits)
-		}
-		in.Cost = descHits
-	}
-	return in, paths, nil
+	in.Cost = int64(hits)
+	return in, paths, idPath, nil
 }
 
 func secondsDuration(n int64) time.Duration { return time.Duration(n) * time.Second }

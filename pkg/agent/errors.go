@@ -28,7 +28,8 @@ var ErrNotReady = errors.New("no policy in force yet")
 // ErrUnavailable is what the gRPC (Envoy) API answers when the limiter
 // cannot decide a request (a 503 on the Connect API): a fail-closed rule
 // whose store did not answer, or a leased pool that ran dry while the
-// allocator is unreachable.
+// allocator is unreachable. ReleaseSlot wraps it when the store cannot be
+// reached.
 var ErrUnavailable = errors.New("limiter cannot decide")
 
 // ErrPolicyRejected is wrapped by the reasons a published policy record is
@@ -47,12 +48,15 @@ func codeOf(err error) connect.Code {
 	switch {
 	case errors.Is(err, ErrInvalidRequest), errors.Is(err, admission.ErrInvalidRequest):
 		return connect.CodeInvalidArgument
-	case errors.Is(err, ErrNotReady), errors.Is(err, ErrUnavailable), errors.Is(err, admission.ErrUnavailable), errors.Is(err, admission.ErrClosed):
-		return connect.CodeUnavailable
+	// The caller's end before the store's trouble: a call whose caller left
+	// or whose deadline passed wraps its context's error, and often
+	// ErrUnavailable too (the store did not answer in time).
 	case errors.Is(err, context.DeadlineExceeded):
 		return connect.CodeDeadlineExceeded
 	case errors.Is(err, context.Canceled):
 		return connect.CodeCanceled
+	case errors.Is(err, ErrNotReady), errors.Is(err, ErrUnavailable), errors.Is(err, admission.ErrUnavailable), errors.Is(err, admission.ErrClosed):
+		return connect.CodeUnavailable
 	}
 	return connect.CodeInternal
 }
@@ -85,9 +89,11 @@ func toGRPC(log *zap.Logger, err error) error {
 // entries descriptors[i] (and their list descriptors) and its cost hits;
 // the Check API calls them entries[i] and cost, the Envoy API
 // descriptors[i].entries[j] and hits_addend. path maps the engine's index of
-// an entry to the API's path; list and hits are the API's names. Other
-// errors come back as they are.
-func apiFields(err error, path func(int) string, list, hits string) error {
+// an entry to the API's path; list and hits are the API's names, and
+// requestID the API's name of the request id (the engine's is request_id;
+// Envoy's is the entry it came from), "" to keep the engine's. Other errors
+// come back as they are.
+func apiFields(err error, path func(int) string, list, hits, requestID string) error {
 	if err == nil || !errors.Is(err, admission.ErrInvalidRequest) {
 		return err
 	}
@@ -105,6 +111,11 @@ func apiFields(err error, path func(int) string, list, hits string) error {
 		}
 		return path(i)
 	})
+	// After the entries: an API's name of the request id may itself be an
+	// entry's path, which the engine's names must not be mistaken for.
+	if requestID != "" && strings.HasPrefix(msg, "request_id:") {
+		msg = requestID + msg[len("request_id"):]
+	}
 	if msg == err.Error() {
 		return err
 	}
@@ -123,3 +134,14 @@ type fieldError struct {
 
 func (e *fieldError) Error() string { return e.msg }
 func (e *fieldError) Unwrap() error { return e.err }
+
+// publicError is an error whose message is what an API caller is told (the
+// store's address and the dialer's message left out, and logged instead);
+// it still wraps the errors its code is decided by, for errors.Is.
+type publicError struct {
+	msg  string
+	errs []error
+}
+
+func (e *publicError) Error() string   { return e.msg }
+func (e *publicError) Unwrap() []error { return e.errs }

@@ -137,3 +137,32 @@ func TestStarvedSeesChangesSinceTheDecision(t *testing.T) {
 		t.Fatal("the pool's next change did not wake the waiter")
 	}
 }
+
+// TestSlotTableBound: the fallback slot table holds at most max decisions,
+// evicting the oldest keys whole; a key taken and stored again is not
+// evicted by its earlier place in the fifo.
+func TestSlotTableBound(t *testing.T) {
+	s := newSlotTable(3)
+	d := func(id string) *admission.Decision { return &admission.Decision{ID: id} }
+	s.put("acme", "a", d("a1"))
+	s.take("acme", "a")
+	s.put("acme", "a", d("a2")) // a's first place in the fifo is stale
+	s.put("acme", "b", d("b1"))
+	s.put("acme", "b", d("b2"))
+	s.put("acme", "c", d("c1")) // full: the oldest key (a, stored again) goes
+	if got := s.take("acme", "a"); got != nil {
+		t.Fatalf("a after the table filled: %v, want evicted", got)
+	}
+	if got := s.take("acme", "b"); len(got) != 2 || got[0].ID != "b1" || got[1].ID != "b2" {
+		t.Fatalf("b: %v, want both of its decisions in order", got)
+	}
+	if got := s.take("beta", "c"); got != nil {
+		t.Fatalf("c taken by another tenant: %v, want nothing", got)
+	}
+	if got := s.take("acme", "c"); len(got) != 1 {
+		t.Fatalf("c: %v, want its decision", got)
+	}
+	if s.n != 0 || len(s.m) != 0 {
+		t.Fatalf("after every take: %d decisions under %d keys, want none", s.n, len(s.m))
+	}
+}

@@ -80,7 +80,8 @@ func (x *DescriptorEntry) GetValue() string {
 // CheckRequest describes one request, from verified claims only.
 type CheckRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// entries of the descriptor; order does not matter, keys are unique.
+	// entries of the descriptor; order does not matter, keys are unique; at
+	// least one (a check without entries is INVALID_ARGUMENT).
 	Entries []*DescriptorEntry `protobuf:"bytes,1,rep,name=entries,proto3" json:"entries,omitempty"`
 	// cost multiplies every matched rule's own cost, like Envoy's hits_addend
 	// (a batch of N calls is cost N; an export whose rule costs 10 is cost 1).
