@@ -82,6 +82,10 @@ type RuleResult struct {
 	Scope policy.Scope
 	// Kind is the rule's kind.
 	Kind policy.Kind
+	// Def is the rule's definition, shared with the policy: read only. An
+	// API that splits a request into parts (Envoy's descriptors) uses its
+	// match list to say which part a rule is about.
+	Def *policy.Rule
 	// Pool is, for a global quota, the leased pool the request is charged
 	// to: the rule's name for a single pool, the instance's name
 	// (policy.InstanceName) for a template; empty for other kinds.

@@ -406,6 +406,7 @@ func (e *Engine) plan(snap *snapshot, req *Request, ibuf []item, rbuf []RuleResu
 			Rule:      sp.name,
 			Scope:     sp.scope,
 			Kind:      sp.rule.Kind,
+			Def:       sp.rule,
 			Shadow:    sp.shadow,
 			Allowed:   true,
 			Remaining: -1,

@@ -471,3 +471,61 @@ func TestEnvoyRequestIDKeyOptIn(t *testing.T) {
 		t.Fatalf("after the bad requests: %v %v, want 96 left (nothing debited by them)", resp, err)
 	}
 }
+
+// TestEnvoyDescriptorStatuses: each descriptor's status is about the rules
+// whose keys it carries: the ip descriptor stays OK with its own remaining
+// while the route descriptor is OVER_LIMIT; an allowed route descriptor
+// carries its limit (3 a day) for Envoy's x-ratelimit headers; a rule
+// whose keys span two descriptors is reported on both.
+func TestEnvoyDescriptorStatuses(t *testing.T) {
+	_, s := standalone(t, nil)
+	should := func(req *rlsv3.RateLimitRequest) *rlsv3.RateLimitResponse {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		resp, err := s.rls.ShouldRateLimit(ctx, req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp
+	}
+	ip := []string{"ip", "10.0.0.1"}
+	daily := []string{"tenant", "statuses", "route", "GET /daily"}
+	for i := 0; i < 3; i++ {
+		resp := should(rlsReq(0, ip, daily))
+		st := resp.GetStatuses()
+		if resp.GetOverallCode() != rlsv3.RateLimitResponse_OK || len(st) != 2 {
+			t.Fatalf("request %d: %v, want OK with 2 statuses", i, resp)
+		}
+		if st[0].GetCode() != rlsv3.RateLimitResponse_OK || st[0].GetCurrentLimit() != nil || st[0].GetLimitRemaining() < 999_000 {
+			t.Fatalf("request %d: ip status %v; want OK, the ip rule's remaining and no limit (ip rules are not advertised)", i, st[0])
+		}
+		l := st[1].GetCurrentLimit()
+		if st[1].GetCode() != rlsv3.RateLimitResponse_OK || st[1].GetLimitRemaining() != uint32(2-i) ||
+			l.GetRequestsPerUnit() != 3 || l.GetUnit() != rlsv3.RateLimitResponse_RateLimit_DAY || l.GetName() != "daily" {
+			t.Fatalf("request %d: route status %v; want OK, %d remaining, daily's limit of 3 a day", i, st[1], 2-i)
+		}
+	}
+	resp := should(rlsReq(0, ip, daily))
+	st := resp.GetStatuses()
+	if resp.GetOverallCode() != rlsv3.RateLimitResponse_OVER_LIMIT {
+		t.Fatalf("fourth request: %v, want OVER_LIMIT", resp)
+	}
+	if st[0].GetCode() != rlsv3.RateLimitResponse_OK || st[0].GetLimitRemaining() < 999_000 {
+		t.Fatalf("fourth request: ip status %v; want OK with the ip rule's remaining", st[0])
+	}
+	if st[1].GetCode() != rlsv3.RateLimitResponse_OVER_LIMIT || st[1].GetLimitRemaining() != 0 || st[1].GetDurationUntilReset() == nil {
+		t.Fatalf("fourth request: route status %v; want OVER_LIMIT, 0 remaining, a reset", st[1])
+	}
+
+	// daily's keys in two descriptors: both report it.
+	tenant, route := []string{"tenant", "statuses2"}, []string{"route", "GET /daily"}
+	for i := 0; i < 3; i++ {
+		should(rlsReq(0, tenant, route))
+	}
+	resp = should(rlsReq(0, tenant, route))
+	if st := resp.GetStatuses(); resp.GetOverallCode() != rlsv3.RateLimitResponse_OVER_LIMIT ||
+		st[0].GetCode() != rlsv3.RateLimitResponse_OVER_LIMIT || st[1].GetCode() != rlsv3.RateLimitResponse_OVER_LIMIT {
+		t.Fatalf("a spanning rule's denial: %v; want both statuses OVER_LIMIT", resp)
+	}
+}

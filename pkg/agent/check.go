@@ -52,6 +52,9 @@ type Verdict struct {
 	Source admission.Source
 	// Waited is how long the request waited for a lease renewal.
 	Waited time.Duration
+	// Rules is each matched rule's part of the decision (the engine's
+	// results, which the verdict owns).
+	Rules []admission.RuleResult
 }
 
 // verdictName is the metric label of v.
@@ -184,6 +187,7 @@ func (a *Agent) verdict(d *admission.Decision) *Verdict {
 	v := &Verdict{
 		Allowed: d.Allowed(), Unavailable: d.Outcome == admission.Unavailable, Rule: d.Rule, Scope: d.Scope,
 		RetryAfter: d.RetryAfter, Remaining: d.Remaining, DecisionID: d.ID, PolicyVersion: d.PolicyVersion, Source: d.Source,
+		Rules: d.Rules,
 	}
 	if v.Allowed {
 		v.RetryAfter = 0

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	ratelimitv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -30,13 +31,21 @@ const RequestIDKey = "request_id"
 // Envoy sends several descriptors per request; allot decides a request
 // against all of its rules at once, so the entries of every descriptor are
 // merged into one descriptor (a key given twice must carry the same value)
-// and decided atomically. hits_addend is the cost: as in Envoy, a
-// descriptor's hits_addend overrides the request's (0 meaning 1) for that
-// descriptor, and since one request has one cost in allot, every
-// descriptor's hits must then be equal (else InvalidArgument); a descriptor
-// hits_addend of 0 (check without consuming) is not supported. An entry
-// keyed Config.EnvoyRequestIDKey, when that is set, is the request id
-// instead of an entry. Every status carries the overall code.
+// and decided atomically. Each descriptor's status reports the rules it is
+// about, those whose match keys all appear among its entries: OVER_LIMIT
+// when one of them denied, else OK with the tightest one's remaining count,
+// limit (when its window is a unit Envoy names) and time to reset.
+//
+// hits_addend is the cost: as in Envoy, a descriptor's hits_addend
+// overrides the request's (0 meaning 1) for that descriptor, and since one
+// request has one cost in allot, every descriptor's hits must then be equal
+// (else InvalidArgument); a descriptor hits_addend of 0 (check without
+// consuming) is not supported. An entry keyed Config.EnvoyRequestIDKey, when
+// that is set, is the request id instead of an entry.
+//
+// The domain selects nothing: limits and counters come from the allot
+// policy, so with Config.EnvoyDomain empty every domain is served and all
+// share the same counters; set it (-envoy-domain) to refuse other domains.
 //
 // A denial is OVER_LIMIT with retry-after and x-allot-* response headers.
 // When the limiter cannot decide (a fail-closed rule whose store is down, or
@@ -104,17 +113,7 @@ func (s *RateLimitService) ShouldRateLimit(ctx context.Context, req *rlsv3.RateL
 	if !v.Allowed {
 		code = rlsv3.RateLimitResponse_OVER_LIMIT
 	}
-	resp := &rlsv3.RateLimitResponse{OverallCode: code, Statuses: make([]*rlsv3.RateLimitResponse_DescriptorStatus, len(req.GetDescriptors()))}
-	st := &rlsv3.RateLimitResponse_DescriptorStatus{Code: code}
-	if v.Remaining >= 0 {
-		st.LimitRemaining = uint32(min(v.Remaining, math.MaxUint32))
-	}
-	if !v.Allowed && v.RetryAfter > 0 {
-		st.DurationUntilReset = durationpb.New(secondsDuration(v.RetryAfter))
-	}
-	for i := range resp.Statuses {
-		resp.Statuses[i] = st
-	}
+	resp := &rlsv3.RateLimitResponse{OverallCode: code, Statuses: s.statuses(req, v)}
 	if !v.Allowed {
 		h := func(k, val string) *corev3.HeaderValue { return &corev3.HeaderValue{Key: k, Value: val} }
 		resp.ResponseHeadersToAdd = []*corev3.HeaderValue{
@@ -128,6 +127,135 @@ func (s *RateLimitService) ShouldRateLimit(ctx context.Context, req *rlsv3.RateL
 		}
 	}
 	return resp, nil
+}
+
+// statuses are the per-descriptor answers: each descriptor is given the
+// rules it is about, the ones whose match keys all appear among its entries
+// (a rule whose keys span descriptors goes to each descriptor holding one
+// of them). A descriptor is OVER_LIMIT when one of its rules denied, with
+// the wait as duration_until_reset; otherwise OK, with its tightest rule's
+// remaining count, its limit when the rule's window is a unit Envoy names
+// (second, minute, hour, day) and the time until that rule is whole. A
+// descriptor no live rule is about is OK with nothing else. If the
+// denying rule could be given to no descriptor, every status carries the
+// overall code, so the statuses never contradict it.
+func (s *RateLimitService) statuses(req *rlsv3.RateLimitRequest, v *Verdict) []*rlsv3.RateLimitResponse_DescriptorStatus {
+	descs := req.GetDescriptors()
+	out := make([]*rlsv3.RateLimitResponse_DescriptorStatus, len(descs))
+	best := make([]*admission.RuleResult, len(descs))
+	denied := false
+	for i := range v.Rules {
+		r := &v.Rules[i]
+		if r.Shadow {
+			continue
+		}
+		whole := false
+		for j, d := range descs {
+			if coversAll(d, r.Def) {
+				whole = true
+				best[j] = tighter(best[j], r)
+			}
+		}
+		if !whole {
+			for j, d := range descs {
+				if coversAny(d, r.Def) {
+					best[j] = tighter(best[j], r)
+				}
+			}
+		}
+	}
+	for j := range descs {
+		st := &rlsv3.RateLimitResponse_DescriptorStatus{Code: rlsv3.RateLimitResponse_OK}
+		out[j] = st
+		r := best[j]
+		if r == nil {
+			continue
+		}
+		if r.Remaining >= 0 {
+			st.LimitRemaining = uint32(min(r.Remaining, math.MaxUint32))
+		}
+		if !r.Allowed {
+			denied = true
+			st.Code = rlsv3.RateLimitResponse_OVER_LIMIT
+			if v.RetryAfter > 0 {
+				st.DurationUntilReset = durationpb.New(secondsDuration(v.RetryAfter))
+			}
+		} else if r.Reset > 0 {
+			st.DurationUntilReset = durationpb.New(secondsDuration(r.Reset))
+		}
+		if u, ok := envoyUnits[r.Window]; ok && r.Quota > 0 && r.Quota <= math.MaxUint32 {
+			st.CurrentLimit = &rlsv3.RateLimitResponse_RateLimit{Name: r.Rule, RequestsPerUnit: uint32(r.Quota), Unit: u}
+		}
+	}
+	if !v.Allowed && !denied {
+		for _, st := range out {
+			st.Code = rlsv3.RateLimitResponse_OVER_LIMIT
+			if v.RetryAfter > 0 {
+				st.DurationUntilReset = durationpb.New(secondsDuration(v.RetryAfter))
+			}
+		}
+	}
+	return out
+}
+
+// envoyUnits are the windows (in seconds) Envoy's RateLimit units name.
+var envoyUnits = map[int64]rlsv3.RateLimitResponse_RateLimit_Unit{
+	1:     rlsv3.RateLimitResponse_RateLimit_SECOND,
+	60:    rlsv3.RateLimitResponse_RateLimit_MINUTE,
+	3600:  rlsv3.RateLimitResponse_RateLimit_HOUR,
+	86400: rlsv3.RateLimitResponse_RateLimit_DAY,
+}
+
+// tighter is the rule a descriptor's status reports, of cur and r: a
+// denying rule first, then the one with the least remaining.
+func tighter(cur, r *admission.RuleResult) *admission.RuleResult {
+	switch {
+	case cur == nil:
+		return r
+	case cur.Allowed != r.Allowed:
+		if !r.Allowed {
+			return r
+		}
+		return cur
+	case r.Remaining >= 0 && (cur.Remaining < 0 || r.Remaining < cur.Remaining):
+		return r
+	}
+	return cur
+}
+
+// coversAll reports whether d has an entry for every match key of rule.
+func coversAll(d *ratelimitv3.RateLimitDescriptor, rule *policy.Rule) bool {
+	if rule == nil {
+		return false
+	}
+	for _, m := range rule.Match {
+		if !hasKey(d, m.Key) {
+			return false
+		}
+	}
+	return len(rule.Match) > 0
+}
+
+// coversAny reports whether d has an entry for a match key of rule.
+func coversAny(d *ratelimitv3.RateLimitDescriptor, rule *policy.Rule) bool {
+	if rule == nil {
+		return false
+	}
+	for _, m := range rule.Match {
+		if hasKey(d, m.Key) {
+			return true
+		}
+	}
+	return false
+}
+
+func hasKey(d *ratelimitv3.RateLimitDescriptor, key string) bool {
+	for _, e := range d.GetEntries() {
+		if e.GetKey() == key {
+			return true
+		}
+	}
+	return false
 }
 
 // input validates an Envoy request and merges its descriptors. paths[i]
