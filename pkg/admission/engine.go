@@ -700,6 +700,10 @@ func (e *Engine) unavailableRetry(mono int64) int64 {
 	return ceilSeconds(e.cfg.UnavailableRetryAfter.Milliseconds())
 }
 
+// maxChunkRounds bounds how many takes a request waits through in runLocal
+// (its clock may stand still, as a test's does).
+const maxChunkRounds = 1000
+
 // runLocal spends a global quota from the gateway-local chunk, taking a new
 // chunk from the regional pool when it is empty.
 func (e *Engine) runLocal(ctx context.Context, g *group, items []item, now time.Time, mono int64) (Outcome, int64) {
@@ -709,7 +713,13 @@ func (e *Engine) runLocal(ctx context.Context, g *group, items []item, now time.
 		out, _, retry := e.failGroup(g, items, now, e.mono(now), count)
 		return out, retry
 	}
-	for attempt := 0; attempt < 3; attempt++ {
+	// A request that finds the chunk empty waits on the take in flight or
+	// makes one. A take serves the request that made it first (below), so
+	// every take admits someone and a request only waits while others are
+	// being served; it gives up (429, retry in a second) only after
+	// StoreTimeout of losing such races, or maxChunkRounds of them.
+	giveUp := mono + e.cfg.StoreTimeout.Nanoseconds()
+	for round := 0; round < maxChunkRounds && (round == 0 || mono < giveUp); round++ {
 		if s := c.spend(mono, it.cost); s != nil {
 			it.spent = s
 			it.res.Remaining = s.tokens.Load()
@@ -731,6 +741,8 @@ func (e *Engine) runLocal(ctx context.Context, g *group, items []item, now time.
 				if t.failed {
 					return failMode(true)
 				}
+				now = e.clock.Now()
+				mono = e.mono(now)
 				continue
 			case <-ctx.Done():
 				return failMode(!callerLeft(ctx, ctx.Err()))
@@ -760,6 +772,18 @@ func (e *Engine) runLocal(ctx context.Context, g *group, items []item, now time.
 				st.expires = min(st.expires, old.expires)
 			}
 			st.tokens.Add(o.out[0])
+			// The taker spends first: without this the requests woken by
+			// its take could spend the chunk and leave the taker to take
+			// again, and again.
+			if st.tokens.Load() >= it.cost {
+				st.tokens.Add(-it.cost)
+				c.cur.Store(st)
+				c.mu.Unlock()
+				it.spent = st
+				it.res.Remaining = st.tokens.Load()
+				e.m.localSpends.Add(1)
+				return Allow, 0
+			}
 			c.cur.Store(st)
 		} else if err == nil && len(o.out) == 3 {
 			retry := o.out[2] * int64(time.Millisecond)

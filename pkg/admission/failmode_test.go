@@ -591,3 +591,61 @@ func TestFallbackSlotsLapse(t *testing.T) {
 	}
 	wantAllowed(t, h.decide("tenant", "cedar"), "after releasing a live slot")
 }
+
+const tinyChunkPolicy = `
+name: tiny-chunks
+regions: [eu]
+rules:
+  - name: fleet
+    scope: global
+    match: [{key: route, value: GET /catalog}]
+    kind: global_quota
+    limit: 100000
+    window: 1h
+    lease: {chunk: 1000, ttl: 1h, gateway_chunk: 1}
+`
+
+// TestChunkContentionDeniesNone: many requests race for a gateway-local
+// chunk of one token while the regional pool holds plenty. Each take serves
+// the request that made it, and a request that lost the race to others'
+// takes waits for the next: none is denied while the pool has tokens. (A
+// request used to give up with a 429 after three lost races.)
+func TestChunkContentionDeniesNone(t *testing.T) {
+	h := newHarness(t, redisBackend("redis", standaloneClient), parse(t, tinyChunkPolicy), nil)
+	if _, err := h.e.DepositChunk(context.Background(), "fleet", "g1", 1000, time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	const n = 64
+	var (
+		wg     sync.WaitGroup
+		mu     sync.Mutex
+		denied []string
+	)
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			d, err := h.e.Decide(context.Background(), &admission.Request{Descriptors: entries("route", "GET /catalog")})
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			if !d.Allowed() {
+				mu.Lock()
+				denied = append(denied, fmt.Sprintf("%s by %s (retry %d)", d.Outcome, d.Rule, d.RetryAfter))
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	if len(denied) > 0 {
+		t.Fatalf("%d of %d requests not admitted with 1,000 tokens in the pool: %v", len(denied), n, denied)
+	}
+	st, err := h.e.PoolStats(context.Background(), "fleet")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Available != 1000-n {
+		t.Fatalf("pool %+v: want %d left (one take per request, nothing stranded)", st, 1000-n)
+	}
+}
