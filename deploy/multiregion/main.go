@@ -26,7 +26,9 @@ import (
 )
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	// SIGHUP too: closing the terminal (or losing the SSH session) must stop
+	// the topology as Ctrl-C does, not leave its processes behind.
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM, syscall.SIGHUP)
 	err := run(ctx, os.Args[1:])
 	stop()
 	if err != nil && !errors.Is(err, flag.ErrHelp) {

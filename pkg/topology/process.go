@@ -37,9 +37,7 @@ func StartProcess(name, bin string, args []string, out io.Writer) (*Process, err
 		w = io.MultiWriter(p.tail, out)
 	}
 	p.cmd.Stdout, p.cmd.Stderr = w, w
-	// Its own process group, so a Ctrl-C in the terminal reaches only us and
-	// we stop children in order.
-	p.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	p.cmd.SysProcAttr = childAttr()
 	if err := p.cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start %s: %w", name, err)
 	}

@@ -123,6 +123,11 @@ func StartRegion(ctx context.Context, cfg RegionConfig) (*Region, error) {
 	}, store...)
 	r.Args = append(r.Args, cfg.AgentArgs...)
 	if err := r.StartAgent(ctx); err != nil {
+		// The region is not returned, so nothing else will stop what it
+		// started: an agent that did not get healthy in time included.
+		if r.Agent != nil {
+			r.Agent.Kill()
+		}
 		if r.Redis != nil {
 			r.Redis.Kill()
 		}
