@@ -6,6 +6,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -106,5 +109,40 @@ func TestRegionProcesses(t *testing.T) {
 	}
 	if err := r.WaitReady(ctx); err != nil && !errors.Is(err, context.Canceled) {
 		t.Fatal(err)
+	}
+}
+
+// TestStartRegionStopsAnAgentThatNeverGetsHealthy: when the agent does not
+// answer /healthz before ctx ends, StartRegion fails and returns no
+// region, so it must stop the agent itself: nothing else could.
+func TestStartRegionStopsAnAgentThatNeverGetsHealthy(t *testing.T) {
+	// A stand-in agent that ignores its flags and never listens. Its pid
+	// file says which process to look for afterwards.
+	dir := t.TempDir()
+	pidFile := filepath.Join(dir, "agent.pid")
+	bin := filepath.Join(dir, "agent.sh")
+	script := "#!/bin/sh\necho $$ > " + pidFile + "\nexec sleep 60\n"
+	if err := os.WriteFile(bin, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	r, err := topology.StartRegion(ctx, topology.RegionConfig{Name: "eu", AgentBin: bin, Dir: dir, EmbeddedStore: true})
+	if err == nil {
+		_ = r.Close(time.Second)
+		t.Fatal("StartRegion succeeded with an agent that never answers")
+	}
+	raw, rerr := os.ReadFile(pidFile)
+	if rerr != nil {
+		t.Fatalf("the stand-in agent never ran: %v (StartRegion: %v)", rerr, err)
+	}
+	pid, _ := strconv.Atoi(strings.TrimSpace(string(raw)))
+	deadline := time.Now().Add(5 * time.Second)
+	for syscall.Kill(pid, 0) == nil {
+		if time.Now().After(deadline) {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+			t.Fatalf("agent %d still running after StartRegion failed (%v)", pid, err)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }
