@@ -41,7 +41,10 @@ type Engine struct {
 	idSeq    atomic.Uint64
 
 	closed atomic.Bool
+	done   chan struct{} // closed by Close: background work stops
 	m      counters
+
+	orphans atomic.Int64 // late-slot releases scheduled and not yet done
 
 	ops sync.Pool // of *op whose store calls completed: reused by decideOp
 
@@ -77,6 +80,7 @@ func New(cfg Config, store Store, doc *policy.Document, version uint64, opts ...
 		chunks:   make(map[string]*localChunk),
 		fb:       newFallback(cfg.FallbackKeys),
 		idPrefix: "d-" + hex.EncodeToString(seed[:]) + "-",
+		done:     make(chan struct{}),
 	}
 	e.brk.threshold = int64(cfg.BreakerFailures)
 	e.brk.cooldown = cfg.BreakerCooldown.Nanoseconds()
@@ -140,7 +144,9 @@ func (e *Engine) Policy() (*policy.Document, uint64) {
 // Close makes later calls fail with ErrClosed. The store is not closed: its
 // owner closes it.
 func (e *Engine) Close() error {
-	e.closed.Store(true)
+	if e.closed.CompareAndSwap(false, true) {
+		close(e.done)
+	}
 	return nil
 }
 
@@ -574,6 +580,9 @@ func (e *Engine) runStore(ctx context.Context, g *group, items []item, req *Requ
 	member string, now time.Time, mono int64) (Outcome, int, int64) {
 	o := e.decideOp(g, items, req, d.ID, member, now)
 	if _, err := e.call(ctx, o, mono, e.cfg.StoreTimeout); err != nil {
+		if !Unsent(err) && member == d.ID {
+			e.releaseLate(g, items, member)
+		}
 		return e.failGroup(g, items, now, mono, !callerLeft(ctx, err))
 	}
 	n := len(g.idx)
@@ -621,6 +630,65 @@ func (e *Engine) runStore(ctx context.Context, g *group, items []item, req *Requ
 		return Deny, deny, retry
 	}
 	return Allow, -1, 0
+}
+
+// lateReleaseDelays are when, after a decide holding concurrency rules went
+// unanswered, the engine releases the slots that decide may still take if
+// it lands late (the batcher sends what it queued; a paused Redis runs it
+// when it resumes). The caller has taken the fail mode instead, so such a
+// slot is held by nobody, and would otherwise deny the rule's requests for
+// its whole slot_ttl (ten minutes for P-EXPORT). A release is a no-op
+// where the decide never landed. One that lands after the last attempt
+// keeps its slot until slot_ttl.
+var lateReleaseDelays = []time.Duration{time.Second, 10 * time.Second, time.Minute}
+
+// maxLateReleases bounds the late-slot releases scheduled at once; beyond
+// it, slots of unanswered decides expire by their slot_ttl.
+const maxLateReleases = 1024
+
+// releaseLate schedules the release of the slots group g's unanswered decide
+// may take under member. Only a decision's own id is released this way: a
+// caller's RequestID may be reused by its retry, whose slot must stay.
+func (e *Engine) releaseLate(g *group, items []item, member string) {
+	var keys []string
+	var ttl time.Duration
+	for _, i := range g.idx {
+		if it := &items[i]; it.sp.kind == kindSlots {
+			keys = append(keys, it.key)
+			ttl = max(ttl, time.Duration(it.sp.b)*time.Millisecond)
+		}
+	}
+	if len(keys) == 0 {
+		return
+	}
+	if e.orphans.Add(1) > maxLateReleases {
+		e.orphans.Add(-1)
+		return
+	}
+	go func() {
+		defer e.orphans.Add(-1)
+		start := time.Now()
+		for _, delay := range lateReleaseDelays {
+			if delay > ttl {
+				return // the slot has expired by then
+			}
+			t := time.NewTimer(delay - time.Since(start))
+			select {
+			case <-t.C:
+			case <-e.done:
+				t.Stop()
+				return
+			}
+			for _, k := range keys {
+				ctx, cancel := context.WithTimeout(context.Background(), max(e.cfg.StoreTimeout, time.Second))
+				err := e.run(ctx, &op{code: opRelease, now: e.storeNow(e.clock.Now()), keys: []string{k}, member: member})
+				cancel()
+				if err != nil {
+					e.log.Debug("release of a late decide's slot failed; trying again later", zap.String("member", member), zap.Error(err))
+				}
+			}
+		}
+	}()
 }
 
 // remember puts a denied key in the negative cache for min(hint, ceiling).

@@ -649,3 +649,55 @@ func TestChunkContentionDeniesNone(t *testing.T) {
 		t.Fatalf("pool %+v: want %d left (one take per request, nothing stranded)", st, 1000-n)
 	}
 }
+
+const lateSlotPolicy = `
+name: late-slot
+rules:
+  - name: exports
+    scope: tenant
+    match: [{key: tenant}]
+    kind: concurrency
+    max_in_flight: 1
+    slot_ttl: 1h
+    fail_mode: closed
+`
+
+// TestLateDecideReleasesItsSlot: a decide that times out while Redis is
+// paused is answered by the fail mode (503), and lands when Redis resumes,
+// taking a slot nobody holds. The engine releases it: a second later the
+// rule admits again, instead of denying for the hour of its slot_ttl.
+func TestLateDecideReleasesItsSlot(t *testing.T) {
+	srv := redistest.NewServer(t)
+	h, _ := failHarness(t, srv.Addr(), parse(t, lateSlotPolicy), func(c *admission.Config) { c.BreakerFailures = 100 })
+	if err := srv.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	d := h.decide("tenant", "cedar")
+	if err := srv.Resume(); err != nil {
+		t.Fatal(err)
+	}
+	if d.Outcome != admission.Unavailable {
+		t.Fatalf("decide with Redis paused: %+v; want unavailable (fail closed)", d)
+	}
+	// The late decide has landed once a later call is answered (one
+	// connection, in order); its slot makes the rule deny now.
+	deadline := time.Now().Add(5 * time.Second)
+	sawDeny := false
+	for {
+		d := h.decide("tenant", "cedar")
+		if d.Allowed() {
+			if err := h.e.Release(context.Background(), d); err != nil {
+				t.Fatal(err)
+			}
+			break
+		}
+		if d.Outcome == admission.Deny {
+			sawDeny = true
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("5 s after the late decide the rule still denies (%+v): its slot was never released", d)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	t.Logf("the late decide's slot was seen held: %v", sawDeny)
+}
