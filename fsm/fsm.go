@@ -1,6 +1,8 @@
 package fsm
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"math"
 	"slices"
@@ -799,6 +801,12 @@ func validatePublish(p *Publish, current uint64) ([]QuotaSpec, error) {
 	return validateSpecs(p.Quotas)
 }
 
+// documentDigest is a PolicyRecord's Digest: the SHA-256 of its document.
+func documentDigest(doc []byte) string {
+	sum := sha256.Sum256(doc)
+	return hex.EncodeToString(sum[:])
+}
+
 func (s *state) publish(now int64, p *Publish) (*PublishResult, error) {
 	specs, err := validatePublish(p, s.version())
 	if err != nil {
@@ -811,6 +819,7 @@ func (s *state) publish(now int64, p *Publish) (*PublishResult, error) {
 		PublishedUnixMs: now,
 		Document:        slices.Clone(p.Document),
 		Quotas:          specs,
+		Digest:          documentDigest(p.Document),
 	}
 	res := &PublishResult{Policy: rec.clone(true)}
 	quotas := make(map[string]*quota, len(specs))

@@ -41,7 +41,7 @@ func (f *FSM) PolicyVersion(v uint64) (PolicyRecord, bool) {
 }
 
 // PolicyHistory returns the retained policy versions, oldest first, without
-// their documents and quotas (see PolicyVersion).
+// their documents and quotas (see PolicyVersion) but with their digests.
 func (f *FSM) PolicyHistory() []PolicyRecord {
 	f.mu.RLock()
 	defer f.mu.RUnlock()

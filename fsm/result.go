@@ -97,6 +97,10 @@ type PolicyRecord struct {
 	Document []byte `json:"document"`
 	// Quotas are the specs of this version, sorted by name.
 	Quotas []QuotaSpec `json:"quotas"`
+	// Digest is the SHA-256 of Document, in hex. It is kept when a copy
+	// leaves Document out (PolicyHistory). Being derived from Document, it
+	// is not written into snapshots but computed again on Restore.
+	Digest string `json:"-"`
 }
 
 // WindowView is a copy of one window of one quota.
@@ -203,7 +207,8 @@ func cloneSpec(s QuotaSpec) QuotaSpec {
 	return s
 }
 
-// clone deep-copies r; with full false it leaves Document and Quotas out.
+// clone deep-copies r; with full false it leaves Document and Quotas out
+// (Digest stays).
 func (r *PolicyRecord) clone(full bool) PolicyRecord {
 	c := *r
 	c.Document, c.Quotas = nil, nil

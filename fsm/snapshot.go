@@ -386,6 +386,7 @@ func (s *state) restorePolicy(p *PolicyRecord) error {
 			return fmt.Errorf("quotas[%d]: not in canonical form", j)
 		}
 	}
+	p.Digest = documentDigest(p.Document) // not in the snapshot
 	s.history = append(s.history, p)
 	return nil
 }

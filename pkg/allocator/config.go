@@ -43,8 +43,12 @@ type Config struct {
 	DataDir string
 	// Bootstrap makes this node bootstrap a new cluster from Peers when it has
 	// no state yet; it is ignored when the data dir already holds a cluster.
+	// It excludes RunOptions.Join.
 	Bootstrap bool
-	// Peers is the initial configuration (including this node) for Bootstrap.
+	// Peers is the initial configuration (including this node) for Bootstrap,
+	// and only read then; empty, Bootstrap makes a single-node cluster of this
+	// node at its transport's address (the allocator command asks for that
+	// explicitly: this node as its only -peer).
 	Peers []Peer
 	// HeartbeatTimeout is how long a follower waits without contact before it
 	// starts an election.
@@ -128,38 +132,76 @@ func DefaultConfig() Config {
 // ErrConfig marks an invalid configuration.
 var ErrConfig = errors.New("invalid allocator config")
 
-// Validate says what is wrong with the configuration.
+// Validate says what is wrong with the configuration: one error per bad
+// setting, naming it, each an ErrConfig.
 func (c Config) Validate() error {
-	switch {
-	case c.NodeID == "":
-		return fmt.Errorf("node id is empty: %w", ErrConfig)
-	case c.RaftAddr == "":
-		return fmt.Errorf("raft address is empty: %w", ErrConfig)
-	case c.APIAddr == "":
-		return fmt.Errorf("api address is empty: %w", ErrConfig)
-	case c.HeartbeatTimeout <= 0 || c.ElectionTimeout <= 0 || c.LeaderLeaseTimeout <= 0:
-		return fmt.Errorf("raft timeouts must be positive: %w", ErrConfig)
-	case c.LeaderLeaseTimeout > c.HeartbeatTimeout:
-		return fmt.Errorf("leader lease timeout %s exceeds heartbeat timeout %s: %w", c.LeaderLeaseTimeout, c.HeartbeatTimeout, ErrConfig)
-	case c.ApplyTimeout <= 0:
-		return fmt.Errorf("apply timeout must be positive: %w", ErrConfig)
-	case c.MaxWantsPerCall <= 0 || c.MaxWantsPerCall > fsm.MaxWants:
-		return fmt.Errorf("max wants per call must be in [1, %d]: %w", fsm.MaxWants, ErrConfig)
-	case c.MaxBodyBytes <= 0:
-		return fmt.Errorf("max body bytes must be positive: %w", ErrConfig)
-	case c.CommitDelay < 0 || c.CommitDelay > time.Second:
-		return fmt.Errorf("commit delay %s is not in [0, 1s]: %w", c.CommitDelay, ErrConfig)
-	case c.CommitSiblings < 1:
-		return fmt.Errorf("commit siblings %d must be at least 1: %w", c.CommitSiblings, ErrConfig)
-	case c.LeaseMargin < 0 || c.MaxDriftPPM < 0 || c.MaxOneWayDelay < 0 || c.MaxLeaderSkew < 0 || c.StoreReplicationLag < 0:
-		return fmt.Errorf("bound assumptions must not be negative: %w", ErrConfig)
+	var errs []error
+	bad := func(format string, args ...any) {
+		errs = append(errs, fmt.Errorf(format+": %w", append(args, ErrConfig)...))
+	}
+	if c.NodeID == "" {
+		bad("NodeID must not be empty")
+	}
+	if c.RaftAddr == "" {
+		bad("RaftAddr must not be empty")
+	}
+	if c.APIAddr == "" {
+		bad("APIAddr must not be empty")
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{
+		{"HeartbeatTimeout", c.HeartbeatTimeout},
+		{"ElectionTimeout", c.ElectionTimeout},
+		{"LeaderLeaseTimeout", c.LeaderLeaseTimeout},
+		{"ApplyTimeout", c.ApplyTimeout},
+	} {
+		if d.v <= 0 {
+			bad("%s must be positive, got %s", d.name, d.v)
+		}
+	}
+	if c.HeartbeatTimeout > 0 && c.LeaderLeaseTimeout > c.HeartbeatTimeout {
+		bad("LeaderLeaseTimeout %s exceeds HeartbeatTimeout %s", c.LeaderLeaseTimeout, c.HeartbeatTimeout)
+	}
+	if c.MaxWantsPerCall <= 0 || c.MaxWantsPerCall > fsm.MaxWants {
+		bad("MaxWantsPerCall must be in [1, %d], got %d", fsm.MaxWants, c.MaxWantsPerCall)
+	}
+	if c.MaxBodyBytes <= 0 {
+		bad("MaxBodyBytes must be positive, got %d", c.MaxBodyBytes)
+	}
+	if c.CommitDelay < 0 || c.CommitDelay > time.Second {
+		bad("CommitDelay must be in [0, 1s], got %s", c.CommitDelay)
+	}
+	if c.CommitSiblings < 1 {
+		bad("CommitSiblings must be at least 1, got %d", c.CommitSiblings)
+	}
+	// The assumptions of the stated bound.
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{
+		{"LeaseMargin", c.LeaseMargin},
+		{"MaxOneWayDelay", c.MaxOneWayDelay},
+		{"MaxLeaderSkew", c.MaxLeaderSkew},
+		{"StoreReplicationLag", c.StoreReplicationLag},
+	} {
+		if d.v < 0 {
+			bad("%s must not be negative, got %s", d.name, d.v)
+		}
+	}
+	if c.MaxDriftPPM < 0 {
+		bad("MaxDriftPPM must not be negative, got %d", c.MaxDriftPPM)
+	}
+	if !c.Bootstrap && len(c.Peers) > 0 {
+		bad("Peers: %d initial members given without Bootstrap, which alone reads them", len(c.Peers))
 	}
 	if c.Bootstrap {
 		self := false
 		seen := map[string]bool{}
 		for _, p := range c.Peers {
 			if seen[p.ID] {
-				return fmt.Errorf("peer %q listed twice: %w", p.ID, ErrConfig)
+				bad("Peers: %q listed twice", p.ID)
 			}
 			seen[p.ID] = true
 			if p.ID == c.NodeID {
@@ -167,8 +209,8 @@ func (c Config) Validate() error {
 			}
 		}
 		if len(c.Peers) > 0 && !self {
-			return fmt.Errorf("bootstrap peers do not include this node %q: %w", c.NodeID, ErrConfig)
+			bad("Peers: the bootstrap peers do not include this node %q", c.NodeID)
 		}
 	}
-	return nil
+	return errors.Join(errs...)
 }

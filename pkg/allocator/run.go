@@ -7,6 +7,7 @@ import (
 	"net"
 	"time"
 
+	"connectrpc.com/connect"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"go.uber.org/zap"
@@ -18,7 +19,8 @@ import (
 // RunOptions are the process-level settings of Run beyond the node's Config.
 type RunOptions struct {
 	// Join is the API address of an existing member to ask to add this node;
-	// empty when the node bootstraps or restarts from its data dir.
+	// empty when the node bootstraps or restarts from its data dir. Run
+	// refuses it with Config.Bootstrap.
 	Join string
 	// ShutdownGrace bounds the graceful shutdown of the HTTP server.
 	ShutdownGrace time.Duration
@@ -34,6 +36,11 @@ type RunOptions struct {
 // /healthz, /readyz) until ctx ends, then shuts down gracefully: leadership is
 // transferred first, in-flight calls finish, then Raft stops.
 func Run(ctx context.Context, cfg Config, ro RunOptions, log *zap.Logger) error {
+	if cfg.Bootstrap && ro.Join != "" {
+		// Bootstrapping would found a cluster of its own, granting quotas
+		// of its own, before the node asks to join another one.
+		return fmt.Errorf("Join %q with Bootstrap: a node either bootstraps a new cluster or joins a running one: %w", ro.Join, ErrConfig)
+	}
 	if ro.ShutdownGrace <= 0 {
 		ro.ShutdownGrace = 5 * time.Second
 	}
@@ -80,16 +87,22 @@ func Run(ctx context.Context, cfg Config, ro RunOptions, log *zap.Logger) error 
 		ro.Ready(cfg.APIAddr)
 	}
 
+	var runErr error
+	served := false // serveErr has been received
 	if ro.Join != "" {
 		if err := join(ctx, cfg, ro.Join, log); err != nil {
 			log.Error("join failed", zap.Error(err))
+			if ctx.Err() == nil { // refused for good: a node outside the cluster is of no use
+				runErr = fmt.Errorf("join through %s: %w", ro.Join, err)
+			}
 		}
 	}
-
-	var runErr error
-	select {
-	case <-ctx.Done():
-	case runErr = <-serveErr:
+	if runErr == nil {
+		select {
+		case <-ctx.Done():
+		case runErr = <-serveErr:
+			served = true
+		}
 	}
 	log.Info("shutting down", zap.String("node", cfg.NodeID))
 	node.TransferLeadership()
@@ -97,8 +110,8 @@ func Run(ctx context.Context, cfg Config, ro RunOptions, log *zap.Logger) error 
 		stopGRPC(grpcSrv, ro.ShutdownGrace)
 	}
 	stopServe()
-	if runErr == nil {
-		runErr = <-serveErr
+	if !served {
+		runErr = errors.Join(runErr, <-serveErr)
 	}
 	return errors.Join(runErr, node.Close())
 }
@@ -120,7 +133,8 @@ func stopGRPC(g *grpc.Server, grace time.Duration) {
 }
 
 // join asks the cluster (through any member) to add this node, retrying until
-// it succeeds or ctx ends.
+// it succeeds or ctx ends; a refusal of the request itself (InvalidArgument:
+// an id or address the cluster cannot use) is not retried.
 func join(ctx context.Context, cfg Config, via string, log *zap.Logger) error {
 	c, err := NewClient([]string{via})
 	if err != nil {
@@ -135,6 +149,9 @@ func join(ctx context.Context, cfg Config, via string, log *zap.Logger) error {
 		if err == nil {
 			log.Info("joined cluster", zap.String("via", via))
 			return nil
+		}
+		if connect.CodeOf(err) == connect.CodeInvalidArgument {
+			return err
 		}
 		log.Warn("join attempt failed; retrying", zap.String("via", via), zap.Error(err))
 		select {

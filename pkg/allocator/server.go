@@ -2,14 +2,18 @@ package allocator
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"math"
+	"net"
 	"net/http"
+	"net/netip"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"connectrpc.com/connect"
 	"go.uber.org/zap"
@@ -29,6 +33,8 @@ const (
 	// maxIDLen bounds region names and request ids.
 	maxRegionLen    = 64
 	maxRequestIDLen = 128
+	// maxAddressLen bounds a member's addresses (the member table's bound).
+	maxAddressLen = fsm.MaxAPIAddressBytes
 )
 
 // Server implements the Connect services of one allocator node. Any node
@@ -285,11 +291,12 @@ func QuotaSpecs(doc *policy.Document) []fsm.QuotaSpec {
 	return out
 }
 
+// recordToProto converts r; the digest is the state machine's, so a record
+// copied without its document (PolicyHistory) still names the right one.
 func recordToProto(r fsm.PolicyRecord, withDoc bool) *allotv1.PolicyRecord {
-	sum := sha256.Sum256(r.Document)
 	p := &allotv1.PolicyRecord{
 		Version: r.Version, Author: r.Author, Reason: r.Reason, PublishedUnixMs: r.PublishedUnixMs,
-		Digest: hex.EncodeToString(sum[:]),
+		Digest: r.Digest,
 	}
 	if withDoc {
 		p.Document = r.Document
@@ -442,17 +449,73 @@ func membersToProto(ms []MemberInfo) []*allotv1.Member {
 	return out
 }
 
+// validateAddMember checks a new member before the configuration changes: a
+// voter nobody can reach counts towards the quorum all the same (one such
+// voter added to a single node stops the cluster at once), and its id must
+// also be one the member table and -peer (id=raft=api) accept.
+func validateAddMember(m *allotv1.AddMemberRequest) error {
+	if err := checkMemberID(m.GetId()); err != nil {
+		return err
+	}
+	if err := checkHostPort("raft_address", m.GetRaftAddress()); err != nil {
+		return err
+	}
+	return checkHostPort("api_address", m.GetApiAddress())
+}
+
+// checkMemberID checks a member's Raft server ID: what the member table
+// holds (fsm.MaxMemberIDBytes), printable, without spaces or '=' (the
+// separator of -peer).
+func checkMemberID(id string) error {
+	switch {
+	case id == "":
+		return fmt.Errorf("id: must not be empty: %w", errInvalid)
+	case len(id) > fsm.MaxMemberIDBytes:
+		return fmt.Errorf("id: %d bytes, at most %d: %w", len(id), fsm.MaxMemberIDBytes, errInvalid)
+	case !utf8.ValidString(id) || strings.ContainsFunc(id, func(r rune) bool { return r == '=' || unicode.IsSpace(r) || !unicode.IsPrint(r) }):
+		return fmt.Errorf("id: %q must be printable, without spaces or '=': %w", id, errInvalid)
+	}
+	return nil
+}
+
+// checkHostPort checks that addr is an address other nodes can dial: host:port
+// with a host name or an IP address that is not unspecified (0.0.0.0, ::),
+// and a port number in 1-65535.
+func checkHostPort(field, addr string) error {
+	if addr == "" {
+		return fmt.Errorf("%s: must not be empty: %w", field, errInvalid)
+	}
+	if len(addr) > maxAddressLen {
+		return fmt.Errorf("%s: %d bytes, at most %d: %w", field, len(addr), maxAddressLen, errInvalid)
+	}
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("%s: %q is not host:port: %w", field, addr, errInvalid)
+	}
+	if host == "" {
+		return fmt.Errorf("%s: %q has no host: %w", field, addr, errInvalid)
+	}
+	if ip, err := netip.ParseAddr(host); err == nil {
+		if ip.IsUnspecified() {
+			return fmt.Errorf("%s: %q: %s is no address other nodes can dial: %w", field, addr, host, errInvalid)
+		}
+	} else if strings.ContainsFunc(host, func(r rune) bool {
+		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '.' || r == '_')
+	}) {
+		return fmt.Errorf("%s: %q: host %q is neither a host name nor an IP address: %w", field, addr, host, errInvalid)
+	}
+	if n, err := strconv.ParseUint(port, 10, 16); err != nil || n == 0 {
+		return fmt.Errorf("%s: %q: port %q is not a number in 1-65535: %w", field, addr, port, errInvalid)
+	}
+	return nil
+}
+
 // AddMember implements OperatorService.AddMember.
 func (s *Server) AddMember(ctx context.Context, req *connect.Request[allotv1.AddMemberRequest]) (*connect.Response[allotv1.AddMemberResponse], error) {
 	const method = "AddMember"
 	m := req.Msg
-	switch {
-	case m.GetId() == "":
-		return nil, s.toConnect(method, fmt.Errorf("id: must not be empty: %w", errInvalid))
-	case m.GetRaftAddress() == "":
-		return nil, s.toConnect(method, fmt.Errorf("raft_address: must not be empty: %w", errInvalid))
-	case m.GetApiAddress() == "":
-		return nil, s.toConnect(method, fmt.Errorf("api_address: must not be empty: %w", errInvalid))
+	if err := validateAddMember(m); err != nil {
+		return nil, s.toConnect(method, err)
 	}
 	if resp, handled, err := forward(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.AddMemberRequest]) (*connect.Response[allotv1.AddMemberResponse], error) {
 		return c.op.AddMember

@@ -1,0 +1,121 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/allot-dev/allot/pkg/allocator"
+)
+
+// TestMain runs main itself when the test binary is re-executed by
+// TestHelpExitsZero.
+func TestMain(m *testing.M) {
+	if os.Getenv("ALLOCATOR_RUN_MAIN") == "1" {
+		os.Args = append([]string{"allocator"}, strings.Fields(os.Getenv("ALLOCATOR_ARGS"))...)
+		main()
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+// TestHelpExitsZero checks that -h prints the usage and exits 0, and that a
+// bad flag still exits 1.
+func TestHelpExitsZero(t *testing.T) {
+	for _, tt := range []struct {
+		args string
+		code int
+	}{{"-h", 0}, {"-help", 0}, {"-no-such-flag", 1}} {
+		cmd := exec.Command(os.Args[0], "-test.run=^$")
+		cmd.Env = append(os.Environ(), "ALLOCATOR_RUN_MAIN=1", "ALLOCATOR_ARGS="+tt.args)
+		out, err := cmd.CombinedOutput()
+		code := 0
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			code = ee.ExitCode()
+		} else if err != nil {
+			t.Fatal(err)
+		}
+		if code != tt.code {
+			t.Errorf("allocator %s: exit %d, want %d; output:\n%s", tt.args, code, tt.code, out)
+		}
+		if !strings.Contains(string(out), "-bootstrap") { // a bad flag prints the usage too
+			t.Errorf("allocator %s printed no usage:\n%s", tt.args, out)
+		}
+		if tt.code == 0 && strings.Contains(string(out), "help requested") {
+			t.Errorf("allocator %s reported help as an error:\n%s", tt.args, out)
+		}
+	}
+}
+
+// TestFlagCombinations checks that contradictory or incomplete cluster flags
+// are refused before anything starts, naming the flags.
+func TestFlagCombinations(t *testing.T) {
+	const (
+		a1 = "a1=127.0.0.1:7001=127.0.0.1:8001"
+		a2 = "a2=127.0.0.1:7002=127.0.0.1:8002"
+	)
+	base := []string{"-id", "a1", "-raft-addr", "127.0.0.1:7001", "-api-addr", "127.0.0.1:8001"}
+	tests := []struct {
+		name string
+		args []string
+		want []string
+	}{
+		{"peer without bootstrap", []string{"-peer", a1, "-peer", a2}, []string{"-peer", "-bootstrap"}},
+		{"bootstrap without peer", []string{"-bootstrap"}, []string{"-bootstrap", "-peer"}},
+		{"bootstrap with join", []string{"-bootstrap", "-peer", a1, "-peer", a2, "-join", "127.0.0.1:8002"}, []string{"-bootstrap", "-join"}},
+		{"bootstrap peers without this node", []string{"-bootstrap", "-peer", a2}, []string{"a1"}},
+		{"a stray argument hiding later flags", []string{"-bootstrap", "a1", "-peer", a1}, []string{`"a1"`}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+			defer cancel()
+			args := append(append(append([]string(nil), base...), "-data-dir", t.TempDir()), tt.args...)
+			err := run(ctx, args)
+			if err == nil {
+				t.Fatal("run accepted the flags")
+			}
+			if !errors.Is(err, allocator.ErrConfig) {
+				t.Errorf("run() = %v, want an ErrConfig", err)
+			}
+			for _, w := range tt.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("%q does not name %s", err.Error(), w)
+				}
+			}
+		})
+	}
+}
+
+// TestFlagCombinationsAccepted checks the documented ways to start a node:
+// the README's three-node bootstrap, a single-node cluster asked for by
+// listing this node alone, a join, and a restart from the data dir.
+func TestFlagCombinationsAccepted(t *testing.T) {
+	const (
+		a1 = "a1=127.0.0.1:7001=127.0.0.1:8001"
+		a2 = "a2=127.0.0.1:7002=127.0.0.1:8002"
+		a3 = "a3=127.0.0.1:7003=127.0.0.1:8003"
+	)
+	for name, args := range map[string][]string{
+		"three-node bootstrap":  {"-bootstrap", "-peer", a1, "-peer", a2, "-peer", a3},
+		"single-node bootstrap": {"-bootstrap", "-peer", a1},
+		"join":                  {"-join", "127.0.0.1:8002"},
+		"restart":               {},
+	} {
+		t.Run(name, func(t *testing.T) {
+			args := append([]string{"-id", "a1", "-raft-addr", "127.0.0.1:7001", "-api-addr", "127.0.0.1:8001", "-data-dir", t.TempDir()}, args...)
+			cfg, ro, _, err := parseFlags(args)
+			if err != nil {
+				t.Fatalf("parseFlags: %v", err)
+			}
+			if err := checkFlags(cfg, ro); err != nil {
+				t.Fatalf("checkFlags: %v", err)
+			}
+		})
+	}
+}

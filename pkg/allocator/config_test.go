@@ -1,0 +1,96 @@
+package allocator
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+func validConfig() Config {
+	c := DefaultConfig()
+	c.NodeID, c.RaftAddr, c.APIAddr = "a1", "127.0.0.1:7001", "127.0.0.1:8001"
+	return c
+}
+
+// TestConfigValidateNamesFields checks that each bad setting is reported on
+// its own, by name and value, and that every error is an ErrConfig.
+func TestConfigValidateNamesFields(t *testing.T) {
+	tests := []struct {
+		name   string
+		mutate func(*Config)
+		want   []string
+	}{
+		{"election timeout", func(c *Config) { c.ElectionTimeout = -time.Second },
+			[]string{"ElectionTimeout must be positive, got -1s"}},
+		{"heartbeat timeout", func(c *Config) { c.HeartbeatTimeout, c.LeaderLeaseTimeout = 0, time.Millisecond },
+			[]string{"HeartbeatTimeout must be positive, got 0s"}},
+		{"leader lease timeout", func(c *Config) { c.LeaderLeaseTimeout = -2 * time.Millisecond },
+			[]string{"LeaderLeaseTimeout must be positive, got -2ms"}},
+		{"two timeouts", func(c *Config) { c.ElectionTimeout, c.LeaderLeaseTimeout = 0, -time.Second },
+			[]string{"ElectionTimeout must be positive, got 0s", "LeaderLeaseTimeout must be positive, got -1s"}},
+		{"drift", func(c *Config) { c.MaxDriftPPM = -5 },
+			[]string{"MaxDriftPPM must not be negative, got -5"}},
+		{"every bound assumption", func(c *Config) {
+			c.LeaseMargin, c.MaxDriftPPM, c.MaxOneWayDelay = -time.Millisecond, -1, -2*time.Millisecond
+			c.MaxLeaderSkew, c.StoreReplicationLag = -3*time.Millisecond, -time.Second
+		}, []string{
+			"LeaseMargin must not be negative, got -1ms", "MaxDriftPPM must not be negative, got -1",
+			"MaxOneWayDelay must not be negative, got -2ms", "MaxLeaderSkew must not be negative, got -3ms",
+			"StoreReplicationLag must not be negative, got -1s",
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c := validConfig()
+			tt.mutate(&c)
+			err := c.Validate()
+			if !errors.Is(err, ErrConfig) {
+				t.Fatalf("Validate() = %v, want an ErrConfig", err)
+			}
+			for _, w := range tt.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("%q does not say %q", err.Error(), w)
+				}
+			}
+			if n := strings.Count(err.Error(), "\n") + 1; n != len(tt.want) {
+				t.Errorf("%d errors in %q, want %d", n, err.Error(), len(tt.want))
+			}
+		})
+	}
+	if err := validConfig().Validate(); err != nil {
+		t.Fatalf("defaults: %v", err)
+	}
+}
+
+// TestConfigValidatePeersNeedBootstrap checks that initial members given
+// without Bootstrap are refused rather than silently ignored.
+func TestConfigValidatePeersNeedBootstrap(t *testing.T) {
+	c := validConfig()
+	c.Peers = []Peer{{ID: "a1", RaftAddr: c.RaftAddr, APIAddr: c.APIAddr}, {ID: "a2", RaftAddr: "127.0.0.1:7002", APIAddr: "127.0.0.1:8002"}}
+	err := c.Validate()
+	if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "Bootstrap") {
+		t.Fatalf("Validate() = %v, want an ErrConfig naming Bootstrap", err)
+	}
+	c.Bootstrap = true
+	if err := c.Validate(); err != nil {
+		t.Fatalf("with Bootstrap: %v", err)
+	}
+}
+
+// TestRunRejectsBootstrapWithJoin checks that a node is not both the founder
+// of a new cluster and a joiner of an existing one.
+func TestRunRejectsBootstrapWithJoin(t *testing.T) {
+	c := validConfig()
+	c.RaftAddr, c.APIAddr, c.DataDir = "127.0.0.1:0", "127.0.0.1:0", t.TempDir()
+	c.Bootstrap = true
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	err := Run(ctx, c, RunOptions{Join: "127.0.0.1:8002"}, zap.NewNop())
+	if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "Join") || !strings.Contains(err.Error(), "Bootstrap") {
+		t.Fatalf("Run() = %v, want an ErrConfig naming Join and Bootstrap", err)
+	}
+}
