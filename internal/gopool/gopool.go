@@ -4,10 +4,12 @@
 // a busy agent's CPU when every check of a batch had a goroutine of its
 // own. A Pool hands each function to an idle goroutine when there is one
 // and starts a new one otherwise, so it never queues and never limits
-// concurrency; a goroutine idle for the pool's idle time leaves.
+// concurrency; a goroutine idle for the pool's idle time leaves, and all
+// leave on Close.
 package gopool
 
 import (
+	"sync"
 	"sync/atomic"
 	"time"
 )
@@ -16,25 +18,39 @@ import (
 type Pool struct {
 	work    chan func() // unbuffered: a send succeeds only into an idle goroutine
 	idle    time.Duration
-	started atomic.Int64 // goroutines started, for tests
+	stop    chan struct{} // closed by Close
+	once    sync.Once
+	running sync.WaitGroup // the pool's goroutines
+	started atomic.Int64   // goroutines started, for tests
 }
 
 // New returns a pool whose goroutines leave after idle without work.
 func New(idle time.Duration) *Pool {
-	return &Pool{work: make(chan func()), idle: idle}
+	return &Pool{work: make(chan func()), idle: idle, stop: make(chan struct{})}
 }
 
-// Go runs f on an idle goroutine of the pool, or on a new one.
+// Go runs f on an idle goroutine of the pool, or on a new one. It must not
+// be called once Close has been.
 func (p *Pool) Go(f func()) {
 	select {
 	case p.work <- f:
 	default:
 		p.started.Add(1)
+		p.running.Add(1)
 		go p.worker(f)
 	}
 }
 
+// Close makes idle goroutines leave at once and the busy ones when their
+// function returns, and waits for all of them: a caller that needs its
+// functions to end sooner must make them end (cancel their context).
+func (p *Pool) Close() {
+	p.once.Do(func() { close(p.stop) })
+	p.running.Wait()
+}
+
 func (p *Pool) worker(f func()) {
+	defer p.running.Done()
 	t := time.NewTimer(p.idle)
 	defer t.Stop()
 	for {
@@ -43,6 +59,8 @@ func (p *Pool) worker(f func()) {
 		select {
 		case f = <-p.work:
 		case <-t.C:
+			return
+		case <-p.stop:
 			return
 		}
 	}

@@ -55,3 +55,30 @@ func TestRunsEveryFunctionAndReusesGoroutines(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// TestCloseEndsEveryGoroutine: Close returns once the busy goroutines have
+// finished their functions and the idle ones have left, long before the
+// idle time.
+func TestCloseEndsEveryGoroutine(t *testing.T) {
+	base := runtime.NumGoroutine()
+	p := New(time.Hour)
+	release := make(chan struct{})
+	var started sync.WaitGroup
+	started.Add(10)
+	for range 10 {
+		p.Go(func() { started.Done(); <-release })
+	}
+	started.Wait()
+	closed := make(chan struct{})
+	go func() { p.Close(); close(closed) }()
+	select {
+	case <-closed:
+		t.Fatal("Close returned while functions were still running")
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(release)
+	<-closed
+	if n := runtime.NumGoroutine(); n > base {
+		t.Fatalf("%d goroutines after Close, %d before the pool", n, base)
+	}
+}

@@ -36,7 +36,8 @@ import (
 // agent).
 const maxBatchChecks = 1024
 
-// ErrClosed is returned by Check after Close.
+// ErrClosed is the error, in an Unavailable *connect.Error, of a Check
+// refused after Close or cut off in flight by it.
 var ErrClosed = errors.New("checkclient: closed")
 
 // Config tunes the coalescing; the zero value of a field means its default.
@@ -95,6 +96,9 @@ type Client struct {
 	api allotv1connect.AdmissionServiceClient
 	cfg Config
 
+	ctx    context.Context    // the batch calls' parent
+	cancel context.CancelFunc // Close's: cuts off the batches under way
+
 	mu       sync.Mutex
 	pending  []*call
 	inflight int // batches sent and not yet answered at all
@@ -129,7 +133,8 @@ func New(api allotv1connect.AdmissionServiceClient, cfg Config) (*Client, error)
 	if err := cfg.fill(); err != nil {
 		return nil, fmt.Errorf("checkclient: %w", err)
 	}
-	return &Client{api: api, cfg: cfg, senders: gopool.New(250 * time.Millisecond)}, nil
+	ctx, cancel := context.WithCancel(context.Background())
+	return &Client{api: api, cfg: cfg, ctx: ctx, cancel: cancel, senders: gopool.New(250 * time.Millisecond)}, nil
 }
 
 // Check decides req.Msg as the agent's Check would, in a CheckBatch call
@@ -149,7 +154,7 @@ func (c *Client) Check(ctx context.Context, req *connect.Request[allotv1.CheckRe
 	c.mu.Lock()
 	if c.closed {
 		c.mu.Unlock()
-		return nil, connect.NewError(connect.CodeUnavailable, ErrClosed)
+		return nil, errClosed()
 	}
 	c.pending = append(c.pending, cl)
 	c.dispatchLocked()
@@ -175,18 +180,25 @@ func (c *Client) CheckBatch(ctx context.Context, req *connect.Request[allotv1.Ch
 	return c.api.CheckBatch(ctx, req)
 }
 
-// Close fails the calls not yet sent and waits for the batches under way.
+// Close fails the calls not yet sent, cuts off the batches under way (their
+// callers not yet answered get ErrClosed; the agent may still decide their
+// checks) and returns when the client's goroutines have ended.
 func (c *Client) Close() {
 	c.mu.Lock()
 	c.closed = true
 	pending := c.pending
 	c.pending = nil
 	c.mu.Unlock()
+	c.cancel()
 	for _, cl := range pending {
-		cl.done <- answer{err: connect.NewError(connect.CodeUnavailable, ErrClosed)}
+		cl.done <- answer{err: errClosed()}
 	}
 	c.wg.Wait()
+	c.senders.Close()
 }
+
+// errClosed is the error of a call Close refused or cut off.
+func errClosed() error { return connect.NewError(connect.CodeUnavailable, ErrClosed) }
 
 // dispatchLocked sends batches while slots are free and calls wait.
 func (c *Client) dispatchLocked() {
@@ -198,7 +210,7 @@ func (c *Client) dispatchLocked() {
 		clear(c.pending[rest:])
 		c.pending = c.pending[:rest]
 		c.inflight++
-		c.wg.Add(1)
+		c.wg.Add(1) // under mu while not closed: before Close's Wait
 		c.senders.Go(func() { c.send(batch) })
 	}
 }
@@ -252,7 +264,7 @@ func (c *Client) exchange(batch []*call, answered func()) {
 	if !bounded {
 		deadline = time.Now().Add(c.cfg.Timeout)
 	}
-	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	ctx, cancel := context.WithDeadline(c.ctx, deadline)
 	defer cancel()
 
 	left := len(live)
@@ -284,6 +296,10 @@ func (c *Client) exchange(batch []*call, answered func()) {
 			return
 		}
 		err = stream.Err()
+	}
+	if c.ctx.Err() != nil {
+		fail(errClosed())
+		return
 	}
 	if !got && len(live) > 1 && connect.CodeOf(err) == connect.CodeResourceExhausted {
 		// The agent refused the batch's body before deciding any of it:

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -330,6 +331,59 @@ func TestCallerDeadlineAndClose(t *testing.T) {
 	_, err = c.Check(context.Background(), connect.NewRequest(&allotv1.CheckRequest{}))
 	if connect.CodeOf(err) != connect.CodeUnavailable || !errors.Is(err, ErrClosed) {
 		t.Fatalf("after Close: %v, want Unavailable wrapping ErrClosed", err)
+	}
+}
+
+// TestCloseCutsOffBatchesInFlight: Close cancels a batch the agent never
+// answers, fails its caller with ErrClosed and returns at once, its sender
+// goroutines gone; it does not wait for the batch's Timeout.
+func TestCloseCutsOffBatchesInFlight(t *testing.T) {
+	entered := make(chan struct{}, 1)
+	release := make(chan struct{})
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {
+		select {
+		case entered <- struct{}{}:
+		default:
+		}
+		<-release // never answers while the test runs
+	}))
+	srv.Config.Protocols = new(http.Protocols)
+	srv.Config.Protocols.SetUnencryptedHTTP2(true)
+	srv.Start()
+	t.Cleanup(srv.Close)
+	t.Cleanup(func() { close(release) }) // runs first: srv.Close waits for the handler
+	var p http.Protocols
+	p.SetUnencryptedHTTP2(true)
+	hc := &http.Client{Transport: &http.Transport{Protocols: &p}}
+	t.Cleanup(hc.CloseIdleConnections)
+	c, err := New(allotv1connect.NewAdmissionServiceClient(hc, srv.URL), Config{Timeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := make(chan result, 1)
+	checkAsync(context.Background(), c, "stuck", out)
+	select {
+	case <-entered:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the batch never reached the server")
+	}
+
+	start := time.Now()
+	c.Close()
+	if took := time.Since(start); took > time.Second {
+		t.Errorf("Close took %s with a batch in flight, want it cut off at once", took)
+	}
+	select {
+	case r := <-out:
+		if connect.CodeOf(r.err) != connect.CodeUnavailable || !errors.Is(r.err, ErrClosed) {
+			t.Errorf("check in flight at Close: %v %v, want Unavailable wrapping ErrClosed", r.resp, r.err)
+		}
+	case <-time.After(time.Second):
+		t.Fatal("the check in flight at Close did not return")
+	}
+	buf := make([]byte, 1<<20)
+	if stacks := string(buf[:runtime.Stack(buf, true)]); strings.Contains(stacks, "checkclient.(*Client)") {
+		t.Errorf("goroutines of the client still run after Close:\n%s", stacks)
 	}
 }
 
