@@ -4,6 +4,8 @@ package main
 
 import (
 	"context"
+	"errors"
+	"flag"
 	"fmt"
 	"os"
 	"os/signal"
@@ -15,7 +17,12 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	err := ctl.Main(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
-	if err != nil {
+	switch {
+	case err == nil, errors.Is(err, flag.ErrHelp): // -h printed the usage
+	case errors.Is(err, ctl.ErrUsage):
+		fmt.Fprintln(os.Stderr, "allotctl:", err)
+		os.Exit(2)
+	default:
 		fmt.Fprintln(os.Stderr, "allotctl:", err)
 		os.Exit(1)
 	}

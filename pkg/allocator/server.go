@@ -478,9 +478,7 @@ func checkMemberID(id string) error {
 	return nil
 }
 
-// checkHostPort checks that addr is an address other nodes can dial: host:port
-// with a host name or an IP address that is not unspecified (0.0.0.0, ::),
-// and a port number in 1-65535.
+// checkHostPort checks the member address of field (see CheckDialAddr).
 func checkHostPort(field, addr string) error {
 	if addr == "" {
 		return fmt.Errorf("%s: must not be empty: %w", field, errInvalid)
@@ -488,24 +486,36 @@ func checkHostPort(field, addr string) error {
 	if len(addr) > maxAddressLen {
 		return fmt.Errorf("%s: %d bytes, at most %d: %w", field, len(addr), maxAddressLen, errInvalid)
 	}
+	if err := CheckDialAddr(addr); err != nil {
+		return fmt.Errorf("%s: %q: %v: %w", field, addr, err, errInvalid)
+	}
+	return nil
+}
+
+// CheckDialAddr says why addr is not an address other nodes can dial, or
+// returns nil: it must be host:port with a host name or an IP address that
+// is not unspecified (0.0.0.0, ::), and a port number in 1-65535. A
+// member's Raft and API addresses must pass it (allotctl checks them too,
+// before calling).
+func CheckDialAddr(addr string) error {
 	host, port, err := net.SplitHostPort(addr)
 	if err != nil {
-		return fmt.Errorf("%s: %q is not host:port: %w", field, addr, errInvalid)
+		return errors.New("not host:port")
 	}
 	if host == "" {
-		return fmt.Errorf("%s: %q has no host: %w", field, addr, errInvalid)
+		return errors.New("no host")
 	}
 	if ip, err := netip.ParseAddr(host); err == nil {
 		if ip.IsUnspecified() {
-			return fmt.Errorf("%s: %q: %s is no address other nodes can dial: %w", field, addr, host, errInvalid)
+			return fmt.Errorf("%s is no address other nodes can dial", host)
 		}
 	} else if strings.ContainsFunc(host, func(r rune) bool {
 		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '.' || r == '_')
 	}) {
-		return fmt.Errorf("%s: %q: host %q is neither a host name nor an IP address: %w", field, addr, host, errInvalid)
+		return fmt.Errorf("host %q is neither a host name nor an IP address", host)
 	}
 	if n, err := strconv.ParseUint(port, 10, 16); err != nil || n == 0 {
-		return fmt.Errorf("%s: %q: port %q is not a number in 1-65535: %w", field, addr, port, errInvalid)
+		return fmt.Errorf("port %q is not a number in 1-65535", port)
 	}
 	return nil
 }

@@ -10,11 +10,16 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net/http/httptrace"
+	"net/url"
 	"os"
+	"strconv"
 	"strings"
+	"sync/atomic"
 	"text/tabwriter"
 	"time"
 
+	"connectrpc.com/connect"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 
@@ -27,7 +32,7 @@ const usage = `usage: allotctl [-addr host:port,...] [-o table|json] [-timeout 1
 
 commands:
   policy publish FILE -author WHO -reason WHY [-version N]   publish FILE as version N (default current+1)
-  policy get [-version N]                                     print a policy version (default current)
+  policy get [N | -version N]                                 print policy version N (default current)
   policy list                                                 the audit history, newest first
   policy diff FILE [-version N]                               rule-level diff of a version (default current) against FILE
   bound [QUOTA]                                               the stated overshoot bound per global quota
@@ -37,9 +42,28 @@ commands:
   member remove ID                                            remove a member
 
 The allocator addresses come from -addr or $ALLOT_ADDR (default 127.0.0.1:8001).
+Global flags go before the command.
 `
 
-// Main runs allotctl with args (without the program name).
+// ErrUsage is matched (errors.Is) by the errors of a command line allotctl
+// cannot run: a flag or argument missing, malformed or unexpected.
+// cmd/allotctl exits 2 on them.
+var ErrUsage = errors.New("usage error")
+
+// usageError is an error of the command line.
+type usageError struct{ msg string }
+
+func (e *usageError) Error() string        { return e.msg }
+func (e *usageError) Is(target error) bool { return target == ErrUsage }
+
+// usagef is the usage error of format and args.
+func usagef(format string, args ...any) error {
+	return &usageError{msg: fmt.Sprintf(format, args...)}
+}
+
+// Main runs allotctl with args (without the program name). It returns
+// flag.ErrHelp after printing the usage for -h, and an ErrUsage error for
+// a command line it cannot run.
 func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("allotctl", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -52,23 +76,31 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	output := fs.String("o", "table", "output format: table or json")
 	timeout := fs.Duration("timeout", 10*time.Second, "timeout of the call")
 	if err := fs.Parse(args); err != nil {
-		return err
+		return flagError("", err)
 	}
 	if *output != "table" && *output != "json" {
-		return fmt.Errorf("-o: %q is neither table nor json", *output)
+		return usagef("-o: %q is neither table nor json", *output)
+	}
+	if *timeout <= 0 {
+		return usagef("-timeout must be positive, got %s", *timeout)
+	}
+	endpoints, err := parseAddrs(*addr)
+	if err != nil {
+		return err
 	}
 	rest := fs.Args()
 	if len(rest) == 0 {
 		fs.Usage()
-		return errors.New("no command")
+		return usagef("no command")
 	}
-	client, err := allocator.NewClient(strings.Split(*addr, ","))
+	client, err := allocator.NewClient(endpoints)
 	if err != nil {
 		return err
 	}
+	defer client.Close()
 	ctx, cancel := context.WithTimeout(ctx, *timeout)
 	defer cancel()
-	c := &cli{op: client.Operator(), out: stdout, json: *output == "json"}
+	c := &cli{op: client.Operator(), out: stdout, errOut: stderr, json: *output == "json"}
 	switch rest[0] {
 	case "policy":
 		return c.policy(ctx, rest[1:])
@@ -77,19 +109,100 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	case "window":
 		return c.window(ctx, rest[1:])
 	case "cluster":
-		return c.cluster(ctx)
+		return c.cluster(ctx, rest[1:])
 	case "member":
 		return c.member(ctx, rest[1:])
 	default:
 		fs.Usage()
-		return fmt.Errorf("unknown command %q", rest[0])
+		return usagef("unknown command %q", rest[0])
 	}
 }
 
+// parseAddrs checks -addr's comma-separated allocator addresses: each
+// host:port or an http:// or https:// URL (allocator.NewClient puts
+// http:// before a host:port).
+func parseAddrs(list string) ([]string, error) {
+	addrs := strings.Split(list, ",")
+	given := false
+	for i, a := range addrs {
+		addrs[i] = strings.TrimSpace(a)
+		given = given || addrs[i] != ""
+	}
+	if !given {
+		return nil, usagef("-addr: no address given")
+	}
+	for i, a := range addrs {
+		switch {
+		case a == "":
+			return nil, usagef("-addr: address %d of %d is empty", i+1, len(addrs))
+		case strings.HasPrefix(a, "http://") || strings.HasPrefix(a, "https://"):
+			if u, err := url.Parse(a); err != nil || u.Host == "" {
+				return nil, usagef("-addr: %q is not a URL with a host", a)
+			}
+		default:
+			if err := allocator.CheckDialAddr(a); err != nil {
+				return nil, usagef("-addr: %q is not host:port (%v)", a, err)
+			}
+		}
+	}
+	return addrs, nil
+}
+
 type cli struct {
-	op   *allocator.OperatorClient
-	out  io.Writer
-	json bool
+	op     *allocator.OperatorClient
+	out    io.Writer
+	errOut io.Writer // flag errors and -h
+	json   bool
+}
+
+// flags returns the flag set of command cmd ("window", "policy get").
+func (c *cli) flags(cmd string) *flag.FlagSet {
+	fs := flag.NewFlagSet(cmd, flag.ContinueOnError)
+	fs.SetOutput(c.errOut)
+	fs.Usage = func() { fmt.Fprint(c.errOut, usage) }
+	return fs
+}
+
+// flagError is the error of a flag set's Parse for command cmd ("" for
+// the global flags): flag.ErrHelp as is, others usage errors. A flag cmd
+// does not take gets the hint that global flags go before the command.
+func flagError(cmd string, err error) error {
+	switch name, undefined := strings.CutPrefix(err.Error(), "flag provided but not defined: "); {
+	case errors.Is(err, flag.ErrHelp):
+		return err
+	case cmd == "":
+		return usagef("%v", err)
+	case undefined:
+		return unexpected(cmd, name)
+	default:
+		return usagef("%s: %v", cmd, err)
+	}
+}
+
+// unexpected is the usage error of an argument cmd does not take; a flag
+// gets the hint that global flags go before the command.
+func unexpected(cmd, arg string) error {
+	if !strings.HasPrefix(arg, "-") {
+		return usagef("%s: unexpected argument %q", cmd, arg)
+	}
+	name, _, _ := strings.Cut(strings.TrimLeft(arg, "-"), "=")
+	switch name {
+	case "addr", "o", "timeout":
+		return usagef("%s: unexpected argument %q: global flags go before the command (allotctl -%s ... %s ...)", cmd, arg, name, cmd)
+	}
+	return usagef("%s: unexpected argument %q (global flags -addr, -o and -timeout go before the command)", cmd, arg)
+}
+
+// wantArgs checks that cmd's positional arguments pos are those named,
+// no fewer and no more.
+func wantArgs(cmd string, pos []string, names ...string) error {
+	if len(pos) < len(names) {
+		return usagef("%s: missing %s", cmd, strings.Join(names[len(pos):], " "))
+	}
+	if len(pos) > len(names) {
+		return unexpected(cmd, pos[len(names)])
+	}
+	return nil
 }
 
 func (c *cli) emitJSON(m proto.Message) error {
@@ -115,7 +228,7 @@ func parseFlags(fs *flag.FlagSet, args []string) ([]string, error) {
 	var pos []string
 	for len(args) > 0 {
 		if err := fs.Parse(args); err != nil {
-			return nil, err
+			return nil, flagError(fs.Name(), err)
 		}
 		args = fs.Args()
 		if len(args) > 0 {
@@ -128,20 +241,31 @@ func parseFlags(fs *flag.FlagSet, args []string) ([]string, error) {
 
 func (c *cli) policy(ctx context.Context, args []string) error {
 	if len(args) == 0 {
-		return errors.New("policy: want publish, get, list or diff")
+		return usagef("policy: want publish, get, list or diff")
 	}
-	fs := flag.NewFlagSet("policy "+args[0], flag.ContinueOnError)
-	author := fs.String("author", os.Getenv("USER"), "who publishes (audit)")
-	reason := fs.String("reason", "", "why (audit)")
-	version := fs.Uint64("version", 0, "policy version")
+	cmd := "policy " + args[0]
+	fs := c.flags(cmd)
+	var author, reason *string
+	version := new(uint64)
+	switch args[0] {
+	case "publish":
+		author = fs.String("author", os.Getenv("USER"), "who publishes (audit)")
+		reason = fs.String("reason", "", "why (audit)")
+		version = fs.Uint64("version", 0, "policy version")
+	case "get", "diff":
+		version = fs.Uint64("version", 0, "policy version")
+	case "list":
+	default:
+		return usagef("policy: unknown sub-command %q (want publish, get, list or diff)", args[0])
+	}
 	pos, err := parseFlags(fs, args[1:])
 	if err != nil {
 		return err
 	}
 	switch args[0] {
 	case "publish":
-		if len(pos) != 1 {
-			return errors.New("policy publish: want exactly one FILE")
+		if err := wantArgs(cmd, pos, "FILE"); err != nil {
+			return err
 		}
 		doc, err := os.ReadFile(pos[0])
 		if err != nil {
@@ -173,6 +297,21 @@ func (c *cli) policy(ctx context.Context, args []string) error {
 		_, err = fmt.Fprintf(c.out, "published version %d (digest %s) by %s: %s\n", p.GetVersion(), p.GetDigest()[:12], p.GetAuthor(), p.GetReason())
 		return err
 	case "get":
+		if len(pos) > 0 { // policy get N
+			if err := wantArgs(cmd, pos, "N"); err != nil {
+				return err
+			}
+			n, err := strconv.ParseUint(pos[0], 10, 64)
+			if err != nil || n == 0 {
+				return usagef("%s: unexpected argument %q (want a version number)", cmd, pos[0])
+			}
+			flagged := false
+			fs.Visit(func(f *flag.Flag) { flagged = flagged || f.Name == "version" })
+			if flagged {
+				return usagef("%s: version given twice (%s and -version %d)", cmd, pos[0], *version)
+			}
+			*version = n
+		}
 		resp, err := c.op.GetPolicy(ctx, &allotv1.GetPolicyRequest{Version: *version})
 		if err != nil {
 			return err
@@ -192,6 +331,9 @@ func (c *cli) policy(ctx context.Context, args []string) error {
 		enc.SetIndent("", "  ")
 		return enc.Encode(pretty)
 	case "list":
+		if err := wantArgs(cmd, pos); err != nil {
+			return err
+		}
 		resp, err := c.op.ListPolicies(ctx, &allotv1.ListPoliciesRequest{})
 		if err != nil {
 			return err
@@ -206,8 +348,8 @@ func (c *cli) policy(ctx context.Context, args []string) error {
 		}
 		return c.table("VERSION\tPUBLISHED\tAUTHOR\tDIGEST\tREASON", rows)
 	case "diff":
-		if len(pos) != 1 {
-			return errors.New("policy diff: want exactly one FILE")
+		if err := wantArgs(cmd, pos, "FILE"); err != nil {
+			return err
 		}
 		text, err := os.ReadFile(pos[0])
 		if err != nil {
@@ -240,15 +382,21 @@ func (c *cli) policy(ctx context.Context, args []string) error {
 			fmt.Fprintf(c.out, "  %s\n", ch)
 		}
 		return nil
-	default:
-		return fmt.Errorf("policy: unknown sub-command %q", args[0])
 	}
+	return nil // not reached: args[0] was checked above
 }
 
 func (c *cli) bound(ctx context.Context, args []string) error {
+	pos, err := parseFlags(c.flags("bound"), args)
+	if err != nil {
+		return err
+	}
 	req := &allotv1.GetBoundRequest{}
-	if len(args) > 0 {
-		req.Quota = args[0]
+	if len(pos) > 0 {
+		if err := wantArgs("bound", pos, "QUOTA"); err != nil {
+			return err
+		}
+		req.Quota = pos[0]
 	}
 	resp, err := c.op.GetBound(ctx, req)
 	if err != nil {
@@ -274,14 +422,14 @@ func (c *cli) bound(ctx context.Context, args []string) error {
 }
 
 func (c *cli) window(ctx context.Context, args []string) error {
-	fs := flag.NewFlagSet("window", flag.ContinueOnError)
+	fs := c.flags("window")
 	index := fs.Int64("index", 0, "window index (default current)")
 	pos, err := parseFlags(fs, args)
 	if err != nil {
 		return err
 	}
-	if len(pos) != 1 {
-		return errors.New("window: want exactly one QUOTA")
+	if err := wantArgs("window", pos, "QUOTA"); err != nil {
+		return err
 	}
 	resp, err := c.op.GetWindow(ctx, &allotv1.GetWindowRequest{Quota: pos[0], WindowIndex: *index})
 	if err != nil {
@@ -303,7 +451,14 @@ func (c *cli) window(ctx context.Context, args []string) error {
 	return c.table("REGION\tGRANTS\tGRANTED\tRELEASED\tHELD\tEXPIRED\tDEMAND/S", rows)
 }
 
-func (c *cli) cluster(ctx context.Context) error {
+func (c *cli) cluster(ctx context.Context, args []string) error {
+	pos, err := parseFlags(c.flags("cluster"), args)
+	if err != nil {
+		return err
+	}
+	if err := wantArgs("cluster", pos); err != nil {
+		return err
+	}
 	resp, err := c.op.GetCluster(ctx, &allotv1.GetClusterRequest{})
 	if err != nil {
 		return err
@@ -329,25 +484,75 @@ func (c *cli) members(ms []*allotv1.Member) error {
 }
 
 func (c *cli) member(ctx context.Context, args []string) error {
-	switch {
-	case len(args) == 4 && args[0] == "add":
-		resp, err := c.op.AddMember(ctx, &allotv1.AddMemberRequest{Id: args[1], RaftAddress: args[2], ApiAddress: args[3]})
-		if err != nil {
-			return err
-		}
-		if c.json {
-			return c.emitJSON(resp)
-		}
-		return c.members(resp.GetMembers())
-	case len(args) == 2 && args[0] == "remove":
-		resp, err := c.op.RemoveMember(ctx, &allotv1.RemoveMemberRequest{Id: args[1]})
-		if err != nil {
-			return err
-		}
-		if c.json {
-			return c.emitJSON(resp)
-		}
-		return c.members(resp.GetMembers())
+	const want = "want 'add ID RAFT_ADDR API_ADDR' or 'remove ID'"
+	if len(args) == 0 {
+		return usagef("member: %s", want)
 	}
-	return errors.New("member: want 'add ID RAFT_ADDR API_ADDR' or 'remove ID'")
+	cmd := "member " + args[0]
+	var names []string
+	switch args[0] {
+	case "add":
+		names = []string{"ID", "RAFT_ADDR", "API_ADDR"}
+	case "remove":
+		names = []string{"ID"}
+	default:
+		return usagef("member: unknown sub-command %q (%s)", args[0], want)
+	}
+	pos, err := parseFlags(c.flags(cmd), args[1:])
+	if err != nil {
+		return err
+	}
+	if err := wantArgs(cmd, pos, names...); err != nil {
+		return err
+	}
+	if pos[0] == "" {
+		return usagef("%s: ID is empty", cmd)
+	}
+	// A voter whose address is unusable can cost the cluster its quorum:
+	// refuse it here, before the allocator.
+	for i, name := range names[1:] {
+		if err := allocator.CheckDialAddr(pos[1+i]); err != nil {
+			return usagef("%s: %s %q is not host:port (%v)", cmd, name, pos[1+i], err)
+		}
+	}
+	// sent: a request was written, so a call that failed after it may have
+	// been applied all the same.
+	var sent atomic.Bool
+	ctx = httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{WroteHeaders: func() { sent.Store(true) }})
+	var ms []*allotv1.Member
+	var resp proto.Message
+	if args[0] == "add" {
+		r, err := c.op.AddMember(ctx, &allotv1.AddMemberRequest{Id: pos[0], RaftAddress: pos[1], ApiAddress: pos[2]})
+		if err != nil {
+			return maybeApplied(cmd, sent.Load(), err)
+		}
+		resp, ms = r, r.GetMembers()
+	} else {
+		r, err := c.op.RemoveMember(ctx, &allotv1.RemoveMemberRequest{Id: pos[0]})
+		if err != nil {
+			return maybeApplied(cmd, sent.Load(), err)
+		}
+		resp, ms = r, r.GetMembers()
+	}
+	if c.json {
+		return c.emitJSON(resp)
+	}
+	return c.members(ms)
+}
+
+// maybeApplied is the error of membership change cmd: one whose answer did
+// not come (unavailable, past the deadline, cancelled) after it was sent
+// may have been committed all the same.
+func maybeApplied(cmd string, sent bool, err error) error {
+	if !sent {
+		return err
+	}
+	switch connect.CodeOf(err) {
+	case connect.CodeUnavailable, connect.CodeDeadlineExceeded, connect.CodeCanceled:
+	default:
+		if !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) {
+			return err
+		}
+	}
+	return fmt.Errorf("%s: %w; the change may or may not have been applied: check with `allotctl cluster`", cmd, err)
 }

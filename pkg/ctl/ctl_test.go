@@ -4,13 +4,21 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"connectrpc.com/connect"
 	"github.com/hashicorp/raft"
 
 	"github.com/allot-dev/allot/examples"
@@ -172,5 +180,249 @@ func TestCtlRollback(t *testing.T) {
 	out, err = runCtl(t, addr, "window", "p-tenant-atlas")
 	if err != nil || !strings.Contains(out, "limit 1000") {
 		t.Fatalf("window after the rollback: %v\n%s", err, out)
+	}
+}
+
+// noCalls returns the address of a listener that fails the test if anything
+// connects to it: arguments that are refused are refused before the network.
+func noCalls(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var conns atomic.Int32
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			conns.Add(1)
+			_ = c.Close()
+		}
+	}()
+	t.Cleanup(func() {
+		_ = ln.Close()
+		if n := conns.Load(); n > 0 {
+			t.Errorf("%d connections to the allocator, want none", n)
+		}
+	})
+	return ln.Addr().String()
+}
+
+// wantUsage fails unless err is a usage error containing each of want.
+func wantUsage(t *testing.T, err error, out string, want ...string) {
+	t.Helper()
+	if !errors.Is(err, ErrUsage) {
+		t.Errorf("got err %v, want a usage error (output %q)", err, out)
+		return
+	}
+	for _, w := range want {
+		if !strings.Contains(err.Error(), w) {
+			t.Errorf("got err %q, want one containing %q", err, w)
+		}
+	}
+}
+
+// TestCtlMemberAddValidatesAddresses: a member's addresses must be
+// host:port, checked before the allocator is called: a voter with an
+// unusable address can cost the cluster its quorum.
+func TestCtlMemberAddValidatesAddresses(t *testing.T) {
+	addr := noCalls(t)
+	for _, bad := range []string{"not an addr", "", "host", ":8000", "host:", "host:0", "host:65536", "host:http", "host:-1", "a:b:c"} {
+		out, err := runCtl(t, addr, "-timeout", "1s", "member", "add", "n4", bad, "127.0.0.1:8004")
+		wantUsage(t, err, out, "RAFT_ADDR", strconv.Quote(bad))
+		out, err = runCtl(t, addr, "-timeout", "1s", "member", "add", "n4", "127.0.0.1:7004", bad)
+		wantUsage(t, err, out, "API_ADDR", strconv.Quote(bad))
+	}
+	for _, good := range []string{"127.0.0.1:7004", "[::1]:7004", "node-4.allot.svc:7004", "n4:1", "n4:65535"} {
+		if err := allocator.CheckDialAddr(good); err != nil {
+			t.Errorf("%s: %v, want it accepted", good, err)
+		}
+	}
+}
+
+// TestCtlMemberChangeMayHaveApplied: a membership change sent and never
+// answered may have been applied; the error says so and how to check. One
+// never sent (nothing listens) says nothing of the kind.
+func TestCtlMemberChangeMayHaveApplied(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var conns []net.Conn
+	go func() { // accepts, reads and never answers
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			go func() { _, _ = io.Copy(io.Discard, c) }()
+		}
+	}()
+	t.Cleanup(func() {
+		_ = ln.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+	})
+	for _, args := range [][]string{{"member", "add", "n4", "127.0.0.1:7004", "127.0.0.1:8004"}, {"member", "remove", "n4"}} {
+		out, err := runCtl(t, ln.Addr().String(), append([]string{"-timeout", "300ms"}, args...)...)
+		if err == nil || errors.Is(err, ErrUsage) || !strings.Contains(err.Error(), "may or may not have been applied") || !strings.Contains(err.Error(), "allotctl cluster") {
+			t.Errorf("%v: got err %v, want one saying the change may have been applied (output %q)", args, err, out)
+		}
+	}
+	dead, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = dead.Close()
+	out, err := runCtl(t, dead.Addr().String(), "-timeout", "300ms", "member", "remove", "n4")
+	if err == nil || strings.Contains(err.Error(), "may or may not") {
+		t.Errorf("member remove, never sent: got err %v, want one not saying it may have been applied (output %q)", err, out)
+	}
+	for _, tt := range []struct {
+		err   error
+		maybe bool
+	}{
+		{connect.NewError(connect.CodeUnavailable, errors.New("connection reset")), true},
+		{connect.NewError(connect.CodeDeadlineExceeded, errors.New("late")), true},
+		{fmt.Errorf("%w (last error: unavailable: EOF)", context.DeadlineExceeded), true},
+		{connect.NewError(connect.CodeInvalidArgument, errors.New("raft_address: bad")), false},
+		{connect.NewError(connect.CodeFailedPrecondition, errors.New("not the leader")), false},
+	} {
+		got := strings.Contains(maybeApplied("member add", true, tt.err).Error(), "may or may not")
+		if got != tt.maybe {
+			t.Errorf("%v: says it may have been applied: %v, want %v", tt.err, got, tt.maybe)
+		}
+		if strings.Contains(maybeApplied("member add", false, tt.err).Error(), "may or may not") {
+			t.Errorf("%v, never sent: says it may have been applied", tt.err)
+		}
+	}
+}
+
+// TestCtlRefusesUnexpectedArguments: every command refuses an argument it
+// does not take, naming it, before the network; a flag after the command
+// gets the hint that global flags go before it.
+func TestCtlRefusesUnexpectedArguments(t *testing.T) {
+	addr := noCalls(t)
+	file := filepath.Join(t.TempDir(), "northstar.yaml")
+	if err := os.WriteFile(file, examples.Northstar, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	const hint = "go before the command"
+	for _, tt := range []struct {
+		args []string
+		want []string
+	}{
+		{[]string{"cluster", "extra"}, []string{`"extra"`}},
+		{[]string{"cluster", "-o", "json"}, []string{"-o", hint}},
+		{[]string{"bound", "-o", "json"}, []string{"-o", hint}},
+		{[]string{"bound", "p-global", "-o", "json"}, []string{"-o", hint}},
+		{[]string{"bound", "p-global", "extra"}, []string{`"extra"`}},
+		{[]string{"window", "p-global", "extra"}, []string{`"extra"`}},
+		{[]string{"window", "p-global", "-timeout", "1s"}, []string{"-timeout", hint}},
+		{[]string{"policy", "list", "extra"}, []string{`"extra"`}},
+		{[]string{"policy", "list", "-addr", "x:1"}, []string{"-addr", hint}},
+		{[]string{"policy", "list", "-version", "1"}, []string{`"-version"`, "global flags -addr, -o and -timeout go before the command"}},
+		{[]string{"policy", "get", "1", "2"}, []string{`"2"`}},
+		{[]string{"policy", "get", "latest"}, []string{`"latest"`}},
+		{[]string{"policy", "get", "1", "-version", "2"}, []string{"version"}},
+		{[]string{"policy", "get", "-author", "x"}, []string{"-author"}},
+		{[]string{"policy", "publish", file, "extra", "-author", "a", "-reason", "r"}, []string{`"extra"`}},
+		{[]string{"policy", "publish", "-author", "a"}, []string{"FILE"}},
+		{[]string{"policy", "diff", file, "extra"}, []string{`"extra"`}},
+		{[]string{"policy", "diff", file, "-reason", "r"}, []string{"-reason"}},
+		{[]string{"policy"}, []string{"publish, get, list or diff"}},
+		{[]string{"policy", "frobnicate"}, []string{`"frobnicate"`}},
+		{[]string{"member", "remove", "n4", "extra"}, []string{`"extra"`}},
+		{[]string{"member", "add", "n4", "127.0.0.1:7004", "127.0.0.1:8004", "extra"}, []string{`"extra"`}},
+		{[]string{"member", "add", "n4", "127.0.0.1:7004"}, []string{"API_ADDR"}},
+		{[]string{"member", "remove", "-o", "json"}, []string{"-o", hint}},
+		{[]string{"member"}, []string{"add", "remove"}},
+		{[]string{"member", "list"}, []string{`"list"`}},
+		{[]string{"frobnicate"}, []string{"unknown command"}},
+		{[]string{"-bogus", "cluster"}, []string{"-bogus"}},
+	} {
+		out, err := runCtl(t, addr, append([]string{"-timeout", "1s"}, tt.args...)...)
+		wantUsage(t, err, out, tt.want...)
+	}
+}
+
+// TestCtlPolicyGetVersionArgument: `policy get N` prints version N, as
+// `policy get -version N` does, not the current one.
+func TestCtlPolicyGetVersionArgument(t *testing.T) {
+	addr := startNode(t)
+	dir := t.TempDir()
+	northstar := filepath.Join(dir, "northstar.yaml")
+	tighter := filepath.Join(dir, "tighter.yaml")
+	if err := os.WriteFile(northstar, examples.Northstar, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(tighter, bytes.Replace(examples.Northstar, []byte("limit: 1000\n"), []byte("limit: 800\n"), 1), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []string{northstar, tighter} {
+		if out, err := runCtl(t, addr, "policy", "publish", f, "-author", "alice", "-reason", "plan"); err != nil {
+			t.Fatalf("publish %s: %v\n%s", f, err, out)
+		}
+	}
+	for _, args := range [][]string{{"policy", "get", "1"}, {"policy", "get", "-version", "1"}} {
+		out, err := runCtl(t, addr, args...)
+		if err != nil || !strings.Contains(out, "# version 1 by alice") {
+			t.Errorf("%v: %v, want version 1:\n%s", args, err, out)
+		}
+	}
+	if out, err := runCtl(t, addr, "policy", "get"); err != nil || !strings.Contains(out, "# version 2 by alice") {
+		t.Errorf("policy get: %v, want the current version 2:\n%s", err, out)
+	}
+}
+
+// TestCtlValidatesGlobalFlags: a timeout that is not positive and an empty
+// address are usage errors before the network, not deadline_exceeded or
+// "no Host in request URL".
+func TestCtlValidatesGlobalFlags(t *testing.T) {
+	addr := noCalls(t)
+	for _, tt := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"-addr", addr, "-timeout", "-1s", "cluster"}, "-timeout must be positive, got -1s"},
+		{[]string{"-addr", addr, "-timeout", "0", "cluster"}, "-timeout must be positive, got 0s"},
+		{[]string{"-addr", "", "cluster"}, "-addr: no address given"},
+		{[]string{"-addr", ",,", "cluster"}, "-addr: no address given"},
+		{[]string{"-addr", addr + ",," + addr, "cluster"}, "-addr: address 2 of 3 is empty"},
+		{[]string{"-addr", addr + ",", "cluster"}, "-addr: address 2 of 2 is empty"},
+		{[]string{"-addr", "http://", "cluster"}, `"http://"`},
+		{[]string{"-addr", "localhost", "cluster"}, `"localhost"`},
+	} {
+		var out, errOut bytes.Buffer
+		err := Main(context.Background(), tt.args, &out, &errOut)
+		wantUsage(t, err, out.String()+errOut.String(), tt.want)
+	}
+	for _, a := range []string{addr, " " + addr + " ", "http://" + addr, addr + "," + addr} {
+		var out, errOut bytes.Buffer
+		err := Main(context.Background(), []string{"-addr", a, "-timeout", "1s", "frobnicate"}, &out, &errOut)
+		if err == nil || !strings.Contains(err.Error(), "unknown command") {
+			t.Errorf("-addr %q: %v, want it accepted", a, err)
+		}
+	}
+}
+
+// TestCtlHelp: -h is not an error of the command line; cmd/allotctl exits 0.
+func TestCtlHelp(t *testing.T) {
+	for _, args := range [][]string{{"-h"}, {"policy", "get", "-h"}, {"cluster", "-h"}} {
+		var out, errOut bytes.Buffer
+		err := Main(context.Background(), args, &out, &errOut)
+		if !errors.Is(err, flag.ErrHelp) || !strings.Contains(errOut.String(), "usage: allotctl") {
+			t.Errorf("%v: %v, want flag.ErrHelp and the usage (output %q)", args, err, errOut.String())
+		}
 	}
 }
