@@ -23,6 +23,7 @@ package faultproxy
 import (
 	"context"
 	"errors"
+	"io"
 	"math/rand/v2"
 	"net"
 	"sync"
@@ -219,6 +220,8 @@ func (p *Proxy) serve(ctx context.Context, down net.Conn) {
 	go func() { defer wg.Done(); p.pipe(down, up) }()
 	go func() { defer wg.Done(); p.pipe(up, down) }()
 	wg.Wait()
+	down.Close()
+	up.Close()
 }
 
 type chunk struct {
@@ -248,28 +251,38 @@ func (p *Proxy) delay() time.Duration {
 }
 
 // pipe copies src to dst, holding each chunk until its due time; due times
-// never decrease, so jitter keeps the order. When either side ends, both
-// connections are closed.
+// never decrease, so jitter keeps the order. When src ends cleanly (EOF: the
+// sender half-closed), dst is half-closed once everything before the end has
+// been written, and the other direction goes on: a request-then-FIN
+// exchange still gets its reply. Any other end (an error, a reset, a failed
+// write) closes both connections, which ends the other direction too.
 func (p *Proxy) pipe(src, dst net.Conn) {
 	q := make(chan chunk, 256)
 	done := make(chan struct{})
+	var eof bool // written before close(q): the reader saw a clean EOF
 	go func() {
 		defer close(done)
 		t := time.NewTimer(0)
 		defer t.Stop()
+		failed := false
 		for c := range q {
 			if wait := time.Until(c.due); wait > 0 {
 				t.Reset(wait)
 				<-t.C
 			}
 			if _, err := dst.Write(c.b); err != nil {
+				failed = true
 				break
 			}
 		}
-		dst.Close()
-		src.Close()
 		for range q { // drain so the reader never blocks
 		}
+		if hc, ok := dst.(interface{ CloseWrite() error }); ok && eof && !failed {
+			_ = hc.CloseWrite()
+			return
+		}
+		dst.Close()
+		src.Close()
 	}()
 	var last time.Time
 	buf := make([]byte, 32<<10)
@@ -284,6 +297,7 @@ func (p *Proxy) pipe(src, dst net.Conn) {
 			q <- chunk{b: append([]byte(nil), buf[:n]...), due: due}
 		}
 		if err != nil {
+			eof = errors.Is(err, io.EOF)
 			break
 		}
 	}

@@ -148,3 +148,28 @@ func TestValidate(t *testing.T) {
 		}
 	}
 }
+
+// TestHalfCloseKeepsTheReply: a client that sends its request and then
+// half-closes (FIN) still gets the whole reply, through a delay: the proxy
+// passes the half-close on instead of closing both connections.
+func TestHalfCloseKeepsTheReply(t *testing.T) {
+	for _, delay := range []time.Duration{0, 20 * time.Millisecond} {
+		p := start(t, Config{DelayMin: delay, DelayMax: delay})
+		c, err := net.Dial("tcp", p.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Write([]byte("hello")); err != nil {
+			t.Fatal(err)
+		}
+		if err := c.(*net.TCPConn).CloseWrite(); err != nil {
+			t.Fatal(err)
+		}
+		_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		got, err := io.ReadAll(c)
+		c.Close()
+		if err != nil || string(got) != "hello" {
+			t.Fatalf("delay %s: read %q, %v; want the echoed %q and EOF", delay, got, err, "hello")
+		}
+	}
+}
