@@ -1,6 +1,7 @@
 // Command allocator runs one node of allot's Raft-replicated global quota
 // allocator: the Raft member (BoltDB log, file snapshots, TCP transport) and its
-// Connect API (Connect, gRPC, gRPC-Web over h2c), /metrics and /healthz.
+// Connect API (Connect, gRPC, gRPC-Web over h2c), /metrics, /healthz and
+// /readyz, and with -grpc-addr Acquire and Release on grpc-go as well.
 //
 //	allocator -id a1 -raft-addr 127.0.0.1:7001 -api-addr 127.0.0.1:8001 -data-dir /tmp/a1 \
 //	  -bootstrap -peer a1=127.0.0.1:7001=127.0.0.1:8001 -peer a2=... -peer a3=...

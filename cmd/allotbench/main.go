@@ -1,7 +1,9 @@
 // Command allotbench measures the admission engine against Redis: the raw
 // script through go-redis (one call per decision, then pipelined), the SDK
 // with 1 and 3 rules, and the SDK paced at half its maximum rate, with the
-// Redis CPU each decision costs. Run -h for the modes and flags.
+// Redis CPU each decision costs; -suite agent measures the region agent's
+// Check, CheckBatch and Envoy endpoints the same way. Run -h for the modes
+// and flags.
 package main
 
 import (
@@ -102,6 +104,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	connections := fs.Int("connections", bench.DefaultAgentSuiteConfig().Connections, "agent suite: HTTP/2 connections the clients spread over")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q (every setting is a -flag)", fs.Args())
 	}
 	if *cpuprofile != "" {
 		f, err := os.Create(*cpuprofile)

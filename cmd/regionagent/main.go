@@ -117,6 +117,11 @@ func run(ctx context.Context, args []string) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	if fs.NArg() > 0 {
+		// Flags stop at the first word that is not one: what follows it
+		// would be silently ignored.
+		return fmt.Errorf("unexpected arguments %q (every setting is a -flag)", fs.Args())
+	}
 	if allocatorsGRPC != "" {
 		cfg.AllocatorGRPCEndpoints = strings.Split(allocatorsGRPC, ",")
 	}

@@ -68,7 +68,7 @@ func newMetrics() *metrics {
 		}),
 		renewFail: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "allot_agent_renewal_failures_total",
-			Help: "Failed renewals, by reason (unreachable, refused, malformed, deposit, too_late).",
+			Help: "Failed renewals, by reason (unreachable, refused, malformed, deposit, deposit_unknown, too_late).",
 		}, []string{"reason"}),
 		acquireCalls: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "allot_agent_acquire_calls_total",
