@@ -19,11 +19,17 @@ type Peer struct {
 	APIAddr string
 }
 
-// ParsePeer parses "id=raftaddr=apiaddr".
+// ParsePeer parses "id=raftaddr=apiaddr"; both addresses must pass
+// CheckDialAddr, as a member added later must.
 func ParsePeer(s string) (Peer, error) {
 	parts := strings.Split(s, "=")
 	if len(parts) != 3 || parts[0] == "" || parts[1] == "" || parts[2] == "" {
 		return Peer{}, fmt.Errorf("peer %q: want id=raft_address=api_address", s)
+	}
+	for i, name := range []string{"raft_address", "api_address"} {
+		if err := CheckDialAddr(parts[1+i]); err != nil {
+			return Peer{}, fmt.Errorf("peer %q: %s %q: %v", s, name, parts[1+i], err)
+		}
 	}
 	return Peer{ID: parts[0], RaftAddr: parts[1], APIAddr: parts[2]}, nil
 }

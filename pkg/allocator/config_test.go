@@ -94,3 +94,16 @@ func TestRunRejectsBootstrapWithJoin(t *testing.T) {
 		t.Fatalf("Run() = %v, want an ErrConfig naming Join and Bootstrap", err)
 	}
 }
+
+// TestParsePeerChecksAddresses: a -peer with an address other nodes cannot
+// dial is refused at start-up, as AddMember refuses it later.
+func TestParsePeerChecksAddresses(t *testing.T) {
+	if p, err := ParsePeer("a1=127.0.0.1:7001=127.0.0.1:8001"); err != nil || p.RaftAddr != "127.0.0.1:7001" || p.APIAddr != "127.0.0.1:8001" {
+		t.Fatalf("a good peer: %+v, %v", p, err)
+	}
+	for _, bad := range []string{"a1=not an addr=127.0.0.1:8001", "a1=127.0.0.1:7001=host", "a1=0.0.0.0:7001=127.0.0.1:8001", "a1=127.0.0.1:0=127.0.0.1:8001"} {
+		if _, err := ParsePeer(bad); err == nil {
+			t.Errorf("ParsePeer(%q) accepted", bad)
+		}
+	}
+}
