@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"reflect"
 	"strings"
 	"sync"
 	"testing"
@@ -13,13 +14,38 @@ import (
 )
 
 func TestEncodeDecodeRoundTrip(t *testing.T) {
+	spec := QuotaSpec{Name: "atlas", Limit: 1000, WindowMs: minute, ChunkTokens: 100, TTLMs: 15_000, Clamp: true,
+		Strategy: StrategyFairShare, FallbackPerRegion: 7, Regions: []string{"eu", "us"}, TemplateKeys: 2}
+	acquire := &Acquire{Region: "eu", RequestID: "r1", Wants: []Want{
+		{Quota: "atlas", Tokens: 5, DemandPerSecond: 1.5},
+		{Quota: "tq/a", Tokens: 3, DemandPerSecond: 0.25, Next: true},
+	}}
+	release := &Release{Region: "eu", GrantID: "1-0", Tokens: 2, RequestID: "x"}
 	tests := []struct {
 		name string
 		give Command
 	}{
-		{name: "acquire", give: Command{Type: CmdAcquire, NowUnixMs: 42, Acquire: &Acquire{Region: "eu", RequestID: "r1", Wants: []Want{{Quota: "atlas", Tokens: 5, DemandPerSecond: 1.5}}}}},
-		{name: "release", give: Command{Type: CmdRelease, NowUnixMs: 43, Release: &Release{Region: "eu", GrantID: "1-0", Tokens: 2, RequestID: "x"}}},
-		{name: "publish", give: Command{Type: CmdPublishPolicy, NowUnixMs: 44, Publish: &Publish{ExpectedVersion: 1, Author: "a", Document: []byte{0, 1, 2}, Quotas: []QuotaSpec{atlas(StrategyFairShare)}}}},
+		{name: "acquire", give: Command{Type: CmdAcquire, NowUnixMs: 42, Acquire: acquire}},
+		{name: "release", give: Command{Type: CmdRelease, NowUnixMs: 43, Release: release}},
+		{name: "publish", give: Command{Type: CmdPublishPolicy, NowUnixMs: 44, Publish: &Publish{
+			ExpectedVersion: 1, Author: "a", Reason: "why", Document: []byte{0, 1, 2}, Quotas: []QuotaSpec{spec, atlas(StrategyDemand)},
+		}}},
+		{name: "set member", give: Command{Type: CmdSetMember, NowUnixMs: 45, Member: &SetMember{ID: "a1", APIAddress: "10.0.0.1:7000", Remove: true}}},
+		{name: "batch", give: Command{Type: CmdBatch, NowUnixMs: 46, Batch: []Command{
+			{Type: CmdAcquire, NowUnixMs: 47, Acquire: acquire},
+			{Type: CmdRelease, NowUnixMs: 48, Release: release},
+		}}},
+	}
+	// Every field of the command types is set in some case, so that a
+	// field Encode drops (or Decode ignores) makes a case fail.
+	set := map[string]bool{}
+	for _, tt := range tests {
+		markSetFields(reflect.ValueOf(tt.give), set)
+	}
+	for _, f := range commandFields(reflect.TypeFor[Command](), map[reflect.Type]bool{}) {
+		if !set[f] {
+			t.Errorf("no case sets %s: add one, so that the round trip covers it", f)
+		}
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -34,11 +60,70 @@ func TestEncodeDecodeRoundTrip(t *testing.T) {
 			if err != nil {
 				t.Fatalf("Decode: %v", err)
 			}
-			b2, _ := Encode(got)
-			if !bytes.Equal(b, b2) {
-				t.Fatalf("round trip changed bytes:\n%s\n%s", b, b2)
+			if !reflect.DeepEqual(got, tt.give) {
+				t.Fatalf("round trip changed the command:\ngot  %s\nwant %s\nencoded %s", dump(got), dump(tt.give), b)
 			}
 		})
+	}
+}
+
+// dump prints c with its payloads, which %+v shows as pointers.
+func dump(c Command) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "{Type:%d NowUnixMs:%d", c.Type, c.NowUnixMs)
+	for _, p := range []struct {
+		name string
+		v    any
+		set  bool
+	}{{"Acquire", c.Acquire, c.Acquire != nil}, {"Release", c.Release, c.Release != nil}, {"Publish", c.Publish, c.Publish != nil}, {"Member", c.Member, c.Member != nil}} {
+		if p.set {
+			fmt.Fprintf(&b, " %s:%+v", p.name, reflect.ValueOf(p.v).Elem().Interface())
+		}
+	}
+	for i, sub := range c.Batch {
+		fmt.Fprintf(&b, " Batch[%d]:%s", i, dump(sub))
+	}
+	b.WriteString("}")
+	return b.String()
+}
+
+// commandFields lists the fields ("Type.Field") of the struct types
+// reachable from t.
+func commandFields(t reflect.Type, seen map[reflect.Type]bool) []string {
+	for t.Kind() == reflect.Pointer || t.Kind() == reflect.Slice {
+		t = t.Elem()
+	}
+	if t.Kind() != reflect.Struct || seen[t] {
+		return nil
+	}
+	seen[t] = true
+	var out []string
+	for f := range t.Fields() {
+		out = append(out, t.Name()+"."+f.Name)
+		out = append(out, commandFields(f.Type, seen)...)
+	}
+	return out
+}
+
+// markSetFields records in set the fields ("Type.Field") that are not zero
+// somewhere in v.
+func markSetFields(v reflect.Value, set map[string]bool) {
+	switch v.Kind() {
+	case reflect.Pointer:
+		if !v.IsNil() {
+			markSetFields(v.Elem(), set)
+		}
+	case reflect.Slice:
+		for i := range v.Len() {
+			markSetFields(v.Index(i), set)
+		}
+	case reflect.Struct:
+		for i := range v.NumField() {
+			if f := v.Field(i); !f.IsZero() {
+				set[v.Type().Name()+"."+v.Type().Field(i).Name] = true
+				markSetFields(f, set)
+			}
+		}
 	}
 }
 
@@ -746,7 +831,12 @@ func TestConcurrentReadsDuringApply(t *testing.T) {
 				}
 				h.f.Stats()
 				h.f.Policy()
-				snapshotBytes(t, h.f)
+				// Not snapshotBytes: t.Fatalf must not be called from
+				// this goroutine.
+				if _, err := persistSnapshot(h.f); err != nil {
+					t.Errorf("snapshot during applies: %v", err)
+					return
+				}
 			}
 		})
 	}

@@ -119,19 +119,29 @@ func (s *memSink) Close() error  { s.closed = true; return nil }
 
 func snapshotBytes(t tb, f *FSM) []byte {
 	t.Helper()
+	b, err := persistSnapshot(f)
+	if err != nil {
+		t.Fatalf("%v", err)
+	}
+	return b
+}
+
+// persistSnapshot returns f's snapshot bytes. Unlike snapshotBytes it does
+// not fail the test, so goroutines other than the test's may call it.
+func persistSnapshot(f *FSM) ([]byte, error) {
 	snap, err := f.Snapshot()
 	if err != nil {
-		t.Fatalf("Snapshot: %v", err)
+		return nil, fmt.Errorf("Snapshot: %w", err)
 	}
 	defer snap.Release()
 	var sink memSink
 	if err := snap.Persist(&sink); err != nil {
-		t.Fatalf("Persist: %v", err)
+		return nil, fmt.Errorf("Persist: %w", err)
 	}
 	if !sink.closed || sink.cancelled {
-		t.Fatalf("Persist left sink closed=%v cancelled=%v", sink.closed, sink.cancelled)
+		return nil, fmt.Errorf("Persist left sink closed=%v cancelled=%v", sink.closed, sink.cancelled)
 	}
-	return sink.Bytes()
+	return sink.Bytes(), nil
 }
 
 // roundTrip restores snap into a new FSM, checks that the new FSM's

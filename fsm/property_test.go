@@ -2,11 +2,14 @@ package fsm
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"slices"
 	"testing"
 
 	"pgregory.net/rapid"
+
+	"github.com/allot-dev/allot/pkg/lease"
 )
 
 // model is what the property test remembers about the commands it sent.
@@ -22,6 +25,14 @@ type model struct {
 	// outstanding tokens; peak holds the largest limit a window had.
 	lowered map[windowKey]bool
 	peak    map[windowKey]int64
+	// tally counts, over every run of the property, what the commands
+	// achieved, so that the test fails when nothing is ever granted or
+	// released (then every invariant holds trivially).
+	tally *propTally
+}
+
+type propTally struct {
+	runs, grants, releases int
 }
 
 type windowKey struct {
@@ -39,6 +50,11 @@ type grantMade struct {
 	id, quota, region string
 	tokens            int64
 	window            int64
+	// released is the tokens the FSM took back (ReleaseResult.Returned).
+	released int64
+	// dropped is set when a publish removed the grant's quota or changed
+	// its window length, which drops its windows and grants.
+	dropped bool
 }
 
 var (
@@ -147,7 +163,49 @@ func (m *model) publish(t *rapid.T) {
 		}
 	}
 	m.h.publish(m.stamp, list...)
+	for _, name := range propQuotas {
+		old, had := m.specs[name]
+		s, has := specs[name]
+		if !had || (has && s.WindowMs == old.WindowMs && s.TemplateKeys == old.TemplateKeys) {
+			continue
+		}
+		names := []string{name}
+		if old.TemplateKeys > 0 {
+			names = propInstances
+		}
+		for i := range m.grants {
+			if slices.Contains(names, m.grants[i].quota) {
+				m.grants[i].dropped = true
+			}
+		}
+	}
 	m.specs = specs
+}
+
+// valid reports whether the FSM must accept an Acquire of wants with a
+// fresh request id: every quota is a pool of the current policy (or an
+// instance of its template), the tokens are within its limit, and only
+// clamped quotas are pre-granted from. The model declares no regions, and
+// never reaches the instance cap. A valid Acquire may still get nothing (an
+// empty pool, a fair share of 0, an early pre-grant), but it is not refused.
+func (m *model) valid(wants []Want) bool {
+	for _, w := range wants {
+		spec, ok := m.spec(w.Quota)
+		if !ok || w.Tokens < 0 || w.Tokens > spec.Limit || (w.Next && !spec.Clamp) {
+			return false
+		}
+	}
+	return true
+}
+
+// recordGrants remembers the grants of r, made to region.
+func (m *model) recordGrants(region string, r *AcquireResult) {
+	for _, g := range r.Grants {
+		if g.Tokens > 0 {
+			m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: region, tokens: g.Tokens, window: g.WindowIndex})
+			m.tally.grants++
+		}
+	}
 }
 
 func (m *model) windowsAt(stamp int64) map[string]WindowView {
@@ -189,10 +247,24 @@ func (m *model) acquire(t *rapid.T) {
 	m.nextID++
 	acq := Acquire{Region: region, RequestID: fmt.Sprint("req-", m.nextID), Wants: wants}
 	before := m.windowsAt(m.stamp)
+	valid := m.valid(wants)
 	res := m.h.acquireRes(m.stamp, region, acq.RequestID, wants...)
 	r, ok := res.(*AcquireResult)
-	if !ok {
-		return // an unknown quota or an unclamped pre-grant; checked by the caller
+	switch {
+	case !ok && valid:
+		t.Fatalf("valid acquire refused: %+v\npolicy %+v\nerror %v", acq, m.specs, res)
+	case ok && !valid:
+		t.Fatalf("acquire of an unknown quota, over the limit or an unclamped pre-grant accepted: %+v\npolicy %+v\nresult %+v", acq, m.specs, r)
+	case !ok:
+		// An unknown quota or an unclamped pre-grant, the only invalid
+		// wants the model sends.
+		if err, _ := res.(error); !errors.Is(err, ErrUnknownQuota) && !errors.Is(err, ErrInvalidArgument) {
+			t.Fatalf("invalid acquire %+v: got %v, want ErrUnknownQuota or ErrInvalidArgument", acq, res)
+		}
+		return
+	}
+	if r.Replayed || len(r.Grants) != len(wants) {
+		t.Fatalf("fresh request %s: replayed %v, %d grants for %d wants", acq.RequestID, r.Replayed, len(r.Grants), len(wants))
 	}
 	m.requests = append(m.requests, sentAcquire{acq: acq, res: r})
 	after := m.windowsAt(m.stamp)
@@ -227,6 +299,7 @@ func (m *model) acquire(t *rapid.T) {
 					t.Fatalf("want %d: pre-grant for [%d, %d) expires %d (ttl %d)", i, g.NotBeforeUnixMs, g.WindowEndUnixMs, g.ExpiresUnixMs, spec.TTLMs)
 				}
 				m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: region, tokens: g.Tokens, window: g.WindowIndex})
+				m.tally.grants++
 			}
 			continue
 		}
@@ -250,6 +323,7 @@ func (m *model) acquire(t *rapid.T) {
 				t.Fatalf("ttl %d outside (0, %d]", g.TTLMs, spec.TTLMs)
 			}
 			m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: region, tokens: g.Tokens, window: g.WindowIndex})
+			m.tally.grants++
 		}
 	}
 }
@@ -266,6 +340,7 @@ func (m *model) retry(t *rapid.T) {
 		maxW = max(maxW, s.WindowMs)
 	}
 	within := !sent.expired && max(m.h.f.Now(), m.stamp)-sent.res.NowUnixMs <= 2*maxW
+	valid := m.valid(sent.acq.Wants)
 	res := m.h.acquireRes(m.stamp, sent.acq.Region, sent.acq.RequestID, sent.acq.Wants...)
 	r, ok := res.(*AcquireResult)
 	switch {
@@ -281,13 +356,11 @@ func (m *model) retry(t *rapid.T) {
 		}
 	case within:
 		t.Fatalf("retry within retention not replayed: %v", res)
+	case ok != valid:
+		t.Fatalf("retry of pruned request %+v under policy %+v: valid %v, got %v", sent.acq, m.specs, valid, res)
 	case ok: // pruned, so granted afresh and recorded again
 		m.requests[i] = sentAcquire{acq: sent.acq, res: r}
-		for _, g := range r.Grants {
-			if g.Tokens > 0 {
-				m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: sent.acq.Region, tokens: g.Tokens, window: g.WindowIndex})
-			}
-		}
+		m.recordGrants(sent.acq.Region, r)
 	}
 }
 
@@ -295,43 +368,71 @@ func (m *model) release(t *rapid.T) {
 	if len(m.grants) == 0 {
 		return
 	}
-	g := rapid.SampledFrom(m.grants).Draw(t, "grant")
+	gi := rapid.IntRange(0, len(m.grants)-1).Draw(t, "grant")
+	g := m.grants[gi]
 	region := g.region
 	if rapid.IntRange(0, 9).Draw(t, "wrong region") == 0 {
 		region = rapid.SampledFrom(propRegions).Draw(t, "region")
 	}
 	tokens := rapid.Int64Range(1, g.tokens).Draw(t, "release tokens")
-	cur := m.h.f.CurrentWindow(g.quota, m.stamp).Index
-	if g.window > cur { // a pre-grant whose window has not started
-		before, _ := m.h.f.Window(g.quota, g.window)
-		res := m.h.releaseRes(m.stamp, region, g.id, tokens)
-		if r, ok := res.(*ReleaseResult); ok && m.h.f.CurrentWindow(g.quota, m.stamp).Index < g.window {
-			after, _ := m.h.f.Window(g.quota, g.window)
-			if r.Returned != tokens || after.Released != before.Released+tokens {
-				t.Fatalf("released %d of pre-grant %s: returned %d, window released %d -> %d", tokens, g.id, r.Returned, before.Released, after.Released)
-			}
-		}
-		return
+
+	// The FSM holds the grant while its window is the current, the
+	// previous or (a pre-grant's) the next one at the command's time, unless
+	// a publish dropped it. A release of a held grant by its region, of at
+	// most its unreleased tokens, must succeed; it returns the tokens unless
+	// the grant's window has ended.
+	now := max(m.h.f.Now(), m.stamp)
+	spec, known := m.spec(g.quota)
+	var cur int64
+	if known {
+		cur = lease.WindowIndex(now, spec.WindowMs)
 	}
-	before := m.h.f.CurrentWindow(g.quota, m.stamp)
+	held := known && !g.dropped && g.window >= cur-1
+	valid := held && region == g.region && tokens <= g.tokens-g.released
+
+	before, _ := m.h.f.Window(g.quota, g.window)
+	beforeCur := m.h.f.CurrentWindow(g.quota, m.stamp)
 	res := m.h.releaseRes(m.stamp, region, g.id, tokens)
 	r, ok := res.(*ReleaseResult)
-	if !ok || r.Returned == 0 {
+	switch {
+	case !ok && valid:
+		t.Fatalf("valid release refused: %d of grant %+v by %s at %d (window %d): %v", tokens, g, region, now, cur, res)
+	case ok && !valid:
+		t.Fatalf("invalid release accepted: %d of grant %+v by %s at %d (window %d, held %v): %+v", tokens, g, region, now, cur, held, r)
+	case !ok:
 		return
 	}
-	after := m.h.f.CurrentWindow(g.quota, m.stamp)
-	if want := max(0, after.Limit-(before.Outstanding-tokens)); after.Remaining != want || r.PoolRemaining != want {
-		t.Fatalf("after releasing %d: pool %d (result %d), want %d", tokens, after.Remaining, r.PoolRemaining, want)
+	want := int64(0)
+	if g.window >= cur {
+		want = tokens
+	}
+	if r.Returned != want || r.Replayed {
+		t.Fatalf("released %d of grant %+v in window %d: returned %d (replayed %v), want %d", tokens, g, cur, r.Returned, r.Replayed, want)
+	}
+	m.grants[gi].released += r.Returned
+	if r.Returned == 0 {
+		return
+	}
+	m.tally.releases++
+	after, _ := m.h.f.Window(g.quota, g.window)
+	if after.Released != before.Released+tokens {
+		t.Fatalf("released %d of grant %s: window %d released %d -> %d", tokens, g.id, g.window, before.Released, after.Released)
+	}
+	if g.window > cur { // a pre-grant whose window has not started
+		return
+	}
+	afterCur := m.h.f.CurrentWindow(g.quota, m.stamp)
+	if want := max(0, afterCur.Limit-(beforeCur.Outstanding-tokens)); afterCur.Remaining != want || r.PoolRemaining != want {
+		t.Fatalf("after releasing %d: pool %d (result %d), want %d", tokens, afterCur.Remaining, r.PoolRemaining, want)
 	}
 	// Released tokens are reusable: ask for them back at once.
-	spec, _ := m.spec(g.quota)
-	if spec.Strategy != StrategyDemand || m.lowered[windowKey{g.quota, after.Index}] {
+	if spec.Strategy != StrategyDemand || m.lowered[windowKey{g.quota, afterCur.Index}] {
 		return
 	}
 	m.nextID++
 	back := m.h.acquire(m.stamp, region, fmt.Sprint("back-", m.nextID), Want{Quota: g.quota, Tokens: tokens})
 	if got := back.Grants[0].Tokens; got != tokens {
-		t.Fatalf("released %d, then re-acquired only %d (pool %d)", tokens, got, after.Remaining)
+		t.Fatalf("released %d, then re-acquired only %d (pool %d)", tokens, got, afterCur.Remaining)
 	}
 }
 
@@ -400,10 +501,12 @@ func (m *model) check(t *rapid.T, prevNow int64) {
 }
 
 func TestPropertyInvariants(t *testing.T) {
+	var tally propTally
 	rapid.Check(t, func(t *rapid.T) {
+		tally.runs++
 		h := newHarness(t)
 		h.strict = true // every rejected command must leave the state untouched
-		m := &model{h: h, stamp: t0, specs: map[string]QuotaSpec{}, lowered: map[windowKey]bool{}, peak: map[windowKey]int64{}}
+		m := &model{h: h, stamp: t0, specs: map[string]QuotaSpec{}, lowered: map[windowKey]bool{}, peak: map[windowKey]int64{}, tally: &tally}
 		m.publish(t)
 		steps := rapid.IntRange(1, 120).Draw(t, "steps")
 		for range steps {
@@ -451,4 +554,13 @@ func TestPropertyInvariants(t *testing.T) {
 			t.Fatalf("restored snapshot differs:\n%s\n%s", got, want)
 		}
 	})
+	// Every valid command is checked to succeed above; this catches a
+	// model that stops sending them. Over the default 100 runs of up to
+	// 120 commands, a run without a grant or a release is common but all
+	// of them without one is practically impossible; with very few runs
+	// (-rapid.checks) it is not, so the check needs some.
+	t.Logf("%d runs: %d grants, %d releases returned tokens", tally.runs, tally.grants, tally.releases)
+	if !t.Failed() && tally.runs >= 20 && (tally.grants == 0 || tally.releases == 0) {
+		t.Fatalf("%d runs made %d grants and %d releases: the property checked nothing", tally.runs, tally.grants, tally.releases)
+	}
 }

@@ -171,9 +171,12 @@ type failingSink struct{ memSink }
 func (s *failingSink) Write([]byte) (int, error) { return 0, errors.New("disk full") }
 
 func TestPersistCancelsOnError(t *testing.T) {
-	snap, _ := busyHarness(t).f.Snapshot()
+	snap, err := busyHarness(t).f.Snapshot()
+	if err != nil {
+		t.Fatalf("Snapshot: %v", err)
+	}
 	var sink failingSink
-	err := snap.Persist(&sink)
+	err = snap.Persist(&sink)
 	if err == nil || !strings.Contains(err.Error(), "disk full") {
 		t.Fatalf("Persist = %v, want the write error", err)
 	}
@@ -184,12 +187,19 @@ func TestPersistCancelsOnError(t *testing.T) {
 
 func TestSnapshotIsolatedFromLaterApplies(t *testing.T) {
 	h := busyHarness(t)
-	snap, _ := h.f.Snapshot()
+	snap, err := h.f.Snapshot()
+	if err != nil {
+		t.Fatalf("Snapshot: %v", err)
+	}
 	var before memSink
-	_ = snap.Persist(&before)
+	if err := snap.Persist(&before); err != nil {
+		t.Fatalf("first Persist: %v", err)
+	}
 	h.acquire(h.f.Now()+1, "eu", "later", Want{Quota: "atlas", Tokens: 1})
 	var again memSink
-	_ = snap.Persist(&again)
+	if err := snap.Persist(&again); err != nil {
+		t.Fatalf("second Persist: %v", err)
+	}
 	if !bytes.Equal(before.Bytes(), again.Bytes()) {
 		t.Fatal("a snapshot taken earlier changed after a later Apply")
 	}
