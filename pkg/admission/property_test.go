@@ -137,8 +137,12 @@ func summary(d *admission.Decision) string {
 }
 
 // TestPropertyBucketBound: a token bucket never admits more than
-// capacity + refill x T over any run of length T, and a denial never
-// changes what the next request sees.
+// capacity + refill x T over any run of length T, a denial never changes
+// what the next request sees, and (liveness) a request is admitted exactly
+// when the tokens the bucket holds cover its cost. The reference model
+// keeps the bucket in millitokens as the policy implies: capacity 20 is
+// 20000, and 2 tokens/s refill 2 millitokens per millisecond, so with a
+// millisecond clock the refill has no rounding and the model is exact.
 func TestPropertyBucketBound(t *testing.T) {
 	doc := parse(t, `
 name: bound
@@ -155,13 +159,29 @@ rules:
 		var admitted int64
 		var elapsed time.Duration
 		lastDenied := int64(-1)
+		const capMilli, refillMilliPerMs = 20_000, 2
+		model := int64(capMilli) // millitokens in the bucket: it starts full
 		for i, n := 0, rapid.IntRange(1, 200).Draw(rt, "n"); i < n; i++ {
 			step := time.Duration(rapid.IntRange(0, 1500).Draw(rt, "step")) * time.Millisecond
 			h.clock.Advance(step)
 			elapsed += step
+			model = min(capMilli, model+refillMilliPerMs*step.Milliseconds())
 			hits := int64(rapid.IntRange(1, 5).Draw(rt, "hits"))
 			d := h.decideReq(&admission.Request{Descriptors: entries("tenant", "t"), Hits: hits})
 			r := rule(t, d, "b")
+			// Liveness and exactness against the model: the request is
+			// admitted iff the bucket holds its cost, and what remains is
+			// what the model keeps.
+			if want := model >= hits*1000; d.Allowed() != want || r.Allowed != want {
+				rt.Fatalf("request %d (%d hits) after %s: allowed %v (rule %v), want %v: the bucket holds %d millitokens",
+					i, hits, elapsed, d.Allowed(), r.Allowed, want, model)
+			}
+			if d.Allowed() {
+				model -= hits * 1000
+			}
+			if r.Remaining != model/1000 {
+				rt.Fatalf("request %d (%d hits) after %s: remaining %d, want %d (%d millitokens)", i, hits, elapsed, r.Remaining, model/1000, model)
+			}
 			if d.Allowed() {
 				admitted += hits
 				lastDenied = -1

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/allot-dev/allot/fsm"
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
@@ -63,6 +64,9 @@ func TestClusterForwardsAndReplicates(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	f := tc.nodes[(tc.index(l)+1)%3]
+	fwd0, fgrants0, lgrants0, ltokens0 := testutil.ToFloat64(f.metrics.Forwarded), testutil.ToFloat64(f.metrics.Grants),
+		testutil.ToFloat64(l.metrics.Grants), testutil.ToFloat64(l.metrics.TokensGranted)
 	ctx := context.Background()
 	resp, err := c.Acquire(ctx, &allotv1.AcquireRequest{Region: "eu", RequestId: "r1", Wants: []*allotv1.Want{{Quota: "atlas", Tokens: 100}}})
 	if err != nil {
@@ -71,8 +75,19 @@ func TestClusterForwardsAndReplicates(t *testing.T) {
 	if g := resp.GetGrants()[0]; g.GetTokens() != 100 || g.GetGrantId() == "" || g.GetExpiresUnixMs() > g.GetWindowEndUnixMs() {
 		t.Fatalf("unexpected grant %v", g)
 	}
-	if got := l.metrics.Grants; got == nil {
-		t.Fatal("leader has no metrics")
+	// The follower forwarded the call once and granted nothing itself; the
+	// leader answered it: one grant of 100 tokens.
+	if got := testutil.ToFloat64(f.metrics.Forwarded) - fwd0; got != 1 {
+		t.Errorf("follower %s forwarded %v calls, want 1", f.ID(), got)
+	}
+	if got := testutil.ToFloat64(f.metrics.Grants) - fgrants0; got != 0 {
+		t.Errorf("follower %s counted %v grants, want 0 (the leader grants)", f.ID(), got)
+	}
+	if got := testutil.ToFloat64(l.metrics.Grants) - lgrants0; got != 1 {
+		t.Errorf("leader %s counted %v grants, want 1", l.ID(), got)
+	}
+	if got := testutil.ToFloat64(l.metrics.TokensGranted) - ltokens0; got != 100 {
+		t.Errorf("leader %s counted %v tokens granted, want 100", l.ID(), got)
 	}
 	tc.waitSame()
 	for _, n := range tc.nodes {
@@ -131,7 +146,7 @@ func TestClusterPartitionedLeaderCannotGrant(t *testing.T) {
 	tc := newTestCluster(t, 3)
 	publishTest(t, tc.addrs, clusterPolicy, 1)
 	old := tc.leader()
-	acquireOn(t, old, "eu", "before", 100)
+	before := acquireOn(t, old, "eu", "before", 100)
 	tc.isolate(tc.index(old))
 
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
@@ -153,17 +168,30 @@ func TestClusterPartitionedLeaderCannotGrant(t *testing.T) {
 	if nl == nil {
 		t.Fatal("majority elected no leader")
 	}
-	acquireOn(t, nl, "us", "majority", 300)
+	majority := acquireOn(t, nl, "us", "majority", 300)
 	tc.heal()
 	tc.waitSame()
+	// FSM.Grant takes grant ids, and the minority's never got one: every
+	// node holds exactly the two committed grants, so none holds a record
+	// of the minority's uncommitted entry.
 	for _, n := range tc.nodes {
-		if _, ok := n.FSM().Grant("minority"); ok {
-			t.Errorf("%s holds the minority's uncommitted grant", n.ID())
+		for _, g := range []fsm.GrantResult{before.Grants[0], majority.Grants[0]} {
+			if v, ok := n.FSM().Grant(g.GrantID); !ok || v.Tokens != g.Tokens {
+				t.Errorf("%s: committed grant %s = %+v, %v; want %d tokens", n.ID(), g.GrantID, v, ok, g.Tokens)
+			}
+		}
+		if got := n.FSM().Stats().Grants; got != 2 {
+			t.Errorf("%s holds %d grant records, want the 2 committed (the minority's uncommitted grant kept?)", n.ID(), got)
 		}
 		w := n.FSM().CurrentWindow("atlas", n.FSM().Now())
 		if w.Granted != 400 {
 			t.Errorf("%s: granted %d, want 400 (100 before + 300 on the majority)", n.ID(), w.Granted)
 		}
+	}
+	// Nor does the cluster remember the minority's request id: its retry
+	// is a new request, granted afresh, not a replay.
+	if res := acquireOn(t, tc.leader(), "eu", "minority", 100); res.Replayed || res.Grants[0].Tokens != 100 {
+		t.Errorf("retry of the minority's request: replayed %v, granted %d; want a new grant of 100", res.Replayed, res.Grants[0].Tokens)
 	}
 }
 

@@ -4,9 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"unicode"
+	"unicode/utf8"
 
 	"pgregory.net/rapid"
 
@@ -78,13 +80,26 @@ func TestParseInstanceNameRejects(t *testing.T) {
 }
 
 // TestInstanceNameProperty: every name fits, parses back to its template
-// and values, and different values never share a name.
+// and values, and different values never share a name. The other values b
+// are derived from a (one value replaced, a boundary between two values
+// moved, a value split in two, a value added or dropped), so a name that
+// ignored some value, or where its values begin and end, would collide;
+// long values make many names hashed, where only the digest can tell.
 func TestInstanceNameProperty(t *testing.T) {
 	value := rapid.StringOfN(rapid.RuneFrom([]rune{'%', '/', '#', '{', '}', ' ', 'a'}, unicode.L, unicode.P, unicode.S), 1, 80, MaxValueLen)
+	escapedOnly := rapid.StringOfN(rapid.RuneFrom([]rune{'%', '/', '#', '{', '}'}), MaxInstanceNameBytes/3+1, 2*MaxInstanceNameBytes/3, -1)
 	rapid.Check(t, func(t *rapid.T) {
 		tmpl := genName.Draw(t, "template")
 		a := rapid.SliceOfN(value, 1, 4).Draw(t, "a")
-		b := rapid.SliceOfN(value, len(a), len(a)).Draw(t, "b")
+		if rapid.Bool().Draw(t, "hashed") {
+			// A first value of 43 or more escaped bytes (3 bytes each in
+			// the name) makes the name hashed whatever the others are.
+			a = append([]string{escapedOnly.Draw(t, "long")}, a...)
+		}
+		b := deriveValues(t, value, a)
+		if reflect.DeepEqual(a, b) {
+			t.Fatalf("derived %q equals %q", b, a) // a bug in the derivation
+		}
 		na, nb := InstanceName(tmpl, a), InstanceName(tmpl, b)
 		if len(na) > MaxInstanceNameBytes || strings.ContainsAny(na, "{}") {
 			t.Fatalf("name %q: over %d bytes or with a brace", na, MaxInstanceNameBytes)
@@ -96,10 +111,40 @@ func TestInstanceNameProperty(t *testing.T) {
 		if in.Template != tmpl || (!in.Hashed && !reflect.DeepEqual(in.Values, a)) {
 			t.Fatalf("ParseInstanceName(%q) = %+v, want %s %q", na, in, tmpl, a)
 		}
-		if (na == nb) != reflect.DeepEqual(a, b) {
-			t.Fatalf("%q and %q: names %q and %q", a, b, na, nb)
+		if na == nb {
+			t.Fatalf("%q and %q share the name %q", a, b, na)
 		}
 	})
+}
+
+// deriveValues returns values that differ from a but are made from it.
+func deriveValues(t *rapid.T, value *rapid.Generator[string], a []string) []string {
+	b := slices.Clone(a)
+	switch how := rapid.IntRange(0, 3).Draw(t, "derive"); {
+	case how == 1 && len(a) >= 2: // the boundary between two adjacent values moved
+		j := rapid.IntRange(0, len(a)-2).Draw(t, "boundary")
+		joined, at := []rune(a[j]+a[j+1]), utf8.RuneCountInString(a[j])
+		if len(joined) < 3 { // no other cut leaves both non-empty: merge them
+			return slices.Concat(a[:j], []string{string(joined)}, a[j+2:])
+		}
+		cut := rapid.IntRange(1, len(joined)-2).Draw(t, "cut")
+		if cut >= at {
+			cut++
+		}
+		b[j], b[j+1] = string(joined[:cut]), string(joined[cut:])
+	case how == 2 && utf8.RuneCountInString(a[len(a)-1]) >= 2: // the last value split in two
+		r := []rune(a[len(a)-1])
+		cut := rapid.IntRange(1, len(r)-1).Draw(t, "split")
+		b = append(b[:len(b)-1], string(r[:cut]), string(r[cut:]))
+	case how == 3 && len(a) >= 2: // the last value dropped
+		b = b[:len(b)-1]
+	case how >= 2: // a value added
+		b = append(b, value.Draw(t, "added"))
+	default: // one value replaced, the others kept
+		j := rapid.IntRange(0, len(a)-1).Draw(t, "replaced")
+		b[j] = value.Filter(func(v string) bool { return v != a[j] }).Draw(t, "replacement")
+	}
+	return b
 }
 
 func TestTemplateMatchesAndQuota(t *testing.T) {
