@@ -3,6 +3,7 @@ package chaos
 import (
 	"context"
 	"flag"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"slices"
@@ -122,9 +123,14 @@ func TestChaos(t *testing.T) {
 		// The processes stamp leases and ledgers with the wall clock, the
 		// checkers judge them on CLOCK_MONOTONIC: a step of the machine's
 		// clock (NTP, the hypervisor) beyond the lease margins shifts one
-		// against the other, so the run's verdict is void, not a failure.
-		t.Skipf("the machine's wall clock stepped %s against CLOCK_MONOTONIC during the run (more than %s): "+
-			"%d violations are void; replay with -chaos.seed=%d", d, maxWallStep, len(res.Violations), seed)
+		// against the other, so the verdict of the checks that compare the
+		// two is void, not a failure (outside CI: see standing).
+		msg := fmt.Sprintf("the machine's wall clock stepped %s against CLOCK_MONOTONIC during the run (more than %s)", d, maxWallStep)
+		n := standing(res.Violations, os.Getenv("CI") != "")
+		if n == 0 {
+			t.Skipf("%s: %d violations are void; replay with -chaos.seed=%d", msg, len(res.Violations), seed)
+		}
+		t.Logf("%s, but %d of %d violations stand (CI, or checks that compare no wall-clock stamp)", msg, n, len(res.Violations))
 	}
 	if s.cfg.RegionKind == RegionAgent && s.cfg.NewRegion == nil && s.GRPCChunks() == 0 {
 		t.Errorf("the agents' leases never crossed the allocators' gRPC listeners")
@@ -147,6 +153,59 @@ func TestChaos(t *testing.T) {
 	}
 	if !res.OK() {
 		t.Errorf("%d violations (listed in the report above and in chaos/out/report.txt)", len(res.Violations))
+	}
+}
+
+// clockFree are the checks that compare no wall-clock stamp with the true
+// clock: request and grant ids (double_grant: only a step of seconds, past
+// the allocator's two-window id retention, could make a re-send a new
+// grant), ledger reads against grants received before them (lost_grant,
+// ledger_unread), tokens spent of a named grant (grant_overspent), and the
+// pool model, split by the windows the allocator reported (linearizability:
+// only an unanswered Acquire within the step of a window's turn could be
+// put in the wrong window). A wall-clock step never voids them. The
+// others do compare: bound counts admissions by windows of the true clock
+// while the allocator opens each window's pool by its wall clock, so a step
+// lets one true window see the admissions of two pools; the lease checks
+// hold admissions and deposits (true clock) to the allocator's expiries
+// (wall clock); window_reopened and birch_denied follow the allocator's and
+// agents' windows.
+var clockFree = map[string]bool{
+	check.CheckDoubleGrant: true, check.CheckLostGrant: true, check.CheckUnverified: true,
+	check.CheckOverspent: true, check.CheckLinearizable: true,
+}
+
+// standing counts the violations a wall-clock step does not void: under CI
+// (the environment variable CI set) all of them, for the run must fail
+// there whatever its clock did; otherwise those of the clockFree checks.
+func standing(vs []check.Violation, ci bool) int {
+	if ci {
+		return len(vs)
+	}
+	n := 0
+	for _, v := range vs {
+		if clockFree[v.Check] {
+			n++
+		}
+	}
+	return n
+}
+
+// TestWallStepVoidsOnlyClockChecks: after a wall-clock step, a run skips
+// (outside CI) only when every violation is of a check that compares
+// wall-clock stamps with the true clock; under CI it fails.
+func TestWallStepVoidsOnlyClockChecks(t *testing.T) {
+	clocky := []check.Violation{{Check: check.CheckBound}, {Check: check.CheckLateSpend}, {Check: check.CheckDepositLate}, {Check: check.CheckReopened}, {Check: check.CheckBirch}}
+	if n := standing(clocky, false); n != 0 {
+		t.Errorf("violations of clock-comparing checks, outside CI: %d stand, want 0 (skip)", n)
+	}
+	if n := standing(clocky, true); n != len(clocky) {
+		t.Errorf("under CI: %d of %d violations stand, want all", n, len(clocky))
+	}
+	for _, c := range []string{check.CheckDoubleGrant, check.CheckLinearizable, check.CheckLostGrant} {
+		if n := standing(append(clocky, check.Violation{Check: c}), false); n != 1 {
+			t.Errorf("a %s violation beside them, outside CI: %d stand, want 1", c, n)
+		}
 	}
 }
 

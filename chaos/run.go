@@ -59,12 +59,14 @@ func (s *Suite) Finish(ctx context.Context) (history.History, error) {
 func (s *Suite) Quotas() []check.Quota { return append([]check.Quota(nil), s.quotas...) }
 
 // CheckParams are the checkers' parameters for this run: a fault span is
-// excused one window past its heal; an unanswered Acquire may take effect
+// excused one window past its heal; a Birch denial before its region's first
+// grant only within three TTLs of the region's first request or Acquire (a
+// cold start takes one renewal, or a window turn and a starve wait); an unanswered Acquire may take effect
 // up to 10 s after its last attempt (a 5 s proposal timeout, and a request
 // sent during a partition of up to 4 s can reach the allocator seconds
 // after the heal).
 func (s *Suite) CheckParams() check.Params {
-	return check.Params{Quotas: s.Quotas(), FaultGrace: s.cfg.Window, LinearizabilityTimeout: 30 * time.Second, ApplyTimeout: 10 * time.Second}
+	return check.Params{Quotas: s.Quotas(), FaultGrace: s.cfg.Window, StartupGrace: 3 * s.cfg.TTL, LinearizabilityTimeout: 30 * time.Second, ApplyTimeout: 10 * time.Second}
 }
 
 // WallClockStep is how far the machine's wall clock has moved against

@@ -276,6 +276,47 @@ func (s *Suite) heal(ctx context.Context, h *topology.Host, tag string) error {
 	return nil
 }
 
+// dropped sums the packet counters of the DROP rules partition added under
+// tag on hosts (one iptables call per host, all at once): a cut that
+// matched no packet did not take effect.
+func (s *Suite) dropped(ctx context.Context, hosts []*topology.Host, tag string) (int64, error) {
+	var (
+		wg   sync.WaitGroup
+		mu   sync.Mutex
+		n    int64
+		errs []error
+	)
+	for _, h := range hosts {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			out, err := h.Run(ctx, "iptables", "-w", "-L", "-v", "-x", "-n")
+			mu.Lock()
+			defer mu.Unlock()
+			n += countDropped(string(out), tag)
+			errs = append(errs, err)
+		}()
+	}
+	wg.Wait()
+	return n, errors.Join(errs...)
+}
+
+// countDropped sums the packet counters (first column of `iptables -L -v
+// -x -n`) of the DROP rules commented tag.
+func countDropped(out, tag string) int64 {
+	var n int64
+	for _, line := range strings.Split(out, "\n") {
+		f := strings.Fields(line)
+		if len(f) < 3 || f[2] != "DROP" || !strings.Contains(line, "/* "+tag+" */") {
+			continue
+		}
+		if p, err := strconv.ParseInt(f[0], 10, 64); err == nil {
+			n += p
+		}
+	}
+	return n
+}
+
 // healCtx is a context for healing that outlives a cancelled run.
 func healCtx() (context.Context, context.CancelFunc) {
 	return context.WithTimeout(context.Background(), 20*time.Second)
@@ -289,7 +330,10 @@ func (s *Suite) regionHostList() []*topology.Host {
 	return out
 }
 
-// partitionRegion cuts one region from every allocator for 2-3 TTLs.
+// partitionRegion cuts one region from every allocator for 2-3 TTLs. The
+// cut must have dropped packets: the region renews its leases (and pings
+// its connections) every second or so, so rules that matched nothing
+// mean the fault did not take effect, and the step fails.
 func partitionRegion(ctx context.Context, s *Suite, rng *rand.Rand) (history.Span, error) {
 	r := s.cfg.Regions[rng.IntN(len(s.cfg.Regions))]
 	h := s.regionHosts[r]
@@ -299,10 +343,18 @@ func partitionRegion(ctx context.Context, s *Suite, rng *rand.Rand) (history.Spa
 	if err == nil {
 		err = sleepCtx(ctx, d)
 	}
+	var drops int64
+	if err == nil {
+		// Read before the heal deletes the rules (the cut lasts one
+		// iptables call longer).
+		if drops, err = s.dropped(ctx, []*topology.Host{h}, "chaos-partition"); err == nil && drops == 0 {
+			err = fmt.Errorf("the fault did not take effect: region %s's DROP rules matched no packet in %s", r, time.Duration(s.clock.Now()-start).Round(time.Millisecond))
+		}
+	}
 	hctx, cancel := healCtx()
 	defer cancel()
 	err = errors.Join(err, s.heal(hctx, h, "chaos-partition"))
-	end := s.fault("partition-region", "heal", "region %s reconnected", r)
+	end := s.fault("partition-region", "heal", "region %s reconnected (%d packets dropped)", r, drops)
 	return history.Span{Start: start, End: end, RecoverFrom: end, Regions: []string{r}}, err
 }
 
@@ -317,10 +369,15 @@ func isolateLeader(ctx context.Context, s *Suite, rng *rand.Rand) (history.Span,
 	start := s.fault("isolate-leader", "inject", "leader %s: iptables DROP to and from the other allocators for %s (regions still reach it)", l.ID, d.Round(time.Millisecond))
 	err = s.partition(ctx, h, s.allocHosts, "chaos-isolate")
 	if err == nil {
-		if nl, lerr := s.newLeader(ctx, l.ID); lerr == nil {
+		// The majority must elect another leader (1-1.6 s here; newLeader
+		// waits 20 s): if it does not, the fault did not take effect and
+		// the step fails.
+		if nl, lerr := s.newLeader(ctx, l.ID); lerr != nil {
+			err = fmt.Errorf("the fault did not take effect: no leader but %s within 20s of isolating it: %w", l.ID, lerr)
+		} else {
 			s.fault("isolate-leader", "note", "majority elected %s after %s", nl.ID, time.Duration(s.clock.Now()-start).Round(time.Millisecond))
+			err = sleepCtx(ctx, time.Duration(start+int64(d)-s.clock.Now()))
 		}
-		err = sleepCtx(ctx, time.Duration(start+int64(d)-s.clock.Now()))
 	}
 	hctx, cancel := healCtx()
 	defer cancel()
@@ -352,18 +409,32 @@ func killLeaderStorm(ctx context.Context, s *Suite, rng *rand.Rand) (history.Spa
 		}
 	}
 	start := s.fault("kill-leader-storm", "inject", "%s", detail)
-	var wg sync.WaitGroup
+	var (
+		wg        sync.WaitGroup
+		mu        sync.Mutex
+		stormErrs []error
+	)
 	for _, r := range s.regions {
 		wg.Add(1)
-		go func() { defer wg.Done(); _ = r.Storm(ctx, n) }()
+		go func() {
+			defer wg.Done()
+			if err := r.Storm(ctx, n); err != nil {
+				// No storm in this region: the step fails (the kill
+				// still happens, the run carries on to the heal).
+				mu.Lock()
+				stormErrs = append(stormErrs, fmt.Errorf("storm in region %s: %w", r.Name(), err))
+				mu.Unlock()
+			}
+		}()
 	}
 	_ = sleepCtx(ctx, time.Duration(10+rng.IntN(40))*time.Millisecond)
 	l.Proc.Kill()
 	killed := s.fault("kill-leader-storm", "inject", "kill -9 leader %s (pid %d) during the storm", l.ID, l.Proc.Pid())
 	wg.Wait()
+	stormErr := errors.Join(stormErrs...)
 	nl, err := s.newLeader(ctx, l.ID)
 	if err != nil {
-		return history.Span{Start: start, End: s.clock.Now(), RecoverFrom: killed}, err
+		return history.Span{Start: start, End: s.clock.Now(), RecoverFrom: killed}, errors.Join(stormErr, err)
 	}
 	s.fault("kill-leader-storm", "note", "new leader %s after %s", nl.ID, time.Duration(s.clock.Now()-killed).Round(time.Millisecond))
 	_ = sleepCtx(ctx, 2*time.Second)
@@ -374,7 +445,7 @@ func killLeaderStorm(ctx context.Context, s *Suite, rng *rand.Rand) (history.Spa
 		cancel()
 	}
 	end := s.fault("kill-leader-storm", "heal", "%s restarted from its data dir", l.ID)
-	return history.Span{Start: start, End: end, RecoverFrom: killed}, err
+	return history.Span{Start: start, End: end, RecoverFrom: killed}, errors.Join(stormErr, err)
 }
 
 // stopLeader freezes the leader with SIGSTOP for 2-3 s, well past the
@@ -389,11 +460,17 @@ func stopLeader(ctx context.Context, s *Suite, rng *rand.Rand) (history.Span, er
 		return history.Span{}, err
 	}
 	start := s.fault("stop-leader", "inject", "SIGSTOP leader %s for %s (election timeout 500ms)", l.ID, d.Round(time.Millisecond))
-	if nl, lerr := s.newLeader(ctx, l.ID); lerr == nil {
+	// The others must elect a new leader (1-1.6 s here; newLeader waits
+	// 20 s): if they do not, the fault did not take effect and the step
+	// fails (after the SIGCONT).
+	nl, lerr := s.newLeader(ctx, l.ID)
+	if lerr != nil {
+		lerr = fmt.Errorf("the fault did not take effect: no leader but %s within 20s of stopping it: %w", l.ID, lerr)
+	} else {
 		s.fault("stop-leader", "note", "new leader %s after %s", nl.ID, time.Duration(s.clock.Now()-start).Round(time.Millisecond))
 	}
 	_ = sleepCtx(ctx, time.Duration(start+int64(d)-s.clock.Now()))
-	err = l.Proc.Signal(syscall.SIGCONT)
+	err = errors.Join(lerr, l.Proc.Signal(syscall.SIGCONT))
 	end := s.fault("stop-leader", "heal", "SIGCONT %s", l.ID)
 	if _, _, lerr := s.leader(ctx); lerr != nil {
 		err = errors.Join(err, lerr)
@@ -509,7 +586,10 @@ func (s *Suite) setSkews(ctx context.Context, skews map[string]time.Duration) er
 }
 
 // cutAllocators cuts every allocator from every region for 1.5-2 TTLs:
-// regions spend only what they hold, then deny.
+// regions spend only what they hold, then deny. The cut must have dropped
+// packets (every region renews with the leader within a TTL): rules that
+// matched nothing on every allocator mean the fault did not take effect,
+// and the step fails.
 func cutAllocators(ctx context.Context, s *Suite, rng *rand.Rand) (history.Span, error) {
 	d := s.cfg.TTL*3/2 + time.Duration(rng.Int64N(int64(s.cfg.TTL/2)))
 	start := s.fault("cut-allocators", "inject", "every allocator: iptables DROP to and from every region, for %s (TTL %s)", d.Round(time.Millisecond), s.cfg.TTL)
@@ -520,12 +600,20 @@ func cutAllocators(ctx context.Context, s *Suite, rng *rand.Rand) (history.Span,
 	if err == nil {
 		err = sleepCtx(ctx, d)
 	}
+	var drops int64
+	if err == nil {
+		// Read before the heal deletes the rules (the cut lasts one
+		// iptables call longer: every allocator is read at once).
+		if drops, err = s.dropped(ctx, s.allocHosts, "chaos-cut"); err == nil && drops == 0 {
+			err = fmt.Errorf("the fault did not take effect: the allocators' DROP rules matched no packet in %s", time.Duration(s.clock.Now()-start).Round(time.Millisecond))
+		}
+	}
 	hctx, cancel := healCtx()
 	defer cancel()
 	for _, h := range s.allocHosts {
 		err = errors.Join(err, s.heal(hctx, h, "chaos-cut"))
 	}
-	end := s.fault("cut-allocators", "heal", "allocators reachable again")
+	end := s.fault("cut-allocators", "heal", "allocators reachable again (%d packets dropped)", drops)
 	return history.Span{Start: start, End: end, RecoverFrom: end}, err
 }
 

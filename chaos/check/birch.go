@@ -12,17 +12,32 @@ import (
 // checkBirch: a well-behaved quota sees no denials outside fault windows. A
 // denial is excused when a fault span that touches its region covers it
 // (extended by grace past the span's end), or when the request was sent
-// before the region received its first grant of the quota (start-up: such a
+// before the region received its first grant of the quota and within
+// startup of the region's first request or Acquire of it (start-up: such a
 // request waits from a cold start, and its wait may span the first window
-// turn, when clamped leases leave a region nothing to spend for a moment).
+// turn, when clamped leases leave a region nothing to spend for a moment;
+// a region still without a grant after that is starved, not starting).
 // Every reason counts: a
 // 429 (limited) and a 503 (the limiter could not decide) alike fail the
-// tenant's request; the violation says how many of each.
-func checkBirch(h history.History, quotas map[string]Quota, grace time.Duration) []Violation {
+// tenant's request; the violation says how many of each. A region that
+// sent requests of the quota but never received a grant of it is a
+// violation of its own, whatever the faults.
+func checkBirch(h history.History, quotas map[string]Quota, grace, startup time.Duration) []Violation {
 	first := map[reqKey]int64{} // (region, quota) -> first grant received
+	began := map[reqKey]int64{} // (region, quota) -> its first request or Acquire
+	requests := map[reqKey]int64{}
 	for _, e := range h.Events {
+		k := reqKey{e.Region, e.Quota}
+		switch e.Kind {
+		case history.KindAcquire, history.KindAdmit, history.KindDeny:
+			if t, ok := began[k]; !ok || sent(e) < t {
+				began[k] = sent(e)
+			}
+		}
+		if e.Kind == history.KindAdmit || e.Kind == history.KindDeny {
+			requests[k] += e.Tokens
+		}
 		if e.Kind == history.KindAcquire && e.Outcome == history.OK && e.Tokens > 0 {
-			k := reqKey{e.Region, e.Quota}
 			if t, ok := first[k]; !ok || e.At < t {
 				first[k] = e.At
 			}
@@ -40,7 +55,8 @@ func checkBirch(h history.History, quotas map[string]Quota, grace time.Duration)
 		if e.Kind != history.KindDeny || !ok || !q.Birch {
 			continue
 		}
-		if t, ok := first[reqKey{e.Region, e.Quota}]; !ok || e.At < t || e.Call != 0 && e.Call < t {
+		rk := reqKey{e.Region, e.Quota}
+		if t, ok := first[rk]; (!ok || e.At < t || sent(e) < t) && sent(e) < began[rk]+int64(startup) {
 			continue
 		}
 		if excused(h.Spans, e.Region, e.At, grace) {
@@ -58,6 +74,15 @@ func checkBirch(h history.History, quotas map[string]Quota, grace time.Duration)
 		}
 	}
 	var out []Violation
+	for k, n := range requests {
+		if !quotas[k.quota].Birch {
+			continue
+		}
+		if _, ok := first[k]; !ok {
+			out = append(out, Violation{Check: CheckBirch, Quota: k.quota, Region: k.id, At: began[k],
+				Detail: fmt.Sprintf("%d requests from %s on, but the region never received a grant of the quota", n, fmtTime(began[k]))})
+		}
+	}
 	for k, v := range agg {
 		var by []string
 		for r, n := range reasons[k] {
@@ -69,6 +94,15 @@ func checkBirch(h history.History, quotas map[string]Quota, grace time.Duration)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].At < out[j].At })
 	return out
+}
+
+// sent is when e's request or operation was sent (its answer's time when
+// the call time is not recorded).
+func sent(e history.Event) int64 {
+	if e.Call != 0 {
+		return e.Call
+	}
+	return e.At
 }
 
 // contextBefore is how far before a denial's call denialContext looks for

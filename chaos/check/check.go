@@ -58,6 +58,12 @@ type Params struct {
 	FaultGrace time.Duration
 	// LinearizabilityTimeout bounds porcupine on one window (default 20s).
 	LinearizabilityTimeout time.Duration
+	// StartupGrace bounds the Birch check's start-up excuse: a denial of a
+	// request sent before its region's first grant of the quota is excused
+	// only within this long after the region's first request or Acquire of
+	// it (default 5s: a cold start takes a WAN round trip, or a window turn
+	// and a starve wait).
+	StartupGrace time.Duration
 	// ApplyTimeout is how long after its last attempt an unanswered Acquire
 	// may still take effect: the allocator's proposal timeout, plus how long
 	// the network may hold the request (after a partition heals, TCP's
@@ -185,6 +191,9 @@ func Run(h history.History, p Params) *Result {
 	if p.ApplyTimeout <= 0 {
 		p.ApplyTimeout = 5 * time.Second
 	}
+	if p.StartupGrace <= 0 {
+		p.StartupGrace = 5 * time.Second
+	}
 	r := &Result{Windows: map[string][]*Window{}, Linearizability: map[string]LinResult{}}
 	quotas := map[string]Quota{}
 	for _, q := range p.Quotas {
@@ -199,7 +208,7 @@ func Run(h history.History, p Params) *Result {
 	lv, strands := checkLeases(h)
 	r.Violations = append(r.Violations, lv...)
 	addStrands(windows, quotas, strands)
-	r.Violations = append(r.Violations, checkBirch(h, quotas, p.FaultGrace)...)
+	r.Violations = append(r.Violations, checkBirch(h, quotas, p.FaultGrace, p.StartupGrace)...)
 	for _, q := range p.Quotas {
 		lr, vs := checkLinearizable(h, q, p)
 		r.Linearizability[q.Name] = lr

@@ -318,6 +318,38 @@ func TestLinearizability(t *testing.T) {
 			rel(20, 20, 10*sec+300*ms, 10*sec+310*ms),
 			read(10, 10*sec+400*ms, 10*sec+410*ms, 20, 100, 20),
 		}},
+		// A Release is tied to its grant: it hands back at most what the
+		// grant has not released yet, and the pool never exceeds G.
+		{name: "a grant released in two parts", check: CheckLinearizable, events: []history.Event{
+			acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			rel(20, 20, 10*sec+100*ms, 10*sec+110*ms),
+			rel(40, 40, 10*sec+120*ms, 10*sec+130*ms),
+			read(10, 10*sec+140*ms, 10*sec+150*ms, 100, 60, 60),
+		}},
+		{name: "a grant released twice", check: CheckLinearizable, want: 1, events: []history.Event{
+			acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			acquire("us", "r2", 40, 40, 10, 10*sec+60*ms, 10*sec+90*ms, 10_900, "g2"),
+			rel(60, 60, 10*sec+100*ms, 10*sec+110*ms),
+			rel(60, 60, 10*sec+120*ms, 10*sec+130*ms),
+			read(10, 10*sec+140*ms, 10*sec+150*ms, 120, 100, 120), // remaining 120 > G 100
+			acquire("us", "r3", 120, 120, 10, 10*sec+200*ms, 10*sec+250*ms, 10_900, "g3"),
+		}},
+		{name: "a release of more than its grant", check: CheckLinearizable, want: 1, events: []history.Event{
+			acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			acquire("us", "r2", 40, 40, 10, 10*sec+60*ms, 10*sec+90*ms, 10_900, "g2"),
+			rel(90, 90, 10*sec+100*ms, 10*sec+110*ms), // within G, beyond g1's 60
+			read(10, 10*sec+140*ms, 10*sec+150*ms, 90, 100, 90),
+		}},
+		{name: "an unanswered second release cannot have applied", check: CheckLinearizable, want: 1, events: []history.Event{
+			acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			rel(60, 60, 10*sec+100*ms, 10*sec+110*ms),
+			{Kind: history.KindRelease, Region: "eu", Quota: "atlas", GrantID: "g1", Tokens: 60, Window: 10, Call: 10*sec + 120*ms, At: 10*sec + 130*ms, Outcome: history.Unknown},
+			acquire("us", "r2", 100, 100, 10, 10*sec+200*ms, 10*sec+250*ms, 10_900, "g2"),
+			read(10, 10*sec+300*ms, 10*sec+310*ms, 60, 160, 120), // the second release applied
+		}},
+		{name: "a release of a grant not in the history lifts the pool above G", check: CheckLinearizable, want: 1, events: []history.Event{
+			{Kind: history.KindRelease, Region: "eu", Quota: "atlas", GrantID: "gx", Tokens: 30, Returned: 30, Window: 10, Call: 10*sec + 100*ms, At: 10*sec + 110*ms, Outcome: history.OK},
+		}},
 		{name: "concurrent grants in either order", check: CheckLinearizable, events: []history.Event{
 			acquire("eu", "r1", 60, 40, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
 			acquire("us", "r2", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g2"),
@@ -442,6 +474,69 @@ func TestBirch(t *testing.T) {
 				t.Fatalf("birch violations = %d, want %d: %v", got, tt.want, r.Violations)
 			}
 		})
+	}
+}
+
+// TestBirchStartupIsBounded: a request sent before its region's first
+// grant is excused as a cold start only within Params.StartupGrace (5 s by
+// default) of the region's first request or Acquire, and a region that
+// never receives a grant is a violation however its denials fall.
+func TestBirchStartupIsBounded(t *testing.T) {
+	birch := Quota{Name: "atlas", Limit: 100, WindowMs: 1000, Birch: true}
+	base := []history.Event{
+		acquire("eu", "r1", 10, 10, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+		read(10, 10*sec+500*ms, 10*sec+510*ms, 90, 10, 0, history.LedgerGrant{GrantID: "g1", Region: "eu", Tokens: 10}),
+	}
+	// ap: a request every 100 ms from 10 s to 70 s, every one denied 503,
+	// no fault anywhere.
+	var denials []history.Event
+	for i := int64(0); i < 600; i++ {
+		at := 10*sec + i*100*ms
+		denials = append(denials, history.Event{Kind: history.KindDeny, Region: "ap", Quota: "atlas", Tokens: 1, Call: at - 5*ms, At: at, Reason: history.ReasonUnavailable})
+	}
+	never := func(r *Result) bool {
+		for _, v := range r.Violations {
+			if v.Check == CheckBirch && v.Region == "ap" && strings.Contains(v.Detail, "never received a grant") {
+				return true
+			}
+		}
+		return false
+	}
+	// Windows of ap with a violation.
+	flagged := func(r *Result) map[int64]bool {
+		out := map[int64]bool{}
+		for _, v := range r.Violations {
+			if v.Check == CheckBirch && v.Region == "ap" && v.Window != 0 {
+				out[v.Window] = true
+			}
+		}
+		return out
+	}
+
+	r := run(t, history.History{Events: append(append([]history.Event(nil), base...), denials...)}, birch)
+	if !never(r) {
+		t.Errorf("a region never granted is not reported: %v", r.Violations)
+	}
+	// Start-up runs from 9.995 s (the first request's send) to 14.995 s.
+	if w := flagged(r); len(w) != 55 || w[14] || !w[15] || !w[69] {
+		t.Errorf("never granted: %d windows flagged (%v), want 15..69 but not 10..14", len(w), w)
+	}
+
+	late := append(append([]history.Event(nil), base...), acquire("ap", "r9", 10, 10, 60, 60*sec, 60*sec+50*ms, 60_900, "g9"))
+	r = run(t, history.History{Events: append(late, denials...)}, birch)
+	if never(r) {
+		t.Errorf("a region granted at 60 s is reported as never granted: %v", r.Violations)
+	}
+	if w := flagged(r); w[14] || !w[15] || !w[59] {
+		t.Errorf("first grant 50 s late: windows flagged %v, want from 15 on", w)
+	}
+
+	// Inside a fault span every denial is excused, but a region that was
+	// never granted is still reported.
+	span := history.Span{Scenario: "partition-region", Start: 9 * sec, End: 71 * sec, RecoverFrom: 71 * sec, Regions: []string{"ap"}}
+	r = run(t, history.History{Events: append(append([]history.Event(nil), base...), denials...), Spans: []history.Span{span}}, birch)
+	if !never(r) || len(flagged(r)) != 0 {
+		t.Errorf("inside a fault: never granted reported %v, windows flagged %v; want true, none", never(r), flagged(r))
 	}
 }
 

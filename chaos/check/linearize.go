@@ -38,7 +38,7 @@ type opKind int
 const (
 	opAcquire opKind = iota // grants min(asked, remaining) under a new request id
 	opReplay                // a re-sent request id: must replay the recorded grant
-	opRelease               // returns tokens to the pool (or 0 after the window)
+	opRelease               // returns tokens of one grant to the pool (or 0 after the window)
 	opRead                  // GetWindow: remaining, granted, released
 )
 
@@ -47,6 +47,9 @@ type poolInput struct {
 	id     string
 	asked  int64
 	tokens int64 // release: tokens handed back
+	// grant is the grant an answered Acquire made (its tokens are tracked
+	// in the state) or the grant a Release hands tokens back to.
+	grant string
 	// pre marks a pre-grant (an Acquire of the next window): the allocator
 	// also caps it at the quota's chunk minus what the region already
 	// holds of the window, which this model does not track, so an answered
@@ -65,16 +68,19 @@ type poolOutput struct {
 }
 
 // poolState is one window's pool: what remains, what was granted and
-// released, and the request ids it has granted (with their tokens) in a
-// canonical "id=tokens;" form sorted by id, so states compare with ==.
+// released, the request ids it has granted (with their tokens) and the
+// answered grants with their tokens not yet released, each in a canonical
+// "key=tokens;" form sorted by key, so states compare with ==.
 type poolState struct {
 	remaining, granted, released int64
 	ids                          string
+	unreleased                   string // grant id = tokens not yet released
 }
 
-func (s poolState) lookup(id string) (int64, bool) {
-	for _, kv := range strings.Split(s.ids, ";") {
-		if k, v, ok := strings.Cut(kv, "="); ok && k == id {
+// lookupIn finds key in a canonical "key=tokens;" list.
+func lookupIn(list, key string) (int64, bool) {
+	for _, kv := range strings.Split(list, ";") {
+		if k, v, ok := strings.Cut(kv, "="); ok && k == key {
 			var n int64
 			fmt.Sscan(v, &n)
 			return n, true
@@ -83,26 +89,40 @@ func (s poolState) lookup(id string) (int64, bool) {
 	return 0, false
 }
 
-func (s poolState) with(id string, tokens int64) poolState {
+// setIn sets key to tokens in a canonical "key=tokens;" list.
+func setIn(list, key string, tokens int64) string {
 	parts := []string{}
-	if s.ids != "" {
-		parts = strings.Split(strings.TrimSuffix(s.ids, ";"), ";")
+	for _, kv := range strings.Split(strings.TrimSuffix(list, ";"), ";") {
+		if k, _, ok := strings.Cut(kv, "="); ok && k != key {
+			parts = append(parts, kv)
+		}
 	}
-	parts = append(parts, fmt.Sprintf("%s=%d", id, tokens))
+	parts = append(parts, fmt.Sprintf("%s=%d", key, tokens))
 	sort.Strings(parts)
-	s.ids = strings.Join(parts, ";") + ";"
+	return strings.Join(parts, ";") + ";"
+}
+
+func (s poolState) lookup(id string) (int64, bool) { return lookupIn(s.ids, id) }
+
+func (s poolState) with(id string, tokens int64) poolState {
+	s.ids = setIn(s.ids, id, tokens)
 	return s
 }
 
 // poolModel is the allocator's pool of one quota in one window under the
 // demand strategy: an Acquire with a new request id gets min(asked,
-// remaining); a known id replays; a Release in the window returns its tokens;
-// a read sees the totals. Unanswered operations may or may not have applied.
+// remaining); a known id replays; a Release in the window returns its tokens,
+// at most what its grant has not released yet (when the window's history
+// holds the grant), and never lifts remaining above G; a read sees the
+// totals. Unanswered operations may or may not have applied.
 func poolModel(limit int64) porcupine.Model {
 	grant := func(s poolState, in poolInput) poolState {
 		n := min(in.asked, s.remaining)
 		s.remaining -= n
 		s.granted += n
+		if in.grant != "" && n > 0 {
+			s.unreleased = setIn(s.unreleased, in.grant, n)
+		}
 		return s.with(in.id, n)
 	}
 	nm := porcupine.NondeterministicModel{
@@ -143,13 +163,25 @@ func poolModel(limit int64) porcupine.Model {
 				back := s
 				back.remaining += in.tokens
 				back.released += in.tokens
+				// A grant hands back at most what it has not released yet
+				// (a grant released twice pushes the pool past G), and the
+				// pool never holds more than G. A grant the window's
+				// history does not hold (its Acquire unanswered, or not
+				// recorded) is held to the second rule only.
+				legal := back.remaining <= limit
+				if left, known := lookupIn(s.unreleased, in.grant); known {
+					legal = legal && in.tokens <= left
+					back.unreleased = setIn(s.unreleased, in.grant, left-in.tokens)
+				}
 				switch {
-				case out.unknown:
+				case out.unknown && legal:
 					return []any{s, back}
-				case out.returned == in.tokens:
-					return []any{back}
+				case out.unknown:
+					return []any{s}
 				case out.returned == 0:
 					return []any{s} // the window had ended: nothing goes back
+				case out.returned == in.tokens && legal:
+					return []any{back}
 				}
 				return nil
 			case opRead:
@@ -164,7 +196,7 @@ func poolModel(limit int64) porcupine.Model {
 		Hash: func(st any) uint64 {
 			s := st.(poolState)
 			h := fnv.New64a()
-			fmt.Fprintf(h, "%d/%d/%d/%s", s.remaining, s.granted, s.released, s.ids)
+			fmt.Fprintf(h, "%d/%d/%d/%s/%s", s.remaining, s.granted, s.released, s.ids, s.unreleased)
 			return h.Sum64()
 		},
 		DescribeOperation: func(inp, outp any) string {
@@ -178,7 +210,7 @@ func poolModel(limit int64) porcupine.Model {
 			case opReplay:
 				return fmt.Sprintf("replay(%s) -> %d", in.id, out.tokens)
 			case opRelease:
-				return fmt.Sprintf("release(%d) -> %d", in.tokens, out.returned)
+				return fmt.Sprintf("release(%s, %d) -> %d", in.grant, in.tokens, out.returned)
 			}
 			return fmt.Sprintf("read -> rem %d gr %d rel %d", out.remaining, out.granted, out.release)
 		},
@@ -222,6 +254,7 @@ func checkLinearizable(h history.History, q Quota, p Params) (LinResult, []Viola
 			in := poolInput{kind: opAcquire, id: e.RequestID, asked: e.Asked, pre: e.Next}
 			switch e.Outcome {
 			case history.OK:
+				in.grant = e.GrantID
 				parts[e.Window] = append(parts[e.Window], porcupine.Operation{ClientId: cid(e.Region), Input: in, Call: e.Call, Output: poolOutput{tokens: e.Tokens}, Return: e.At})
 				// A pre-grant is of the window after the current one: it
 				// shows that the current one was at least its predecessor.
@@ -252,7 +285,7 @@ func checkLinearizable(h history.History, q Quota, p Params) (LinResult, []Viola
 				}
 			}
 		case history.KindRelease:
-			in := poolInput{kind: opRelease, tokens: e.Tokens}
+			in := poolInput{kind: opRelease, tokens: e.Tokens, grant: e.GrantID}
 			switch e.Outcome {
 			case history.OK:
 				parts[e.Window] = append(parts[e.Window], porcupine.Operation{ClientId: cid(e.Region), Input: in, Call: e.Call, Output: poolOutput{returned: e.Returned}, Return: e.At})
