@@ -620,3 +620,32 @@ func TestRecoveryAndTable(t *testing.T) {
 		}
 	}
 }
+
+// TestLedgerFallbackKeepsReleases: region ap spends 60 tokens of a grant it
+// had released in full. With its journal present (even when that grant is
+// its only one) and without (the ledger fallback, which must subtract what
+// the ledger says was released), the admission had no lease.
+func TestLedgerFallbackKeepsReleases(t *testing.T) {
+	lg := history.LedgerGrant{GrantID: "g5", Region: "ap", Tokens: 60, Released: 60, GrantedMs: 10_050, ExpiresMs: 10_900}
+	readEv := read(10, 11*sec, 11*sec+ms, 100, 60, 60, lg)
+	adm := history.Event{Kind: history.KindAdmit, Region: "ap", Quota: "atlas", Tokens: 60, At: 10*sec + 500*ms}
+	rel := history.Event{Kind: history.KindRelease, Region: "ap", Quota: "atlas", GrantID: "g5", Tokens: 60, Returned: 60,
+		Window: 10, Call: 10*sec + 100*ms, At: 10*sec + 150*ms, Outcome: history.OK}
+	journal := run(t, history.History{Events: []history.Event{
+		acquire("ap", "r5", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g5"), rel, adm, readEv}})
+	if n := journal.Count(CheckUnleased); n == 0 {
+		t.Errorf("journal whose only grant was released: spent_without_lease = 0, want the 60 spent flagged (%v)", journal.Violations)
+	}
+	noJournal := run(t, history.History{Events: []history.Event{adm, readEv}})
+	if n := noJournal.Count(CheckUnleased); n == 0 {
+		t.Errorf("no journal (ledger fallback): spent_without_lease = 0, want the 60 spent flagged (%v)", noJournal.Violations)
+	}
+	// The ledger's unreleased part still covers an admission.
+	part := history.LedgerGrant{GrantID: "g6", Region: "ap", Tokens: 60, Released: 20, GrantedMs: 10_050, ExpiresMs: 10_900}
+	ok := run(t, history.History{Events: []history.Event{
+		{Kind: history.KindAdmit, Region: "ap", Quota: "atlas", Tokens: 40, At: 10*sec + 500*ms},
+		read(10, 11*sec, 11*sec+ms, 60, 60, 20, part)}})
+	if n := ok.Count(CheckUnleased); n != 0 {
+		t.Errorf("40 spent of a ledger grant of 60 with 20 released: %d flagged, want none (%v)", n, ok.Violations)
+	}
+}

@@ -115,15 +115,19 @@ func checkLeases(h history.History) ([]Violation, []history.Event) {
 		}
 	}
 	// Anonymous admissions: EDF over what the named ones left. A region
-	// that reports no grants at all (an agent that does not record its
-	// Acquires) is matched against the grants the allocator's ledgers list
-	// for it, taken as received when they were made.
+	// that reports no grants of the quota at all (an agent that does not
+	// record its Acquires) is matched against the grants the allocator's
+	// ledgers list for it, taken as received when they were made, less what
+	// the ledgers say was released. A region that reports grants is held to
+	// them, even when all of them were released.
 	ledger := ledgerGrants(h)
 	var strands []history.Event
 	for k, adm := range anonymous {
 		var gs []history.Event
+		journaled := false // the region reported grants of the quota
 		for _, g := range received {
 			if g.Region == k.region && g.Quota == k.quota {
+				journaled = true
 				g.Tokens -= spent[g.GrantID]
 				g.Tokens -= released[g.GrantID]
 				// A pre-grant covers nothing before its window starts.
@@ -134,7 +138,7 @@ func checkLeases(h history.History) ([]Violation, []history.Event) {
 			}
 		}
 		fromLedger := false
-		if len(gs) == 0 {
+		if !journaled {
 			gs = append(gs, ledger[reqKey{k.region, k.quota}]...)
 			fromLedger = true
 		}
@@ -167,21 +171,32 @@ func checkLeases(h history.History) ([]Violation, []history.Event) {
 // ledgerGrants collects, per (region, quota), every grant any ledger read
 // listed, as events received at their grant time.
 func ledgerGrants(h history.History) map[reqKey][]history.Event {
-	seen := map[string]bool{}
+	at := map[string]int{} // grant id -> its index in out[k]
+	released := map[string]int64{}
 	out := map[reqKey][]history.Event{}
 	for _, e := range h.Events {
 		if e.Kind != history.KindGetWindow || e.Outcome != history.OK {
 			continue
 		}
 		for _, g := range e.Grants {
-			if seen[g.GrantID] || g.Tokens <= 0 {
+			// Releases only grow, and a region hands back only tokens it
+			// did not spend: what any read says was released was never
+			// spendable.
+			released[g.GrantID] = max(released[g.GrantID], g.Released)
+			if _, seen := at[g.GrantID]; seen || g.Tokens <= 0 {
 				continue
 			}
-			seen[g.GrantID] = true
 			k := reqKey{g.Region, e.Quota}
+			at[g.GrantID] = len(out[k])
 			out[k] = append(out[k], history.Event{Kind: history.KindAcquire, Region: g.Region, Quota: e.Quota, GrantID: g.GrantID,
 				Tokens: g.Tokens, Window: e.Window, At: g.GrantedMs * 1e6, ExpiresMs: g.ExpiresMs, Outcome: history.OK})
 		}
+	}
+	for k, gs := range out {
+		for i := range gs {
+			gs[i].Tokens -= released[gs[i].GrantID]
+		}
+		out[k] = gs
 	}
 	return out
 }
