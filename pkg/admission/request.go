@@ -67,6 +67,12 @@ func printable(s string) bool {
 	return ascii || printableRunes(s)
 }
 
+// ValidValue reports whether s is a descriptor value the engine accepts as
+// to its characters (valid UTF-8, printable characters and spaces; its
+// length is checked against MaxValueLen apart): for callers that build
+// values from client input, such as a route label from a URL path.
+func ValidValue(s string) bool { return printable(s) }
+
 // printableRunes is printable's definition, decoding every rune.
 func printableRunes(s string) bool {
 	if !utf8.ValidString(s) {

@@ -185,8 +185,8 @@ const maxRoute = 200
 
 // DefaultRoute is the route class WithRoute defaults to: the method and the
 // URL path, e.g. "GET /catalog". HEAD counts as GET (net/http serves HEAD
-// with GET handlers, so GET's limits must apply). A path that is not
-// printable UTF-8 is taken in its escaped form, and one too long for a
+// with GET handlers, so GET's limits must apply). A path the engine would
+// refuse as a value (admission.ValidValue) is taken in its escaped form, and one too long for a
 // descriptor is cut, with a hash of the whole path appended, so a client's
 // odd path never turns into a 400 from the limiter.
 func DefaultRoute(r *http.Request) string {
@@ -195,7 +195,7 @@ func DefaultRoute(r *http.Request) string {
 		method = http.MethodGet
 	}
 	path := r.URL.Path
-	if !printable(path) {
+	if !admission.ValidValue(path) {
 		path = r.URL.EscapedPath()
 	}
 	label := method + " " + path
@@ -209,16 +209,6 @@ func DefaultRoute(r *http.Request) string {
 		cut--
 	}
 	return label[:cut] + "#" + strconv.FormatUint(h.Sum64()|1<<63, 16)
-}
-
-// printable reports whether s is valid UTF-8 without control characters.
-func printable(s string) bool {
-	for _, c := range s {
-		if c < 0x20 || c == 0x7f || c == utf8.RuneError || (c >= 0x80 && c < 0xa0) {
-			return false
-		}
-	}
-	return true
 }
 
 func remoteHost(r *http.Request) string {
