@@ -147,20 +147,7 @@ func TestCtlAgainstAllocator(t *testing.T) {
 // version comes back as a new, higher one with the same rules.
 func TestCtlRollback(t *testing.T) {
 	addr := startNode(t)
-	dir := t.TempDir()
-	northstar := filepath.Join(dir, "northstar.yaml")
-	tighter := filepath.Join(dir, "tighter.yaml")
-	if err := os.WriteFile(northstar, examples.Northstar, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(tighter, bytes.Replace(examples.Northstar, []byte("limit: 1000\n"), []byte("limit: 800\n"), 1), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range []string{northstar, tighter} {
-		if out, err := runCtl(t, addr, "policy", "publish", f, "-author", "alice", "-reason", "plan"); err != nil {
-			t.Fatalf("publish %s: %v\n%s", f, err, out)
-		}
-	}
+	dir := publishTwoVersions(t, addr)
 	old, err := runCtl(t, addr, "policy", "get", "-version", "1")
 	if err != nil {
 		t.Fatalf("get version 1: %v\n%s", err, old)
@@ -173,7 +160,7 @@ func TestCtlRollback(t *testing.T) {
 	if err != nil || !strings.Contains(out, "published version 3") {
 		t.Fatalf("publish the saved version 1: %v\n%s", err, out)
 	}
-	out, err = runCtl(t, addr, "policy", "diff", northstar)
+	out, err = runCtl(t, addr, "policy", "diff", filepath.Join(dir, "northstar.yaml"))
 	if err != nil || !strings.Contains(out, "no changes against version 3") {
 		t.Fatalf("version 3 against version 1's file: %v\n%s", err, out)
 	}
@@ -360,20 +347,7 @@ func TestCtlRefusesUnexpectedArguments(t *testing.T) {
 // `policy get -version N` does, not the current one.
 func TestCtlPolicyGetVersionArgument(t *testing.T) {
 	addr := startNode(t)
-	dir := t.TempDir()
-	northstar := filepath.Join(dir, "northstar.yaml")
-	tighter := filepath.Join(dir, "tighter.yaml")
-	if err := os.WriteFile(northstar, examples.Northstar, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(tighter, bytes.Replace(examples.Northstar, []byte("limit: 1000\n"), []byte("limit: 800\n"), 1), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range []string{northstar, tighter} {
-		if out, err := runCtl(t, addr, "policy", "publish", f, "-author", "alice", "-reason", "plan"); err != nil {
-			t.Fatalf("publish %s: %v\n%s", f, err, out)
-		}
-	}
+	publishTwoVersions(t, addr)
 	for _, args := range [][]string{{"policy", "get", "1"}, {"policy", "get", "-version", "1"}} {
 		out, err := runCtl(t, addr, args...)
 		if err != nil || !strings.Contains(out, "# version 1 by alice") {
@@ -425,4 +399,26 @@ func TestCtlHelp(t *testing.T) {
 			t.Errorf("%v: %v, want flag.ErrHelp and the usage (output %q)", args, err, errOut.String())
 		}
 	}
+}
+
+// publishTwoVersions publishes Northstar (version 1) and a copy with Atlas's
+// limit lowered to 800 (version 2) from files in a temporary directory,
+// which it returns (northstar.yaml, tighter.yaml).
+func publishTwoVersions(t *testing.T, addr string) string {
+	t.Helper()
+	dir := t.TempDir()
+	northstar := filepath.Join(dir, "northstar.yaml")
+	tighter := filepath.Join(dir, "tighter.yaml")
+	if err := os.WriteFile(northstar, examples.Northstar, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(tighter, bytes.Replace(examples.Northstar, []byte("limit: 1000\n"), []byte("limit: 800\n"), 1), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []string{northstar, tighter} {
+		if out, err := runCtl(t, addr, "policy", "publish", f, "-author", "alice", "-reason", "plan"); err != nil {
+			t.Fatalf("publish %s: %v\n%s", f, err, out)
+		}
+	}
+	return dir
 }
