@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
+	"github.com/allot-dev/allot/fsm"
 	"github.com/allot-dev/allot/pkg/admission"
 	"github.com/allot-dev/allot/pkg/allocator"
 	"github.com/allot-dev/allot/pkg/policy"
@@ -146,8 +147,10 @@ type LeaseConfig struct {
 	// DemandHalfLife is the half-life of the demand estimate (tokens per
 	// second consumed plus requests starved for lack of tokens, by cost).
 	DemandHalfLife time.Duration
-	// MaxWantsPerCall is the most quotas one Acquire carries (the
-	// allocator's limit); more quotas due in one tick take more calls.
+	// MaxWantsPerCall is the most quotas one Acquire carries, at most
+	// fsm.MaxWants (the allocator's own limit may be lower: a call it
+	// refuses as too large is split, and later calls carry what it takes);
+	// more quotas due in one tick take more calls.
 	MaxWantsPerCall int
 	// StoreParallelism is how many store calls (pool reads, deposits) the
 	// manager runs at once.
@@ -314,8 +317,8 @@ func (c LeaseConfig) Validate() error {
 	if c.DemandHalfLife <= 0 {
 		bad("DemandHalfLife must be positive, got %s", c.DemandHalfLife)
 	}
-	if c.MaxWantsPerCall < 1 {
-		bad("MaxWantsPerCall must be at least 1, got %d", c.MaxWantsPerCall)
+	if c.MaxWantsPerCall < 1 || c.MaxWantsPerCall > fsm.MaxWants {
+		bad("MaxWantsPerCall must be in [1, %d] (no allocator takes more), got %d", fsm.MaxWants, c.MaxWantsPerCall)
 	}
 	if c.StoreParallelism < 1 || c.StoreParallelism > 1024 {
 		bad("StoreParallelism must be in [1, 1024], got %d", c.StoreParallelism)

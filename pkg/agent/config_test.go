@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/allot-dev/allot/fsm"
 	"github.com/allot-dev/allot/internal/redistest"
 	"github.com/allot-dev/allot/pkg/admission"
 	"github.com/allot-dev/allot/pkg/agent"
@@ -46,6 +47,8 @@ func TestConfigValidate(t *testing.T) {
 		{"deposit timeout", func(c *agent.Config) { c.Lease.DepositTimeout = 0 }, "DepositTimeout"},
 		{"idle poll", func(c *agent.Config) { c.Lease.IdlePoll = time.Millisecond }, "IdlePoll"},
 		{"wants per call", func(c *agent.Config) { c.Lease.MaxWantsPerCall = 0 }, "MaxWantsPerCall"},
+		// More than any allocator takes: every call would be refused.
+		{"wants per call over the allocator's", func(c *agent.Config) { c.Lease.MaxWantsPerCall = fsm.MaxWants + 1 }, "MaxWantsPerCall"},
 		{"request bytes", func(c *agent.Config) { c.MaxRequestBytes = 10 }, "MaxRequestBytes"},
 		{"starve wait", func(c *agent.Config) { c.StarveWait = time.Hour }, "StarveWait"},
 		{"sample", func(c *agent.Config) { c.DecisionLogSample = 2 }, "DecisionLogSample"},

@@ -21,7 +21,8 @@
 //     Config.Lease.DemandHalfLife). A pool under its low watermark (demand x
 //     Lead) is renewed; all the pools due in one tick go in ONE batched
 //     Acquire (more only beyond Config.Lease.MaxWantsPerCall, 16,384 by
-//     default as the allocator's limit per call), each asking
+//     default as the allocator's limit per call, or beyond a lower limit
+//     the allocator refuses a call for), each asking
 //     lease.Sizing.Chunk(demand) tokens, at most the policy's chunk. A pool
 //     whose grants live briefly (a TTL of a few Leads) renews with a
 //     shorter lead (lease.LeadWithin), so it never holds more than it can
@@ -43,7 +44,11 @@
 //     answer is retried with the SAME request id (the allocator replays it),
 //     and its deadlines still count from the first send; the client follows
 //     the allocator leader's hints. A grant that arrives too late to be worth
-//     depositing, or cannot be deposited, is released back. Rounds run once
+//     depositing, or whose deposit certainly never reached the store, is
+//     released back. A deposit that may have reached it (a timeout) is
+//     never sent again, since a late copy would count its TTL from its
+//     arrival: the grant is withdrawn with a tombstone, and only what is
+//     certainly out of the store is released. Rounds run once
 //     per Config.Lease.Tick and no more often, whatever the number of
 //     quotas; a request starved for lack of tokens marks its pool for the
 //     next round. Pools are not asked for in the last moments of a window

@@ -105,7 +105,7 @@ func TestSlowAllocatorWaitIsBounded(t *testing.T) {
 // back while they can still be spent in the store: it withdraws the grant
 // first (tombstoning it, so a late deposit adds nothing) and returns only
 // what is certainly out of the store. Redis is paused for writes right after
-// the grant, longer than both deposit attempts wait.
+// the grant, longer than a deposit attempt waits.
 func TestUnsureDepositIsNotHandedBackTwice(t *testing.T) {
 	rdb := sharedRedis(t)
 	fa := startFakeAllocator(t)
@@ -133,7 +133,7 @@ func TestUnsureDepositIsNotHandedBackTwice(t *testing.T) {
 	})
 	cfg := testConfig("eu", fa.addr)
 	cfg.StarveWait = 200 * time.Millisecond
-	cfg.Lease.DepositTimeout = 50 * time.Millisecond // both attempts end inside the pause
+	cfg.Lease.DepositTimeout = 50 * time.Millisecond // the attempt ends inside the pause
 	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()

@@ -38,7 +38,9 @@ const (
 	// was not made).
 	LeaseFailed = "failed"
 	// LeaseUnknown: no answer; the allocator may or may not have applied the
-	// call. The agent retries an Acquire with the same request id.
+	// call. The agent retries an Acquire with the same request id. (A
+	// deposit: an attempt may have reached the store, and withdrawing it
+	// failed.)
 	LeaseUnknown = "unknown"
 )
 
@@ -50,8 +52,8 @@ const (
 type LeaseEvent struct {
 	// Kind is one of the LeaseEvent* kinds.
 	Kind string `json:"kind"`
-	// At is when the event completed: the answer (or failure) of a call,
-	// the return of a deposit.
+	// At is when the event completed: the answer (or failure) of a call;
+	// for a deposit, see TTLMs.
 	At int64 `json:"at"`
 	// Sent is when this attempt, deposit or Release started.
 	Sent int64 `json:"sent,omitempty"`
@@ -85,8 +87,14 @@ type LeaseEvent struct {
 	// Deadline is a deposited grant's deadline by the send-time rule
 	// (lease.Deadline from FirstSent, minus the margin), on the agent's clock.
 	Deadline int64 `json:"deadline,omitempty"`
-	// TTLMs is the relative TTL the deposit gave the store: the chunk
-	// expires at most TTLMs after At by the store's clock.
+	// TTLMs and At bound a deposit's chunk in the store by the store's
+	// clock. Outcome ok: the relative TTL the deposit gave the store, whose
+	// answer came back at At (within the deposit's bound), so the chunk
+	// expires at most TTLMs after At. Outcome failed: TTLMs is 0 and nothing
+	// of the grant is spendable in the store after At (no attempt reached
+	// the store, or the agent withdrew the grant, returning at At). Outcome
+	// unknown: the TTL of an attempt that may still land and count it from
+	// its arrival, so At + TTLMs bounds nothing.
 	TTLMs int64 `json:"ttl_ms,omitempty"`
 	// Returned is what a Release returned to the pool.
 	Returned int64 `json:"returned,omitempty"`
@@ -205,20 +213,28 @@ func refused(err error) bool {
 	return false
 }
 
-// depositTrace keeps, over a deposit's attempts, the first send and the
-// attempt whose end plus TTL is latest: any attempt may have reached the
-// store (the first wins), so that is the bound of the chunk's store expiry.
+// depositTrace keeps what a grant's deposit attempts tell of its chunk in
+// the store: the first send, the last attempt's end, and the attempt that
+// may have reached the store, if any (every attempt but the last was
+// Unsent: no attempt follows one that may have reached the store).
 type depositTrace struct {
 	sent, end time.Time
-	ttl       time.Duration
+	// reached: an attempt may have reached the store; landedSent and ttl
+	// are its send and the TTL it gave.
+	reached    bool
+	landedSent time.Time
+	ttl        time.Duration
 }
 
-func (d *depositTrace) attempt(sent, end time.Time, ttl time.Duration) {
+// attempt records an attempt sent at sent, ended at end, with ttl; reached
+// is false when it certainly never reached the store.
+func (d *depositTrace) attempt(sent, end time.Time, ttl time.Duration, reached bool) {
 	if d.sent.IsZero() {
 		d.sent = sent
 	}
-	if d.end.IsZero() || end.Add(ttl).After(d.end.Add(d.ttl)) {
-		d.end, d.ttl = end, ttl
+	d.end = end
+	if reached {
+		d.reached, d.landedSent, d.ttl = true, sent, ttl
 	}
 }
 
@@ -252,15 +268,24 @@ func (l *leases) journalAcquire(c *acquireCall, sent, at time.Time, resp *allotv
 	l.journal(ev)
 }
 
-// journalDeposit reports a grant's deposit (err: it failed).
-func (l *leases) journalDeposit(g *allotv1.Grant, deadline time.Time, d depositTrace, err error) {
+// journalDeposit reports a grant's deposit: made (err nil), or failed, out
+// telling whether nothing of it is spendable in the store after at (see
+// LeaseEvent.TTLMs).
+func (l *leases) journalDeposit(g *allotv1.Grant, deadline time.Time, d depositTrace, err error, out bool, at time.Time) {
 	if l.journal == nil {
 		return
 	}
 	ev := LeaseEvent{Kind: LeaseEventDeposit, At: d.end.UnixNano(), Sent: d.sent.UnixNano(), Region: l.region, Outcome: LeaseOK,
 		Quota: g.Quota, GrantID: g.GrantId, Tokens: g.Tokens, ExpiresMs: g.ExpiresUnixMs, Deadline: deadline.UnixNano(), TTLMs: d.ttl.Milliseconds()}
-	if err != nil {
-		ev.Outcome, ev.Err = LeaseFailed, err.Error()
+	if d.sent.IsZero() { // no attempt: the lease ended too soon
+		ev.At, ev.Sent = at.UnixNano(), 0
+	}
+	switch {
+	case err == nil:
+	case out:
+		ev.Outcome, ev.Err, ev.At, ev.TTLMs = LeaseFailed, err.Error(), at.UnixNano(), 0
+	default:
+		ev.Outcome, ev.Err = LeaseUnknown, err.Error()
 	}
 	l.journal(ev)
 }

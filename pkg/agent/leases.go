@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"connectrpc.com/connect"
 	"go.uber.org/zap"
 	"golang.org/x/sync/errgroup"
 
@@ -190,6 +191,10 @@ type leases struct {
 	storeDelay time.Duration
 	acquireRTT time.Duration
 	offsetMs   int64 // leader wall clock minus ours (scheduling only)
+	// maxWants is the most wants one Acquire carries: MaxWantsPerCall,
+	// lowered to what the allocator takes when it refuses a call as too
+	// large (see failed).
+	maxWants   int
 	shutdownIn time.Duration
 	journal    LeaseObserver // nil: no lease journal
 }
@@ -200,7 +205,7 @@ func newLeases(cfg LeaseConfig, region string, client *allocator.Client, clock a
 		cfg: cfg, region: region, client: client, clock: clock, log: log.Named("leases"), m: m, id: id, wd: wd,
 		shutdownIn: shutdownIn,
 		quotas:     map[string]*quota{}, templates: map[string]*template{}, cutOff: client == nil,
-		storeDelay: cfg.MinStoreDelay, acquireRTT: 10 * time.Millisecond,
+		storeDelay: cfg.MinStoreDelay, acquireRTT: 10 * time.Millisecond, maxWants: max(cfg.MaxWantsPerCall, 1),
 	}
 }
 
@@ -551,7 +556,7 @@ func (l *leases) Tick(ctx context.Context) {
 		slices.SortFunc(wants, func(a, b *allotv1.Want) int { return compareStrings(a.Quota, b.Quota) })
 		for i := 0; i < len(wants); {
 			n, size := 0, 0
-			for i+n < len(wants) && n < l.cfg.MaxWantsPerCall && (n == 0 || size+wantBytes(wants[i+n].Quota) <= maxAcquireBytes) {
+			for i+n < len(wants) && n < l.maxWants && (n == 0 || size+wantBytes(wants[i+n].Quota) <= maxAcquireBytes) {
 				size += wantBytes(wants[i+n].Quota)
 				n++
 			}
@@ -884,33 +889,42 @@ func (l *leases) depositFallback(ctx context.Context, eng *admission.Engine, q *
 	// The metric is labelled with the rule: a template's name for its
 	// instances, so the labels stay bounded.
 	name, rule, tokens := q.name, q.spec.Name, q.spec.FallbackPerRegion
+	bound := l.depositBound()
 	l.mu.Unlock()
 	// As a grant's deposit (see grant): bounded by depositBound, and the
-	// TTL counted from the send minus that bound, so a deposit that
-	// succeeds expires by the deadline however slow the store was; one
-	// that may still land late (a timeout) is withdrawn with a tombstone,
-	// so this window's allowance cannot spill into the next one (the
-	// tombstone also voids this window's later attempts: the region goes
-	// without its allowance, the safe side).
-	bound := l.depositBound()
-	ttl := lease.RedisTTL(deadline, l.clock.Now(), bound)
+	// TTL counted from the send minus that bound, so a deposit answered
+	// within it expires by the deadline however slow the store was; one
+	// that may land late (a timeout, or an answer past the bound) is
+	// withdrawn with a tombstone, so this window's allowance cannot spill
+	// into the next one (the tombstone also voids this window's later
+	// attempts: the region goes without its allowance, the safe side).
+	sent := l.clock.Now()
+	ttl := lease.RedisTTL(deadline, sent, bound)
 	if ttl < l.cfg.MinUsefulTTL {
 		return
 	}
 	id := "fb-" + l.region + "-" + strconv.FormatInt(idx, 10)
 	dctx, cancel := context.WithTimeout(ctx, bound)
-	_, err := eng.DepositChunk(dctx, name, id, tokens, ttl)
+	added, err := eng.DepositChunk(dctx, name, id, tokens, ttl)
 	cancel()
+	done := l.clock.Now()
+	if err == nil && done.Sub(sent) > bound {
+		err = fmt.Errorf("deposit of %s answered after %s, beyond its bound %s: %w", id, done.Sub(sent), bound, errUnsureDeposit)
+	}
 	if err != nil {
 		l.storeError("deposit", err)
 		if !admission.Unsent(err) {
-			l.unsureDeposit(ctx, eng, &allotv1.Grant{Quota: name, GrantId: id, Tokens: tokens}, deadline, true)
+			var d depositTrace
+			d.attempt(sent, done, ttl, true)
+			l.unsureDeposit(ctx, eng, &allotv1.Grant{Quota: name, GrantId: id, Tokens: tokens}, deadline, d)
 		}
 		return
 	}
-	l.m.fallbackDep.WithLabelValues(rule).Inc()
-	l.log.Warn("allocator unreachable: fallback allowance deposited", zap.String("quota", name), zap.Int64("tokens", tokens),
-		zap.Duration("ttl", ttl))
+	if added {
+		l.m.fallbackDep.WithLabelValues(rule).Inc()
+		l.log.Warn("allocator unreachable: fallback allowance deposited", zap.String("quota", name), zap.Int64("tokens", tokens),
+			zap.Duration("ttl", ttl))
+	} // else the region's allowance for the window is in the store (another agent's), or tombstoned
 	l.mu.Lock()
 	q.hasFallback, q.fallbackIdx = true, idx
 	q.changed()
@@ -936,11 +950,34 @@ func (l *leases) send(ctx context.Context, eng *admission.Engine, calls []*acqui
 
 var wantIndex = regexp.MustCompile(`wants\[(\d+)\]`)
 
+// tooManyWants matches the allocator's refusal of an Acquire that carries
+// more wants than it takes, and captures its maximum: the server's check
+// ("wants: 3 exceeds the maximum of 2 per call") and the state machine's
+// ("wants: 3 entries, want 1 to 2").
+var tooManyWants = regexp.MustCompile(`wants: \d+ (?:exceeds the maximum of|entries, want 1 to) (\d+)`)
+
+// wantsLimit returns how many wants the calls after c, refused with err,
+// should carry at most, when err refuses c for carrying too many: the
+// maximum the refusal names, or half of c's wants when it names none that
+// helps.
+func wantsLimit(c *acquireCall, err error) (int, bool) {
+	n := len(c.req.Wants)
+	m := tooManyWants.FindStringSubmatch(err.Error())
+	if m == nil || n < 2 || connect.CodeOf(err) != connect.CodeInvalidArgument {
+		return 0, false
+	}
+	if lim, perr := strconv.Atoi(m[1]); perr == nil && lim >= 1 && lim < n {
+		return lim, true
+	}
+	return n / 2, true
+}
+
 // do sends one Acquire (or its retry) and deposits what it grants.
 func (l *leases) do(ctx context.Context, eng *admission.Engine, c *acquireCall) {
 	cctx, cancel := context.WithTimeout(ctx, l.cfg.AcquireTimeout)
 	t0 := l.clock.Now()
-	if c.sentAt.IsZero() {
+	first := c.sentAt.IsZero()
+	if first {
 		c.sentAt = t0 // read BEFORE the first send: deadlines count from it
 	}
 	if ce := l.log.Check(zap.DebugLevel, "acquire"); ce != nil {
@@ -972,9 +1009,18 @@ func (l *leases) do(ctx context.Context, eng *admission.Engine, c *acquireCall) 
 	l.mu.Lock()
 	l.cutOff = false
 	l.m.cutOff.Set(0)
-	l.acquireRTT = time.Duration(0.8*float64(l.acquireRTT) + 0.2*float64(rtt))
-	mid := t0.UnixMilli() + rtt.Milliseconds()/2
-	l.offsetMs = resp.LeaderNowUnixMs - mid
+	// Only a fresh answer to a first send measures the round trip and the
+	// leader's clock. A retry's answer is the recorded result of an earlier
+	// attempt (same request id), stamped with the leader's clock when that
+	// attempt committed: measured against this attempt's send, it would make
+	// the leader look as far behind as the answer was late, and the
+	// fallback allowances and window-turn estimates scheduled from the
+	// offset would run past the real window's end by as much.
+	if first && !resp.Replayed {
+		l.acquireRTT = time.Duration(0.8*float64(l.acquireRTT) + 0.2*float64(rtt))
+		mid := t0.UnixMilli() + rtt.Milliseconds()/2
+		l.offsetMs = resp.LeaderNowUnixMs - mid
+	}
 	l.mu.Unlock()
 	// Deposit concurrently: the store's auto-batcher pipelines them.
 	if len(resp.Grants) == 1 {
@@ -1003,8 +1049,29 @@ func (l *leases) failed(ctx context.Context, c *acquireCall, err error, now time
 		// allocator refuses a new instance of a template that has too many
 		// with ResourceExhausted, naming its want.)
 		l.m.renewFail.WithLabelValues("refused").Inc()
-		l.log.Warn("allocator refused Acquire", zap.String("request_id", c.req.RequestId), zap.Error(err))
 		l.mu.Lock()
+		if lim, ok := wantsLimit(c, err); ok {
+			// Refused for its size, not for any of its quotas: the
+			// allocator takes fewer wants per call than MaxWantsPerCall.
+			// Quarantining the quotas would only rebuild the same call
+			// after QuarantineTime, for good: the next round asks for
+			// them again in calls the allocator takes.
+			l.maxWants = min(l.maxWants, lim)
+			l.log.Warn("allocator refused an Acquire as too large: later calls carry fewer wants",
+				zap.String("request_id", c.req.RequestId), zap.Int("wants", len(c.req.Wants)), zap.Int("max_wants", l.maxWants), zap.Error(err))
+			for _, w := range c.req.Wants {
+				if q := l.quotas[w.Quota]; q != nil {
+					q.inflight = false
+					q.kicked, q.starving = true, true // ask at the next round, as if starved
+					if w.NextWindow {
+						q.pregranted = 0 // nothing was granted: ask again
+					}
+				}
+			}
+			l.mu.Unlock()
+			return
+		}
+		l.log.Warn("allocator refused Acquire", zap.String("request_id", c.req.RequestId), zap.Error(err))
 		quarantine := now.Add(l.cfg.QuarantineTime)
 		if m := wantIndex.FindStringSubmatch(err.Error()); m != nil {
 			if i, perr := strconv.Atoi(m[1]); perr == nil && i < len(c.req.Wants) {
@@ -1192,16 +1259,25 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 		l.m.renewFail.WithLabelValues("too_late").Inc()
 		l.handBack(ctx, g.Quota, g.GrantId, g.Tokens, q)
 	} else {
-		var err error
-		var dep depositTrace
-		var storeOpens time.Time // by when, at the latest, the store opens a pre-grant
-		unsure := false          // an attempt may have reached the store
+		var (
+			err        error
+			added      bool
+			dep        depositTrace
+			storeOpens time.Time // by when, at the latest, the store opens a pre-grant
+		)
+		// A second attempt follows only one that certainly never reached
+		// the store (admission.Unsent). One that may have (a timeout: the
+		// engine's batcher still sends what it queued) is never followed by
+		// another: the store keeps whichever copy lands first and counts
+		// its TTL from that copy's arrival, and a late copy arrives after
+		// the bound its TTL allowed for, so it would outlive the lease.
+		// Such a deposit is settled by unsureDeposit instead.
 		for attempt := 0; attempt < 2; attempt++ {
 			// The TTL counts from this send: time spent since the
 			// deadline was computed (the lock, an exhausted mark, a
 			// failed attempt) must not push the store's expiry past it.
-			// A deposit is bounded by its own timeout, and one that
-			// succeeds ran in Redis within it: counting the TTL from the
+			// A deposit is bounded by its own timeout, and one answered
+			// within it ran in Redis within it: counting the TTL from the
 			// send minus that bound keeps the store's expiry at or before
 			// the deadline however slow this call was (the measured store
 			// delay alone is an average a loaded call can exceed).
@@ -1221,25 +1297,36 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 					err = fmt.Errorf("pre-grant %s opens after its deadline: %w", g.GrantId, errTooLate)
 					break
 				}
-				_, err = eng.DepositPregrant(dctx, g.Quota, g.GrantId, g.Tokens, start, ttl)
+				added, err = eng.DepositPregrant(dctx, g.Quota, g.GrantId, g.Tokens, start, ttl)
 			} else {
-				_, err = eng.DepositChunk(dctx, g.Quota, g.GrantId, g.Tokens, ttl)
+				added, err = eng.DepositChunk(dctx, g.Quota, g.GrantId, g.Tokens, ttl)
 			}
 			cancel()
 			done := l.clock.Now()
-			dep.attempt(dsent, done, ttl)
 			// The store counts the start from the deposit's arrival, at
 			// the latest when its answer came back, in whole milliseconds
 			// (the start rounded up, and a decision's clock truncated to
 			// the millisecond may read up to 1 ms behind).
 			storeOpens = opens.Add(done.Sub(dsent) + 2*time.Millisecond)
-			unsure = unsure || (err != nil && !admission.Unsent(err))
-			if err == nil { // ctx cannot end here: it is WithoutCancel
-				break
+			if admission.Unsent(err) {
+				dep.attempt(dsent, done, ttl, false)
+				continue // it had no effect: try once more
 			}
-			now = l.clock.Now()
+			dep.attempt(dsent, done, ttl, true)
+			// The expiry is within the deadline only if the deposit ran
+			// within the bound of its send, by this attempt's TTL.
+			switch {
+			case err != nil: // ctx cannot end here: it is WithoutCancel
+				// No answer: it may still land, late.
+			case done.Sub(dsent) > depositBound:
+				err = fmt.Errorf("deposit of %s answered after %s, beyond its bound %s: %w", g.GrantId, done.Sub(dsent), depositBound, errUnsureDeposit)
+			case !added:
+				// The store holds the grant already, with an expiry this
+				// call did not set (no attempt of it came before).
+				err = fmt.Errorf("deposit of %s: the store holds the grant already: %w", g.GrantId, errUnsureDeposit)
+			}
+			break
 		}
-		l.journalDeposit(g, deadline, dep, err)
 		if err != nil {
 			if errors.Is(err, errTooLate) {
 				l.m.renewFail.WithLabelValues("too_late").Inc()
@@ -1247,10 +1334,13 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 				l.storeError("deposit", err)
 				l.m.renewFail.WithLabelValues("deposit").Inc()
 			}
-			if n := l.unsureDeposit(ctx, eng, g, deadline, unsure); n > 0 {
-				l.handBack(ctx, g.Quota, g.GrantId, n, q)
+			back, out, at := l.unsureDeposit(ctx, eng, g, deadline, dep)
+			l.journalDeposit(g, deadline, dep, err, out, at)
+			if back > 0 {
+				l.handBack(ctx, g.Quota, g.GrantId, back, q)
 			}
 		} else {
+			l.journalDeposit(g, deadline, dep, nil, false, time.Time{})
 			l.mu.Lock()
 			q.grants[g.GrantId] = held{tokens: g.Tokens, deadline: deadline}
 			q.deposits++
@@ -1291,40 +1381,74 @@ func (l *leases) depositBound() time.Duration {
 	return max(4*l.storeDelay, l.cfg.DepositTimeout)
 }
 
-// unsureDeposit returns how many of g's tokens certainly are not, and never
-// will be, spendable in the store after a deposit of g failed, so they may be
-// handed back. A deposit no attempt of which reached the store left all of
-// them out. One that may have (unsure: a timeout) is settled by withdrawing
-// g, which also tombstones it so a deposit still on its way adds nothing:
-// the tokens g still held, or all of them when it never landed. When that
-// fails too the tokens stay where they are, unreturned (stranded until the
-// lease ends, never spent twice).
-func (l *leases) unsureDeposit(ctx context.Context, eng *admission.Engine, g *allotv1.Grant, deadline time.Time, unsure bool) int64 {
-	if !unsure {
-		return g.Tokens
+// unsureDeposit settles a deposit of g that failed, as its attempts in d
+// tell. It returns how many of g's tokens certainly are not, and never will
+// be, spendable in the store, so they may be handed back; whether nothing of
+// g is spendable in the store after at (out); and at.
+//
+// A deposit no attempt of which reached the store (every one Unsent) left
+// all of them out. One that may have (a timeout; an answer later than the
+// deposit's bound; a grant the store held already) is withdrawn, which
+// also tombstones g until a second after its deadline, so a copy still on
+// its way adds nothing. The withdrawal returns the tokens g still held;
+// when the store does not hold g at all, g either never landed or landed,
+// was spent from, expired and was pruned: its tokens are handed back only
+// when the withdrawal ran before the earliest instant at which a copy that
+// landed could have expired (a copy expires its TTL after its arrival, and
+// arrives after its send), otherwise they stay granted, unreturned:
+// stranded capacity, never spent twice.
+//
+// When the withdrawal fails too (or the pool left the policy, whose keys a
+// later policy may read again), nothing is handed back and out is false:
+// the outcome is unknown. A copy still on its way may then land later, and
+// count its TTL from its arrival: it stays spendable past the lease's
+// deadline by as long as it was late. So may a copy arriving after the
+// tombstone ended, more than a second past the deadline. The agent cannot
+// bound that: deposits carry a relative TTL, and it has no reading of the
+// store's clock to cap the expiry with.
+func (l *leases) unsureDeposit(ctx context.Context, eng *admission.Engine, g *allotv1.Grant, deadline time.Time, d depositTrace) (back int64, out bool, at time.Time) {
+	if !d.reached {
+		return g.Tokens, true, l.clock.Now()
 	}
 	z, h, err := eng.PoolKeys(g.Quota)
-	if err != nil { // the pool left the policy: nothing can spend it
-		return g.Tokens
+	if err == nil && !l.wd.enabled() {
+		err = errNoWithdraw
 	}
-	// The tombstone outlasts the lease: a deposit arriving later than that
-	// would break its lease anyway.
-	tomb := deadline.Sub(l.clock.Now()) + time.Second
+	if err != nil {
+		l.m.renewFail.WithLabelValues("deposit_unknown").Inc()
+		l.log.Warn("deposit outcome unknown and not withdrawable: its tokens stay leased, unreturned",
+			zap.String("quota", g.Quota), zap.String("grant", g.GrantId), zap.Int64("tokens", g.Tokens), zap.Error(err))
+		return 0, false, d.end
+	}
+	// The tombstone outlasts the lease by a second (and is never skipped,
+	// even past the deadline).
+	tomb := max(deadline.Sub(l.clock.Now()), 0) + time.Second
 	wctx, cancel := context.WithTimeout(ctx, l.cfg.AcquireTimeout)
 	defer cancel()
 	toks, err := l.wd.withdraw(wctx, g.Quota, z, h, []string{g.GrantId}, tomb)
+	wend := l.clock.Now()
 	if err != nil {
 		l.storeError("withdraw", err)
 		l.m.renewFail.WithLabelValues("deposit_unknown").Inc()
-		l.log.Warn("deposit outcome unknown: its tokens stay leased, unreturned, until the lease ends",
+		l.log.Warn("deposit outcome unknown: its tokens stay leased, unreturned, and a late copy may outlive the lease",
 			zap.String("quota", g.Quota), zap.String("grant", g.GrantId), zap.Int64("tokens", g.Tokens), zap.Error(err))
-		return 0
+		return 0, false, d.end
 	}
-	if toks[0] < 0 {
-		return g.Tokens
+	if toks[0] >= 0 {
+		return toks[0], true, wend
 	}
-	return toks[0]
+	// Not in the store. A copy that landed expires no sooner than its TTL
+	// after its send, by the store's clock: less a slack for the store's
+	// milliseconds and for the two clocks' rates.
+	if wend.Before(d.landedSent.Add(d.ttl - d.ttl/100 - 2*time.Millisecond)) {
+		return g.Tokens, true, wend // it never landed, and the tombstone keeps it out
+	}
+	return 0, true, wend
 }
+
+// errUnsureDeposit: a deposit was answered, but not in a way that bounds its
+// chunk's expiry by the lease (see unsureDeposit).
+var errUnsureDeposit = errors.New("deposit outcome unsure")
 
 // markExhausted tells the store the pool is exhausted until the window's
 // end, so requests it cannot serve get Retry-After to the window's end.

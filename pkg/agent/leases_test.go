@@ -135,10 +135,16 @@ func TestDepositNeverOutlivesTheLease(t *testing.T) {
 	rdb, fa, doc, cfg := quotasAgent(t, "10", "2s")
 	cfg.Lease.Margin = 300 * time.Millisecond
 	cfg.StarveWait = 0
-	// Delay every answer: the deadline must count from the send, not the reply.
+	// Delay every answer: the deadline must count from the send, not the
+	// reply. The delay must exceed the deposit's bound, which the TTL
+	// leaves unused: a deadline counted from the reply would otherwise
+	// still fit (the store delay measured on this machine is ~1 ms, so
+	// the bound is DepositTimeout).
+	cfg.Lease.DepositTimeout = 200 * time.Millisecond
+	const answerDelay = 600 * time.Millisecond
 	fa.setHook(func(ctx context.Context, _ *allotv1.AcquireRequest, commit func() (*allotv1.AcquireResponse, error)) (*allotv1.AcquireResponse, error) {
 		resp, err := commit()
-		time.Sleep(150 * time.Millisecond)
+		time.Sleep(answerDelay)
 		return resp, err
 	})
 	a := newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1))

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -70,6 +71,13 @@ type withdrawer struct {
 func newWithdrawer(rdb redis.UniversalClient, namespace string) *withdrawer {
 	return &withdrawer{rdb: rdb, script: redis.NewScript(withdrawScript), ns: namespace}
 }
+
+// errNoWithdraw: the agent has no Redis client to withdraw with.
+var errNoWithdraw = errors.New("no Redis client to withdraw with")
+
+// enabled reports whether w withdraws: without a Redis client, withdraw
+// takes nothing out and reports every grant as holding 0 tokens.
+func (w *withdrawer) enabled() bool { return w != nil && w.rdb != nil }
 
 // withdraw takes grants out of the pool named name, whose keys z and h
 // the engine gives (admission.Engine.PoolKeys: the layout lives there), and
