@@ -55,23 +55,43 @@ func TestBatchAppliesEachCommandOnItsOwn(t *testing.T) {
 }
 
 func TestBatchDecodeRejectsNesting(t *testing.T) {
+	enc := func(c Command) []byte {
+		b, err := Encode(c)
+		if err != nil {
+			t.Fatalf("Encode: %v", err)
+		}
+		return b
+	}
+	// releases returns n valid Release sub-commands, so that only the
+	// batch's size can make Decode refuse them.
+	releases := func(n int) []Command {
+		cmds := make([]Command, n)
+		for i := range cmds {
+			cmds[i] = Command{Type: CmdRelease, Release: &Release{Region: "eu", GrantID: grantID(1, i), Tokens: 1}}
+		}
+		return cmds
+	}
+	// The limit itself is accepted: the cases below fail for the reason
+	// they name.
+	if c, err := Decode(enc(Command{Type: CmdBatch, Batch: releases(MaxBatch)})); err != nil || len(c.Batch) != MaxBatch {
+		t.Fatalf("a batch of MaxBatch releases: %d commands, %v", len(c.Batch), err)
+	}
 	tests := []struct {
 		name string
-		give Command
+		give []byte
 	}{
-		{"empty", Command{Type: CmdBatch, Batch: []Command{}}},
-		{"publish inside", Command{Type: CmdBatch, Batch: []Command{{Type: CmdPublishPolicy, Publish: &Publish{}}}}},
-		{"batch inside", Command{Type: CmdBatch, Batch: []Command{{Type: CmdBatch, Batch: []Command{{Type: CmdRelease, Release: &Release{}}}}}}},
-		{"mismatched payload", Command{Type: CmdBatch, Batch: []Command{{Type: CmdAcquire, Release: &Release{}}}}},
-		{"too many", Command{Type: CmdBatch, Batch: make([]Command, MaxBatch+1)}},
+		// Encode leaves an empty Batch out (omitempty): write the bytes.
+		{"empty", append([]byte{FormatV1}, `{"type":5,"batch":[]}`...)},
+		{"null", append([]byte{FormatV1}, `{"type":5,"batch":null}`...)},
+		{"missing", append([]byte{FormatV1}, `{"type":5}`...)},
+		{"publish inside", enc(Command{Type: CmdBatch, Batch: []Command{{Type: CmdPublishPolicy, Publish: &Publish{}}}})},
+		{"batch inside", enc(Command{Type: CmdBatch, Batch: []Command{{Type: CmdBatch, Batch: []Command{{Type: CmdRelease, Release: &Release{}}}}}})},
+		{"mismatched payload", enc(Command{Type: CmdBatch, Batch: []Command{{Type: CmdAcquire, Release: &Release{}}}})},
+		{"too many", enc(Command{Type: CmdBatch, Batch: releases(MaxBatch + 1)})},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			b, err := Encode(tt.give)
-			if err != nil {
-				return // refused already at encoding
-			}
-			if _, err := Decode(b); !errors.Is(err, ErrMalformedCommand) {
+			if _, err := Decode(tt.give); !errors.Is(err, ErrMalformedCommand) {
 				t.Errorf("Decode accepted %s: %v", tt.name, err)
 			}
 		})

@@ -32,9 +32,15 @@
 //     it came from is gone.
 //   - Publish installs a new policy version (current+1 exactly): its specs
 //     replace all quotas. A changed limit applies to the current window
-//     (pool = max(0, new limit - outstanding)); a changed window length
-//     drops the quota's windows and grants; a dropped quota goes with its
-//     windows. The last HistoryVersions versions are kept for audit.
+//     (pool = max(0, new limit - outstanding)); a changed window length (or
+//     TemplateKeys) drops the quota's windows and grants; a dropped quota
+//     goes with its windows. Regions keep spending the dropped grants until
+//     their leases end, so their unreleased tokens that had not expired are
+//     carried: every window opened while they live, for a pool of the same
+//     name (the quota's, or a re-added quota's), leaves room for them (pool
+//     = max(0, limit - carried - outstanding); WindowView.Carried). Only
+//     grants of windows still held (the previous, current and next) are
+//     carried. The last HistoryVersions versions are kept for audit.
 //   - SetMember records (or removes) the API address of an allocator
 //     member, so that every replica can direct clients to the leader.
 //
@@ -63,7 +69,11 @@
 // ErrInvalidArgument. Release, the grants, the windows and the snapshots of
 // instances work as for any quota. A publish that changes a template's
 // window drops its instances whole (they come back with the next Acquire);
-// one that drops the template drops them all.
+// one that drops the template drops them all. Each instance's live tokens
+// are carried under its name, so a re-created instance leaves room for its
+// own leases. When TemplateKeys change (or a single pool becomes a template
+// or back), new pools cannot be matched to old ones: every new pool of that
+// name leaves room for the live tokens of all the old ones.
 //
 // # Memory
 //
@@ -75,7 +85,10 @@
 // read, result and snapshot. Dead instances of templates are collected the
 // same way (amortized O(1) each: a template keeps its instances in order of
 // death). Request ids are kept for two of the longest
-// window of the policy, and at most MaxIdempotencyRecords of them.
+// window of the policy, and at most MaxIdempotencyRecords of them. Carried
+// tokens take one small entry per reset pool (and per template) while its
+// leases live; a publish forgets the expired ones, and until then they are
+// invisible like old windows.
 //
 // # Usage
 //
@@ -106,7 +119,10 @@
 //     Restore.
 //  5. Upgrade every replica to understand a new command or snapshot format
 //     before any leader writes it: a replica that rejects an entry others
-//     accept diverges.
+//     accept diverges. So does one that applies an entry by another rule:
+//     builds before the carried tokens (see Publish) grant a reset pool in
+//     full, so publish no window change or quota removal while replicas of
+//     both builds serve.
 //  6. Report demand on every Acquire when a quota uses fair_share: a region
 //     that reports none has no need, so under contention it gets no share.
 package fsm

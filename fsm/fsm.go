@@ -1,6 +1,7 @@
 package fsm
 
 import (
+	"cmp"
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
@@ -117,6 +118,12 @@ type state struct {
 	lastGrantIndex uint64
 	// members maps Raft server IDs to API addresses.
 	members map[string]string
+	// carries maps a pool's name (a single pool's, an instance's) or a
+	// template's to the tokens a publish left outstanding when it reset
+	// the pools of that name (see carry): at most one entry per keys, in
+	// ascending keys. Entries expired at now are invisible; publish prunes
+	// them.
+	carries map[string][]carry
 	// maxInstances is MaxInstancesPerTemplate; tests lower it.
 	maxInstances int
 }
@@ -128,8 +135,38 @@ func newState() *state {
 		grants:       map[string]*grantRef{},
 		idem:         map[idemKey]*idemRecord{},
 		members:      map[string]string{},
+		carries:      map[string][]carry{},
 	}
 }
+
+// carry is what a publish that reset pools (a changed window length or
+// TemplateKeys, a removed quota) leaves behind: their grants' unreleased
+// tokens that had not expired at the reset. Regions keep spending deposited
+// tokens until their leases end, so while those live, every window opened
+// for a pool of the same name leaves room for them: its pool is
+// max(0, limit - carried - outstanding), as if they had been granted from
+// it. An entry is live while expires > now; it covers a re-added quota too,
+// which is why it is kept by name in the state and not in the quota.
+//
+// An entry is recorded under the name of each reset pool (a single pool, an
+// instance) and, for a template, under the template's name with the sum
+// over its instances. A window of a single pool leaves room for every entry
+// of its name; a window of an instance for every entry of its own name and
+// those of its template's name recorded for other TemplateKeys: an instance
+// named by other values cannot be matched to the old instances (or to the
+// old single pool), so it leaves room for all of them.
+type carry struct {
+	// keys is the TemplateKeys of the quota the entry was recorded for.
+	keys int
+	// tokens is the unreleased tokens, at most MaxLimit (more than any
+	// limit: a pool is empty either way).
+	tokens int64
+	// expires is the latest expiry among them.
+	expires int64
+}
+
+// live reports whether c still holds tokens at now.
+func (c carry) live(now int64) bool { return c.expires > now }
 
 type quota struct {
 	name    string
@@ -155,8 +192,12 @@ type demand struct {
 }
 
 type window struct {
-	index    int64
-	limit    int64
+	index int64
+	limit int64
+	// carried is the tokens of pools reset by a publish that were still
+	// live when the window opened (see carry); the pool leaves room for
+	// them.
+	carried  int64
 	granted  int64
 	released int64
 	regions  map[string]*ledger
@@ -212,11 +253,99 @@ func (r *idemRecord) size() int {
 	return 0
 }
 
-// remaining is the window's pool: max(0, limit - outstanding). Deriving it
-// keeps a limit lowered below the outstanding tokens from going negative and
-// keeps releases from refilling past the limit.
+// remaining is the window's pool: max(0, limit - carried - outstanding).
+// Deriving it keeps a limit lowered below the outstanding tokens from going
+// negative and keeps releases from refilling past the limit.
 func (w *window) remaining() int64 {
-	return max(0, w.limit-(w.granted-w.released))
+	return max(0, w.limit-w.carried-(w.granted-w.released))
+}
+
+// carried returns the tokens of reset pools that a window of pool q opened
+// at now leaves room for: the live entries of q's name and, for an
+// instance, those of its template's name recorded for other TemplateKeys.
+func (s *state) carried(q *quota, now int64) int64 {
+	var n int64
+	for _, c := range s.carries[q.name] {
+		if c.live(now) {
+			n = satAdd(n, c.tokens)
+		}
+	}
+	if t := q.tmpl; t != nil {
+		for _, c := range s.carries[t.name] {
+			if c.live(now) && c.keys != t.spec.TemplateKeys {
+				n = satAdd(n, c.tokens)
+			}
+		}
+	}
+	return min(n, MaxLimit)
+}
+
+// addCarry merges tokens expiring by expires into the entry of name and
+// keys, replacing it if it is no longer live at now.
+func (s *state) addCarry(name string, keys int, tokens, expires, now int64) {
+	cs := s.carries[name]
+	i, found := slices.BinarySearchFunc(cs, keys, func(c carry, k int) int { return cmp.Compare(c.keys, k) })
+	switch {
+	case !found:
+		s.carries[name] = slices.Insert(cs, i, carry{keys: keys, tokens: min(tokens, MaxLimit), expires: expires})
+	case !cs[i].live(now):
+		cs[i] = carry{keys: keys, tokens: min(tokens, MaxLimit), expires: expires}
+	default:
+		cs[i].tokens = min(satAdd(cs[i].tokens, tokens), MaxLimit)
+		cs[i].expires = max(cs[i].expires, expires)
+	}
+}
+
+// pruneCarries forgets the carries no longer live at now.
+func (s *state) pruneCarries(now int64) {
+	for name, cs := range s.carries { // per name: the order does not matter
+		cs = slices.DeleteFunc(cs, func(c carry) bool { return !c.live(now) })
+		if len(cs) == 0 {
+			delete(s.carries, name)
+		} else {
+			s.carries[name] = cs
+		}
+	}
+}
+
+// outstanding returns the unreleased tokens of pool q's visible grants
+// that have not expired at now, and the latest of their expiries.
+func (q *quota) outstanding(now int64) (tokens, expires int64) {
+	for _, w := range q.windows {
+		if !q.visible(w.index, now) {
+			continue
+		}
+		for _, g := range w.grants {
+			if n := g.tokens - g.released; n > 0 && g.expires > now {
+				tokens = satAdd(tokens, n)
+				expires = max(expires, g.expires)
+			}
+		}
+	}
+	return tokens, expires
+}
+
+// reset drops q's pools (a single pool's windows, a template's instances)
+// for a publish at now, recording their live tokens as carries first: a
+// pool's under its name, and a template's sum under the template's name.
+// It reports whether there were any windows or instances.
+func (s *state) reset(q *quota, now int64) bool {
+	keys := q.spec.TemplateKeys
+	pools := []*quota{q}
+	if q.isTemplate() {
+		pools = q.instanceList()
+	}
+	var sum, latest int64
+	for _, p := range pools {
+		if n, e := p.outstanding(now); n > 0 {
+			s.addCarry(p.name, keys, n, e, now)
+			sum, latest = satAdd(sum, n), max(latest, e)
+		}
+	}
+	if q.isTemplate() && sum > 0 {
+		s.addCarry(q.name, keys, sum, latest, now)
+	}
+	return s.dropState(q)
 }
 
 func (q *quota) currentIndex(now int64) int64 {
@@ -435,7 +564,7 @@ func (s *state) acquire(index uint64, base int, now int64, a *Acquire) (*Acquire
 			q = s.newInstance(t, wt.Quota)
 		}
 		s.collect(q, now)
-		w := s.openWindow(q, q.currentIndex(now))
+		w := s.openWindow(q, q.currentIndex(now), now)
 		start := lease.WindowEnd(w.index-1, q.spec.WindowMs) // of the granting window
 		early := false
 		if wt.Next {
@@ -444,9 +573,9 @@ func (s *state) acquire(index uint64, base int, now int64, a *Acquire) (*Acquire
 			// ask sent before a turn and applied after it would otherwise
 			// park tokens a whole window ahead. An early ask opens nothing.
 			if early = start-now > q.spec.WindowMs/2; !early {
-				w = s.openWindow(q, w.index+1)
+				w = s.openWindow(q, w.index+1, now)
 			} else if w = q.window(w.index + 1); w == nil {
-				w = &window{index: lease.WindowIndex(start, q.spec.WindowMs), limit: q.spec.Limit}
+				w = &window{index: lease.WindowIndex(start, q.spec.WindowMs), limit: q.spec.Limit, carried: s.carried(q, now)}
 			}
 		}
 		if q.demand == nil {
@@ -523,9 +652,10 @@ func (w *window) add(g *grant) {
 }
 
 // openWindow returns q's window idx (the current one, or the next for a
-// pre-grant), opening it with a full pool on first touch. collect must have
-// run at now first.
-func (s *state) openWindow(q *quota, idx int64) *window {
+// pre-grant), opening it on first touch at now with a full pool, less the
+// live tokens of reset pools of its name (carried). collect must have run at
+// now first.
+func (s *state) openWindow(q *quota, idx, now int64) *window {
 	at := len(q.windows)
 	for at > 0 && q.windows[at-1].index >= idx {
 		if q.windows[at-1].index == idx {
@@ -533,7 +663,7 @@ func (s *state) openWindow(q *quota, idx int64) *window {
 		}
 		at--
 	}
-	w := &window{index: idx, limit: q.spec.Limit}
+	w := &window{index: idx, limit: q.spec.Limit, carried: s.carried(q, now)}
 	q.windows = slices.Insert(q.windows, at, w)
 	s.windows++
 	return w
@@ -822,6 +952,7 @@ func (s *state) publish(now int64, p *Publish) (*PublishResult, error) {
 		Digest:          documentDigest(p.Document),
 	}
 	res := &PublishResult{Policy: rec.clone(true)}
+	s.pruneCarries(now)
 	quotas := make(map[string]*quota, len(specs))
 	names := make([]string, len(specs))
 	var templates []string
@@ -853,8 +984,9 @@ func (s *state) publish(now int64, p *Publish) (*PublishResult, error) {
 		if q.spec.TemplateKeys != spec.TemplateKeys {
 			// A single pool became a template, a template a single pool, or
 			// a template's instances are named by more or fewer values:
-			// the old pools are not the new ones.
-			if s.dropState(q) {
+			// the old pools are not the new ones, but their live tokens
+			// are carried (see carry).
+			if s.reset(q, now) {
 				res.WindowsReset = append(res.WindowsReset, q.name)
 			}
 			quotas[spec.Name] = &quota{name: spec.Name, spec: spec}
@@ -863,8 +995,9 @@ func (s *state) publish(now int64, p *Publish) (*PublishResult, error) {
 		switch {
 		case q.spec.WindowMs != spec.WindowMs:
 			// A template's instances go whole, demand reports included:
-			// they come back with the next Acquire that names them.
-			if s.dropState(q) {
+			// they come back with the next Acquire that names them. The
+			// live tokens of every pool are carried (see carry).
+			if s.reset(q, now) {
 				res.WindowsReset = append(res.WindowsReset, q.name)
 			}
 			pools = nil
@@ -897,7 +1030,7 @@ func (s *state) publish(now int64, p *Publish) (*PublishResult, error) {
 	}
 	for _, name := range s.names {
 		if _, kept := quotas[name]; !kept {
-			s.dropState(s.quotas[name])
+			s.reset(s.quotas[name], now) // carried, in case it comes back
 			res.Removed = append(res.Removed, name)
 		}
 	}

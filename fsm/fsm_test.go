@@ -593,7 +593,8 @@ func TestPublishChanges(t *testing.T) {
 		t.Fatalf("after raising: remaining %d, want 1600", w.Remaining)
 	}
 
-	// Change birch's window length: its windows and grants go.
+	// Change birch's window length: its windows and grants go, but the 60
+	// tokens of its six live leases are carried until they expire.
 	birch2 := birch
 	birch2.WindowMs = 2 * minute
 	birchGrant, _ := h.f.Grant(fmt.Sprint(ids[0][:strings.Index(ids[0], "-")], "-1"))
@@ -604,8 +605,11 @@ func TestPublishChanges(t *testing.T) {
 	if _, ok := h.f.Grant(birchGrant.ID); ok {
 		t.Fatal("grant of a reset window still visible")
 	}
-	if w := h.f.CurrentWindow("birch", t0+6); w.Granted != 0 || w.Remaining != 100 || w.EndUnixMs-w.StartUnixMs != 2*minute {
+	if w := h.f.CurrentWindow("birch", t0+6); w.Granted != 0 || w.Carried != 60 || w.Remaining != 40 || w.EndUnixMs-w.StartUnixMs != 2*minute {
 		t.Fatalf("birch after reset: %+v", w)
+	}
+	if w := h.f.CurrentWindow("birch", birchGrant.ExpiresUnixMs); w.Carried != 0 || w.Remaining != 100 {
+		t.Fatalf("birch once the carried leases expired: %+v", w)
 	}
 
 	// Drop atlas entirely.

@@ -31,6 +31,14 @@ func fuzzSeeds(tb testing.TB) [][]byte {
 		enc(Command{Type: CmdPublishPolicy, NowUnixMs: t0 + 4, Publish: &Publish{ExpectedVersion: 2, Author: "a"}}),
 		enc(Command{Type: CmdSetMember, NowUnixMs: t0 + 5, Member: &SetMember{ID: "a1", APIAddress: "127.0.0.1:7000"}}),
 		enc(Command{Type: CmdSetMember, NowUnixMs: t0 + 5, Member: &SetMember{ID: "a1", Remove: true}}),
+		enc(Command{Type: CmdBatch, NowUnixMs: t0 + 3, Batch: []Command{
+			{Type: CmdAcquire, Acquire: &Acquire{Region: "us", RequestID: "b1", Wants: []Want{{Quota: "atlas", Tokens: 5}, {Quota: "std/x"}}}},
+			{Type: CmdRelease, Release: &Release{Region: "eu", GrantID: "1-0", Tokens: 1, RequestID: "b2"}},
+			{Type: CmdAcquire, Acquire: &Acquire{Region: "eu", RequestID: "b3", Wants: []Want{{Quota: "nope"}}}},
+			{Type: CmdAcquire, Acquire: &Acquire{Region: "us", RequestID: "b1", Wants: []Want{{Quota: "atlas", Tokens: 5}}}},
+		}}),
+		append(v, `{"type":5,"batch":[]}`...),
+		append(v, `{"type":5,"now_unix_ms":1,"batch":[{"type":2,"release":{"region":"eu","grant_id":"1-0","tokens":1}},{"type":3,"publish":{}}]}`...),
 		enc(Command{Type: CmdAcquire, NowUnixMs: MaxNowUnixMs, Acquire: &Acquire{Region: "eu", RequestID: "late", Wants: []Want{{Quota: "atlas", Tokens: 1000, DemandPerSecond: 1e300}}}}),
 		append(v, `{"type":1,"now_unix_ms":-9223372036854775808,"acquire":{"region":"eu","request_id":"r","wants":[{"quota":"atlas"}]}}`...),
 		append(v, `{"type":1,"now_unix_ms":1,"acquire":{"region":"eu","request_id":"r","wants":[{"quota":"atlas","tokens":9223372036854775807}]}}`...),
@@ -73,6 +81,14 @@ func FuzzApply(f *testing.F) {
 				t.Fatalf("rejected entry changed the state: %v", r)
 			}
 		case *AcquireResult, *ReleaseResult, *PublishResult, *SetMemberResult:
+		case *BatchResult:
+			for i, sub := range r.Results {
+				switch sub.(type) {
+				case *AcquireResult, *ReleaseResult, error:
+				default:
+					t.Fatalf("batch result %d is %T", i, sub)
+				}
+			}
 		default:
 			t.Fatalf("Apply returned %T", res)
 		}

@@ -107,7 +107,8 @@ func (f *FSM) Window(quota string, index int64) (WindowView, bool) {
 // CurrentWindow returns quota name's window holding nowMs, with Expired counted
 // at nowMs. A nowMs before the state machine's time is raised to it (windows
 // never reopen). A window not opened yet, and the window of an instance of a
-// template that is not alive, is shown with its full pool. An unknown quota
+// template that is not alive, is shown as it would open at nowMs: with its
+// full pool, less the tokens carried from pools a publish reset. An unknown quota
 // (or a template's own name) yields the zero WindowView, whose Quota is
 // empty.
 func (f *FSM) CurrentWindow(name string, nowMs int64) WindowView {
@@ -120,13 +121,13 @@ func (f *FSM) CurrentWindow(name string, nowMs int64) WindowView {
 		return WindowView{}
 	}
 	if q == nil {
-		q = &quota{name: name, spec: t.spec} // an instance with nothing yet
+		q = &quota{name: name, spec: t.spec, tmpl: t} // an instance with nothing yet
 	}
 	idx := q.currentIndex(nowMs)
 	if w := q.window(idx); w != nil {
 		return view(q, w, nowMs)
 	}
-	return view(q, &window{index: idx, limit: q.spec.Limit}, nowMs)
+	return view(q, &window{index: idx, limit: q.spec.Limit, carried: s.carried(q, nowMs)}, nowMs)
 }
 
 // Grant returns grant id, while its window is the current or the previous.
@@ -189,6 +190,7 @@ func view(q *quota, w *window, asOf int64) WindowView {
 		StartUnixMs: lease.WindowStart(w.index, q.spec.WindowMs),
 		EndUnixMs:   lease.WindowEnd(w.index, q.spec.WindowMs),
 		Limit:       w.limit,
+		Carried:     w.carried,
 		Granted:     w.granted,
 		Released:    w.released,
 		Outstanding: w.granted - w.released,

@@ -69,8 +69,12 @@ type PublishResult struct {
 	Policy PolicyRecord `json:"policy"`
 	// Removed lists, sorted, the quotas the policy dropped (with their windows).
 	Removed []string `json:"removed,omitempty"`
-	// WindowsReset lists, sorted, the quotas whose window length changed: their
-	// windows and grants were dropped and the next touch opens a new window.
+	// WindowsReset lists, sorted, the quotas whose window length (or
+	// TemplateKeys) changed: their windows and grants were dropped and the
+	// next touch opens a new window. The unreleased tokens of those grants
+	// that had not expired are carried: every window opened while they live
+	// leaves room for them (WindowView.Carried). Removed quotas are carried
+	// the same way, should they come back.
 	WindowsReset []string `json:"windows_reset,omitempty"`
 }
 
@@ -113,6 +117,11 @@ type WindowView struct {
 	EndUnixMs   int64
 	// Limit is the window's G (the current spec's, if it changed mid-window).
 	Limit int64
+	// Carried is the tokens the pool leaves room for because a publish
+	// reset the quota's pools (changed its window length or TemplateKeys,
+	// or removed it and added it again) while grants of the old pools were
+	// still live: regions may spend those until their leases end.
+	Carried int64
 	// Granted and Released are tokens granted and released in the window.
 	Granted  int64
 	Released int64
@@ -122,7 +131,7 @@ type WindowView struct {
 	// Expired is the unreleased tokens of grants whose lease has ended by the
 	// view's time. The allocator cannot know how many of them were spent.
 	Expired int64
-	// Remaining is the pool: max(0, Limit - Outstanding).
+	// Remaining is the pool: max(0, Limit - Carried - Outstanding).
 	Remaining int64
 	// Regions has one row per region with a grant in the window or a fresh
 	// demand report, sorted by region.

@@ -2,6 +2,7 @@ package fsm
 
 import (
 	"bufio"
+	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -24,7 +25,9 @@ var ErrBadSnapshot = errors.New("bad snapshot")
 // then header.Policies PolicyRecords (ascending versions, the last one
 // current), header.Quotas snapQuotas (by name; only quotas with windows or
 // demand reports), header.Instances snapQuotas of the live instances of
-// templates (by name) and header.Idempotency snapIdems (in insertion order).
+// templates (by name), header.Carries snapCarries (by name; only live ones)
+// and header.Idempotency snapIdems (in insertion order). Fields added after
+// the first release are optional (omitempty), so older snapshots restore.
 // Values hold no maps, so encoding/json writes them the same way every time.
 // One value per record keeps the decoder's buffer small when restoring a
 // large state.
@@ -41,6 +44,7 @@ type snapshotHeader struct {
 	Policies       int    `json:"policies"`
 	Quotas         int    `json:"quotas"`
 	Instances      int    `json:"instances,omitempty"`
+	Carries        int    `json:"carries,omitempty"`
 	Idempotency    int    `json:"idempotency"`
 	// Members is the member table, sorted by ID.
 	Members []snapMember `json:"members"`
@@ -57,7 +61,16 @@ type snapshotDoc struct {
 	policies    []*PolicyRecord
 	quotas      []snapQuota
 	instances   []snapQuota
+	carries     []snapCarry
 	idempotency []snapIdem
+}
+
+// snapCarry is a live carry entry; they are sorted by name, then keys.
+type snapCarry struct {
+	Name          string `json:"name"`
+	Tokens        int64  `json:"tokens"`
+	ExpiresUnixMs int64  `json:"expires_unix_ms"`
+	TemplateKeys  int    `json:"template_keys,omitempty"`
 }
 
 type snapQuota struct {
@@ -67,9 +80,10 @@ type snapQuota struct {
 }
 
 type snapWindow struct {
-	Index  int64       `json:"index"`
-	Limit  int64       `json:"limit"`
-	Grants []snapGrant `json:"grants"` // in grant order
+	Index   int64       `json:"index"`
+	Limit   int64       `json:"limit"`
+	Carried int64       `json:"carried,omitempty"`
+	Grants  []snapGrant `json:"grants"` // in grant order
 }
 
 type snapGrant struct {
@@ -130,6 +144,16 @@ func (s *state) snapshot() *snapshotDoc {
 			d.instances = append(d.instances, sq)
 		}
 	}
+	for name, cs := range s.carries {
+		for _, c := range cs {
+			if c.live(s.now) {
+				d.carries = append(d.carries, snapCarry{Name: name, Tokens: c.tokens, ExpiresUnixMs: c.expires, TemplateKeys: c.keys})
+			}
+		}
+	}
+	slices.SortFunc(d.carries, func(a, b snapCarry) int {
+		return cmp.Or(strings.Compare(a.Name, b.Name), cmp.Compare(a.TemplateKeys, b.TemplateKeys))
+	})
 	for _, r := range s.idemQ[s.idemHead:] {
 		if r.dead || s.now-r.at > 2*s.maxWindowMs {
 			continue
@@ -149,6 +173,7 @@ func (s *state) snapshot() *snapshotDoc {
 		Policies:       len(d.policies),
 		Quotas:         len(d.quotas),
 		Instances:      len(d.instances),
+		Carries:        len(d.carries),
 		Idempotency:    len(d.idempotency),
 		Members:        members,
 	}
@@ -163,7 +188,7 @@ func (s *state) snapQuota(q *quota) (snapQuota, bool) {
 		if !q.visible(w.index, s.now) {
 			continue
 		}
-		sw := snapWindow{Index: w.index, Limit: w.limit, Grants: make([]snapGrant, len(w.grants))}
+		sw := snapWindow{Index: w.index, Limit: w.limit, Carried: w.carried, Grants: make([]snapGrant, len(w.grants))}
 		for i, g := range w.grants {
 			sw.Grants[i] = snapGrant{ID: g.id, Region: g.region, Tokens: g.tokens, Released: g.released, GrantedUnixMs: g.grantedAt, ExpiresUnixMs: g.expires}
 		}
@@ -214,6 +239,11 @@ func (fs *fsmSnapshot) write(w io.Writer) error {
 	}
 	for i := range d.instances {
 		if err := enc.Encode(&d.instances[i]); err != nil {
+			return err
+		}
+	}
+	for i := range d.carries {
+		if err := enc.Encode(&d.carries[i]); err != nil {
 			return err
 		}
 	}
@@ -268,6 +298,8 @@ func decodeSnapshot(dec *json.Decoder) (*state, error) {
 		return nil, fmt.Errorf("quotas: %d out of range", h.Quotas)
 	case h.Instances < 0:
 		return nil, fmt.Errorf("instances: %d out of range", h.Instances)
+	case h.Carries < 0:
+		return nil, fmt.Errorf("carries: %d out of range", h.Carries)
 	case h.Idempotency < 0 || h.Idempotency > MaxIdempotencyRecords:
 		return nil, fmt.Errorf("idempotency: %d records out of range", h.Idempotency)
 	}
@@ -330,6 +362,9 @@ func decodeSnapshot(dec *json.Decoder) (*state, error) {
 		}
 	}
 	if err := s.restoreInstances(dec, h.Instances); err != nil {
+		return nil, err
+	}
+	if err := s.restoreCarries(dec, h.Carries); err != nil {
 		return nil, err
 	}
 
@@ -428,7 +463,10 @@ func (s *state) restoreQuota(q *quota, sq snapQuota) error {
 		if sw.Limit < 1 || sw.Limit > MaxLimit {
 			return fmt.Errorf("windows[%d]: limit %d out of range", i, sw.Limit)
 		}
-		w := &window{index: sw.Index, limit: sw.Limit}
+		if sw.Carried < 0 || sw.Carried > MaxLimit {
+			return fmt.Errorf("windows[%d]: carried %d out of range", i, sw.Carried)
+		}
+		w := &window{index: sw.Index, limit: sw.Limit, carried: sw.Carried}
 		for j, sg := range sw.Grants {
 			switch {
 			case !validGrantID(sg.ID, s.lastGrantIndex):
@@ -512,6 +550,34 @@ func (s *state) restoreInstances(dec *json.Decoder, n int) error {
 	for _, name := range s.templates {
 		t := s.quotas[name]
 		t.relink(t.instanceList(), s.now)
+	}
+	return nil
+}
+
+// restoreCarries reads n live carry entries, in name and then keys order.
+func (s *state) restoreCarries(dec *json.Decoder, n int) error {
+	var prev snapCarry
+	for i := range n {
+		var sc snapCarry
+		if err := dec.Decode(&sc); err != nil {
+			return fmt.Errorf("carries[%d]: %w", i, err)
+		}
+		switch {
+		case i > 0 && cmp.Or(strings.Compare(sc.Name, prev.Name), cmp.Compare(sc.TemplateKeys, prev.TemplateKeys)) <= 0:
+			return fmt.Errorf("carries[%d]: %q out of order", i, sc.Name)
+		case checkName("name", sc.Name, MaxQuotaNameBytes) != nil:
+			return fmt.Errorf("carries[%d]: bad name", i)
+		case sc.Tokens < 1 || sc.Tokens > MaxLimit:
+			return fmt.Errorf("carries[%d]: tokens %d out of range", i, sc.Tokens)
+		// A grant expires at most a TTL after the start of the window
+		// after the one it was made in.
+		case sc.ExpiresUnixMs <= s.now || sc.ExpiresUnixMs > s.now+2*MaxWindowMs:
+			return fmt.Errorf("carries[%d]: expires_unix_ms %d not live", i, sc.ExpiresUnixMs)
+		case sc.TemplateKeys < 0 || sc.TemplateKeys > MaxTemplateKeys:
+			return fmt.Errorf("carries[%d]: template_keys %d out of range", i, sc.TemplateKeys)
+		}
+		prev = sc
+		s.carries[sc.Name] = append(s.carries[sc.Name], carry{keys: sc.TemplateKeys, tokens: sc.Tokens, expires: sc.ExpiresUnixMs})
 	}
 	return nil
 }

@@ -51,9 +51,6 @@ type Config struct {
 	// FallbackPerRegion is the tokens per window a region admits on its own
 	// while cut off from the allocator; 0 means fail closed.
 	FallbackPerRegion int64
-	// MaxHeldPerRegion is the most unexpired, unspent tokens the allocator
-	// lets one region hold at once; 0 means no cap, and G is used.
-	MaxHeldPerRegion int64
 	// QuorumCommit says the allocator acknowledges a grant only after a Raft
 	// quorum has committed it, so no failover forgets an acknowledged grant.
 	QuorumCommit bool
@@ -145,7 +142,6 @@ func (c Config) Validate() error {
 		v     int64
 	}{
 		{"FallbackPerRegion", c.FallbackPerRegion},
-		{"MaxHeldPerRegion", c.MaxHeldPerRegion},
 		{"ExpiryMargin", int64(c.ExpiryMargin)},
 		{"MaxDriftPPM", c.MaxDriftPPM},
 		{"MaxOneWayDelay", int64(c.MaxOneWayDelay)},
@@ -181,8 +177,9 @@ type Term struct {
 // Stranded is capacity granted and never spent: the price of safety,
 // reported beside the bound (it can only cause denials, never overshoot).
 type Stranded struct {
-	// PerRegion is the most tokens one region cut off from the allocator can
-	// hold and leave unspent until they expire.
+	// PerRegion is the most tokens of one window one region cut off from
+	// the allocator can hold and leave unspent until they expire: the whole
+	// pool, since the allocator caps no region's holdings.
 	PerRegion int64
 	// Fleet is the most tokens all regions together can hold unspent (at most G).
 	Fleet int64
@@ -246,58 +243,68 @@ func (b Bound) String() string {
 
 // Calculate states the bound for c. It assumes c is valid (see Validate);
 // negative values are treated as zero.
+//
+// The allocator caps no region's holdings: a region may hold a window's
+// whole pool, G, and with clamp off the pools of every earlier window its
+// leases reach as well. The terms assume nothing tighter.
 func Calculate(c Config) Bound {
 	g := max(c.Limit, 0)
 	regions := int64(max(c.Regions, 0))
-	held := c.MaxHeldPerRegion
-	if held <= 0 || held > g {
-		held = g
-	}
-	// outstanding is the most granted-but-unspent tokens all regions can
-	// hold at one instant: their caps, and never more than one pool.
-	outstanding := min(satMul(regions, held), g)
 
 	b := Bound{Name: c.Name, Limit: g, Window: c.Window}
 	b.Terms = []Term{
-		carryOver(c, g, regions, held),
+		carryOver(c, g),
 		fallback(c, regions),
-		lostGrants(c, outstanding),
-		timing(c, outstanding),
-		storeRollback(c, held),
+		lostGrants(c, g),
+		timing(c, g),
+		storeRollback(c, g),
 	}
 	for _, t := range b.Terms {
 		b.Total = satAdd(b.Total, t.Tokens)
 	}
 	b.Stranded = Stranded{
-		PerRegion: held,
-		Fleet:     outstanding,
+		PerRegion: g,
+		Fleet:     g,
 		Parked:    satMul(int64(max(c.Gateways, 0)), max(c.GatewayChunk, 0)),
-		Assumption: fmt.Sprintf("A region cut off from the allocator spends only what it holds; up to %d tokens per region "+
-			"(%d for %d regions) can expire unspent while callers elsewhere are denied. "+
-			"A lower per-region cap, smaller chunks and shorter TTLs strand less, at the cost of more Acquire calls.",
-			held, outstanding, regions),
+		Assumption: fmt.Sprintf("A region cut off from the allocator spends only what it holds; the allocator caps no region's holdings, "+
+			"so up to a window's whole pool, %d tokens, can expire unspent in %d regions together while callers elsewhere are denied. "+
+			"Smaller chunks and shorter TTLs strand less, at the cost of more Acquire calls.",
+			g, regions),
 	}
 	return b
 }
 
-func carryOver(c Config, g, regions, held int64) Term {
-	t := Term{Name: TermCarryOver, HowToZero: "clamp every lease to the window end (lease.clamp: true); grants near a boundary are shorter."}
+// carrySpans is the number of earlier windows whose leases can still be
+// spent in a window: 0 with clamp on, else ceil(life / window) (at least 1)
+// where life is the TTL plus what the margin leaves of drift, delay and
+// skew (the timing term leaves such late spending to carry_over). A lease
+// granted at the last instant of window k is spent until life later: into
+// window k+1 when life is at most one window, k+2 when it is at most two.
+func carrySpans(c Config) int64 {
 	if c.Clamp {
-		t.Assumption = "Leases are clamped: every grant expires at min(now+TTL, window end), so no token is spent in a later window."
-		return t
+		return 0
 	}
-	// Without a cap a region can hold G from each window its lease spans.
-	// A lease is spent up to its TTL and, when the margin falls short of
-	// drift, delay and skew, that much longer (the timing term leaves such
-	// late spending to this one): a lease as long as the window, granted at
-	// its end, then reaches a second window.
 	spans := int64(1)
 	if life := c.TTL + lateBy(c); c.Window > 0 && life > c.Window {
 		spans = int64((life + c.Window - 1) / c.Window)
 	}
-	t.Tokens = min(satMul(regions, held), satMul(g, spans))
-	t.Assumption = fmt.Sprintf("Leases are not clamped: tokens granted in one window (TTL %s) can be spent in the next, "+
-		"up to %d held per region x %d regions, at most %d x G.", fmtDur(c.TTL), held, regions, spans)
+	return spans
+}
+
+func carryOver(c Config, g int64) Term {
+	t := Term{Name: TermCarryOver, HowToZero: "clamp every lease to the window end (lease.clamp: true); grants near a boundary are shorter."}
+	spans := carrySpans(c)
+	if spans == 0 {
+		t.Assumption = "Leases are clamped: every grant expires at min(now+TTL, window end), so no token is spent in a later window."
+		return t
+	}
+	// Each earlier window a lease reaches granted at most its pool, G, and
+	// nothing caps what one region holds, so one region alone can carry
+	// all of it: the number of regions does not lower the term.
+	t.Tokens = satMul(g, spans)
+	t.Assumption = fmt.Sprintf("Leases are not clamped: a lease lives its TTL %s (plus %s spent late), so tokens of the %d window(s) before "+
+		"can still be spent in this one; the allocator caps no region's holdings, so each such window's whole pool counts: %d x G.",
+		fmtDur(c.TTL), fmtDur(lateBy(c)), spans, spans)
 	return t
 }
 
@@ -329,19 +336,22 @@ func fallback(c Config, regions int64) Term {
 	return t
 }
 
-func lostGrants(c Config, outstanding int64) Term {
+func lostGrants(c Config, g int64) Term {
 	t := Term{Name: TermLostGrants, HowToZero: "acknowledge grants only after a Raft quorum commit (synchronous allocator replication), at availability cost."}
 	if c.QuorumCommit {
 		t.Assumption = "Grants are acknowledged only after a Raft quorum commit, so a new leader knows every grant regions hold."
 		return t
 	}
-	t.Tokens = outstanding
-	t.Assumption = fmt.Sprintf("Allocator replication is asynchronous: a failover can forget and re-grant unspent grants regions still hold, "+
-		"up to %d tokens; assumes at most one allocator failover per window.", outstanding)
+	// A failover forgets every grant not yet replicated, spent or not: the
+	// new leader sees the window's pool full and can grant it again.
+	t.Tokens = g
+	t.Assumption = fmt.Sprintf("Allocator replication is asynchronous: a failover can forget every unreplicated grant of the window, "+
+		"tokens already spent included, and the new leader can grant the whole pool again, up to G %d; "+
+		"assumes at most one allocator failover per window.", g)
 	return t
 }
 
-func timing(c Config, outstanding int64) Term {
+func timing(c Config, g int64) Term {
 	need, sum := timingNeed(c)
 	margin := max(c.ExpiryMargin, 0)
 	t := Term{Name: TermTiming, HowToZero: fmt.Sprintf("raise the expiry margin to at least %s (%s), or shorten the TTL; "+
@@ -355,24 +365,30 @@ func timing(c Config, outstanding int64) Term {
 			fmtDur(margin), sum)
 		return t
 	}
+	// Clamped leases of one window hold at most its pool at its end.
 	late := need - margin
-	t.Tokens = outstanding
+	t.Tokens = g
 	capped := ""
 	if c.PeakAdmissionRate > 0 {
-		t.Tokens = min(outstanding, mulDivCeil(c.PeakAdmissionRate, int64(late), int64(time.Second)))
+		t.Tokens = min(g, mulDivCeil(c.PeakAdmissionRate, int64(late), int64(time.Second)))
 		capped = fmt.Sprintf(", at a peak of %d/s", c.PeakAdmissionRate)
 	}
 	t.Assumption = fmt.Sprintf("Margin %s is %s short of %s: regions may spend for up to %s past the allocator's expiry, "+
-		"into the next window%s, at most the %d tokens they hold.", fmtDur(margin), fmtDur(late), sum, fmtDur(late), capped, outstanding)
+		"into the next window%s, at most the %d tokens of one window's pool.", fmtDur(margin), fmtDur(late), sum, fmtDur(late), capped, g)
 	return t
 }
 
-func storeRollback(c Config, held int64) Term {
+func storeRollback(c Config, g int64) Term {
 	t := Term{Name: TermStoreRollback, HowToZero: "run the regional store without asynchronous failover (or wait for a replica before acknowledging debits), at availability cost."}
 	if !c.StoreAsyncFailover {
 		t.Assumption = "The regional store does not fail over asynchronously, so acknowledged debits are never lost."
 		return t
 	}
+	// Forgotten debits can be spent again while their leases live: one
+	// region may hold the window's whole pool and, with clamp off, the
+	// pools of the earlier windows its leases reach.
+	spans := carrySpans(c)
+	held := satMul(g, 1+spans)
 	t.Tokens = held
 	how := "replication lag unknown"
 	if c.PeakAdmissionRate > 0 && c.StoreReplicationLag > 0 {
@@ -380,7 +396,8 @@ func storeRollback(c Config, held int64) Term {
 		how = fmt.Sprintf("%s of lag at a peak of %d/s", fmtDur(c.StoreReplicationLag), c.PeakAdmissionRate)
 	}
 	t.Assumption = fmt.Sprintf("A regional store failover to an asynchronous replica forgets recent debits (%s), "+
-		"re-spendable up to the %d tokens a region holds; assumes at most one store failover per window.", how, held)
+		"re-spendable up to the %d tokens one region can hold (the allocator caps no region: G x %d window(s)); "+
+		"assumes at most one store failover per window.", how, held, 1+spans)
 	return t
 }
 

@@ -22,7 +22,6 @@ func atlas() Config {
 	c.Chunk = 100
 	c.TTL = 15 * time.Second
 	c.Regions = 2
-	c.MaxHeldPerRegion = 100
 	return c
 }
 
@@ -46,54 +45,62 @@ func TestCalculate(t *testing.T) {
 			name:       "chapter 15: clamp on, fail closed, quorum commit: no overshoot",
 			give:       func(c *Config) {},
 			wantTotal:  0,
-			wantStrand: 100,
+			wantStrand: 1000,
 		},
 		{
-			name:       "chapter 15: US holding 200 when cut off strands up to 200 (20% of G)",
-			give:       func(c *Config) { c.MaxHeldPerRegion = 200 },
-			wantTotal:  0,
-			wantStrand: 200,
-		},
-		{
-			name:       "chapter 15: clamp off, at most 100 held per region: carry-over <= 200",
+			// Chapter 15 states <= 100 per region, so <= 200, but nothing
+			// caps a region's holdings: one region can carry the whole
+			// previous pool into the window.
+			name:       "clamp off: carry-over is the previous window's whole pool",
 			give:       func(c *Config) { c.Clamp = false },
-			want:       map[string]int64{TermCarryOver: 200},
-			wantTotal:  200,
-			wantStrand: 100,
+			want:       map[string]int64{TermCarryOver: 1000},
+			wantTotal:  1000,
+			wantStrand: 1000,
 		},
 		{
 			name:       "chapter 15: bounded fallback of 100 per region: <= 200",
 			give:       func(c *Config) { c.FallbackPerRegion = 100 },
 			want:       map[string]int64{TermFallback: 200},
 			wantTotal:  200,
-			wantStrand: 100,
+			wantStrand: 1000,
 		},
 		{
-			name:       "chapter 15: both terms at their bound: +40%",
+			name:       "clamp off and bounded fallback",
 			give:       func(c *Config) { c.Clamp = false; c.FallbackPerRegion = 100 },
-			want:       map[string]int64{TermCarryOver: 200, TermFallback: 200},
-			wantTotal:  400,
-			wantStrand: 100,
+			want:       map[string]int64{TermCarryOver: 1000, TermFallback: 200},
+			wantTotal:  1200,
+			wantStrand: 1000,
 		},
 		{
-			name:       "chapter 15: asynchronous allocator failover loses up to the unspent grants",
+			// An asynchronous failover forgets every unreplicated grant,
+			// spent tokens included: the new leader can grant the whole
+			// pool again, whatever the regions hold.
+			name:       "asynchronous allocator failover can re-grant the whole pool",
 			give:       func(c *Config) { c.QuorumCommit = false },
-			want:       map[string]int64{TermLostGrants: 200},
-			wantTotal:  200,
-			wantStrand: 100,
+			want:       map[string]int64{TermLostGrants: 1000},
+			wantTotal:  1000,
+			wantStrand: 1000,
 		},
 		{
-			name:       "no held cap: carry-over is bounded by one pool",
-			give:       func(c *Config) { c.Clamp = false; c.MaxHeldPerRegion = 0 },
+			name:       "asynchronous allocator failover, one region: still the whole pool",
+			give:       func(c *Config) { c.QuorumCommit = false; c.Regions = 1 },
+			want:       map[string]int64{TermLostGrants: 1000},
+			wantTotal:  1000,
+			wantStrand: 1000,
+		},
+		{
+			// A lease exactly as long as the window, spent no later than
+			// its expiry, reaches the next window only.
+			name:       "one region, unclamped TTL equal to the window, margin covers: one window of carry-over",
+			give:       func(c *Config) { c.Clamp = false; c.Regions = 1; c.TTL = time.Minute },
 			want:       map[string]int64{TermCarryOver: 1000},
 			wantTotal:  1000,
 			wantStrand: 1000,
 		},
 		{
-			name: "unclamped TTL spanning two boundaries, three regions, no cap",
+			name: "unclamped TTL spanning two boundaries, three regions",
 			give: func(c *Config) {
 				c.Clamp = false
-				c.MaxHeldPerRegion = 0
 				c.Regions = 3
 				c.TTL = 90 * time.Second
 			},
@@ -102,12 +109,20 @@ func TestCalculate(t *testing.T) {
 			wantStrand: 1000,
 		},
 		{
+			// One region holds G of each of the two earlier windows its
+			// leases reach, then spends G of its own window: 3,000.
+			name:       "one region, unclamped TTL of two windows: two windows of carry-over",
+			give:       func(c *Config) { c.Clamp = false; c.Regions = 1; c.TTL = 2 * time.Minute },
+			want:       map[string]int64{TermCarryOver: 2000},
+			wantTotal:  2000,
+			wantStrand: 1000,
+		},
+		{
 			// A lease as long as the window, granted at its end, is spent
-			// 203 ms past its expiry: into a second window.
+			// 212 ms past its expiry: into a second window.
 			name: "unclamped TTL equal to the window, margin short: two windows of carry-over",
 			give: func(c *Config) {
 				c.Clamp = false
-				c.MaxHeldPerRegion = 0
 				c.TTL = time.Minute
 				c.ExpiryMargin = 0
 			},
@@ -116,11 +131,23 @@ func TestCalculate(t *testing.T) {
 			wantStrand: 1000,
 		},
 		{
-			name:       "no margin, rate unknown: timing is bounded by held tokens",
+			name: "one region, unclamped TTL equal to the window, margin short: two windows of carry-over",
+			give: func(c *Config) {
+				c.Clamp = false
+				c.Regions = 1
+				c.TTL = time.Minute
+				c.ExpiryMargin = 0
+			},
+			want:       map[string]int64{TermCarryOver: 2000},
+			wantTotal:  2000,
+			wantStrand: 1000,
+		},
+		{
+			name:       "no margin, rate unknown: timing is bounded by one pool",
 			give:       func(c *Config) { c.ExpiryMargin = 0 },
-			want:       map[string]int64{TermTiming: 200},
-			wantTotal:  200,
-			wantStrand: 100,
+			want:       map[string]int64{TermTiming: 1000},
+			wantTotal:  1000,
+			wantStrand: 1000,
 		},
 		{
 			// 200 ppm x 15 s = 3 ms, + 100 ms delay + 100 ms skew = 203 ms late;
@@ -129,27 +156,27 @@ func TestCalculate(t *testing.T) {
 			give:       func(c *Config) { c.ExpiryMargin = 0; c.PeakAdmissionRate = 100 },
 			want:       map[string]int64{TermTiming: 21},
 			wantTotal:  21,
-			wantStrand: 100,
+			wantStrand: 1000,
 		},
 		{
 			name:       "margin exactly covers drift + delay + skew",
 			give:       func(c *Config) { c.ExpiryMargin = 203 * time.Millisecond },
 			wantTotal:  0,
-			wantStrand: 100,
+			wantStrand: 1000,
 		},
 		{
 			name:       "margin 1ms short",
 			give:       func(c *Config) { c.ExpiryMargin = 202 * time.Millisecond; c.PeakAdmissionRate = 1000 },
 			want:       map[string]int64{TermTiming: 1},
 			wantTotal:  1,
-			wantStrand: 100,
+			wantStrand: 1000,
 		},
 		{
 			name:       "late spending without clamp is already carry-over",
 			give:       func(c *Config) { c.ExpiryMargin = 0; c.Clamp = false },
-			want:       map[string]int64{TermCarryOver: 200},
-			wantTotal:  200,
-			wantStrand: 100,
+			want:       map[string]int64{TermCarryOver: 1000},
+			wantTotal:  1000,
+			wantStrand: 1000,
 		},
 		{
 			name: "asynchronous store failover: rate x lag, capped by held tokens",
@@ -160,14 +187,22 @@ func TestCalculate(t *testing.T) {
 			},
 			want:       map[string]int64{TermStoreRollback: 50},
 			wantTotal:  50,
-			wantStrand: 100,
+			wantStrand: 1000,
 		},
 		{
-			name:       "asynchronous store failover, lag unknown",
+			name:       "asynchronous store failover, lag unknown: one pool",
 			give:       func(c *Config) { c.StoreAsyncFailover = true },
-			want:       map[string]int64{TermStoreRollback: 100},
-			wantTotal:  100,
-			wantStrand: 100,
+			want:       map[string]int64{TermStoreRollback: 1000},
+			wantTotal:  1000,
+			wantStrand: 1000,
+		},
+		{
+			// Unclamped, a region also holds the previous window's pool.
+			name:       "asynchronous store failover, lag unknown, clamp off: two pools",
+			give:       func(c *Config) { c.StoreAsyncFailover = true; c.Clamp = false },
+			want:       map[string]int64{TermCarryOver: 1000, TermStoreRollback: 2000},
+			wantTotal:  3000,
+			wantStrand: 1000,
 		},
 		{
 			name: "everything relaxed",
@@ -177,9 +212,9 @@ func TestCalculate(t *testing.T) {
 				c.QuorumCommit = false
 				c.StoreAsyncFailover = true
 			},
-			want:       map[string]int64{TermCarryOver: 200, TermFallback: 200, TermLostGrants: 200, TermStoreRollback: 100},
-			wantTotal:  700,
-			wantStrand: 100,
+			want:       map[string]int64{TermCarryOver: 1000, TermFallback: 200, TermLostGrants: 1000, TermStoreRollback: 2000},
+			wantTotal:  4200,
+			wantStrand: 1000,
 		},
 	}
 	for _, tt := range tests {
@@ -257,9 +292,9 @@ func TestBoundString(t *testing.T) {
 	c.Clamp = false
 	s := Calculate(c).String()
 	for _, want := range []string{
-		"p-tenant-atlas: admitted per 1m window <= G 1000 + carry_over 200 + fallback 0 + lost_grants 0 + timing 0 + store_rollback 0 = 1200 (overshoot 200, 20.0% of G)",
+		"p-tenant-atlas: admitted per 1m window <= G 1000 + carry_over 1000 + fallback 0 + lost_grants 0 + timing 0 + store_rollback 0 = 2000 (overshoot 1000, 100.0% of G)",
 		"To make it 0: clamp every lease",
-		"stranded: up to 100 per region (10.0% of G), 200 fleet-wide, 0 parked in gateways",
+		"stranded: up to 1000 per region (100.0% of G), 1000 fleet-wide, 0 parked in gateways",
 	} {
 		if !strings.Contains(s, want) {
 			t.Errorf("String() lacks %q:\n%s", want, s)
@@ -313,7 +348,6 @@ func genConfig(t *rapid.T) Config {
 		Clamp:               rapid.Bool().Draw(t, "clamp"),
 		Regions:             regions,
 		FallbackPerRegion:   rapid.Int64Range(0, g).Draw(t, "fallback"),
-		MaxHeldPerRegion:    rapid.Int64Range(0, 2*g).Draw(t, "held"),
 		QuorumCommit:        rapid.Bool().Draw(t, "quorum"),
 		ExpiryMargin:        dur("margin", time.Minute),
 		MaxDriftPPM:         rapid.Int64Range(0, 999_999).Draw(t, "drift"),
@@ -354,7 +388,10 @@ func TestBoundProperties(t *testing.T) {
 		}
 		tm := terms(b)
 		spans := int64((c.TTL + lateBy(c) + c.Window - 1) / c.Window)
-		if tm[TermCarryOver] > c.Limit*spans || tm[TermLostGrants] > c.Limit || tm[TermTiming] > c.Limit || tm[TermStoreRollback] > c.Limit {
+		if c.Clamp {
+			spans = 0
+		}
+		if tm[TermCarryOver] > satMul(c.Limit, spans) || tm[TermLostGrants] > c.Limit || tm[TermTiming] > c.Limit || tm[TermStoreRollback] > satMul(c.Limit, 1+spans) {
 			t.Fatalf("a term exceeds its pool: %v (G %d)", tm, c.Limit)
 		}
 		if tm[TermFallback] != int64(c.Regions)*c.FallbackPerRegion {
@@ -387,7 +424,7 @@ func TestBoundProperties(t *testing.T) {
 			"async store":   func(c *Config) { c.StoreAsyncFailover = true },
 			"no margin":     func(c *Config) { c.ExpiryMargin = 0 },
 			"more fallback": func(c *Config) { c.FallbackPerRegion++ },
-			"no held cap":   func(c *Config) { c.MaxHeldPerRegion = 0 },
+			"longer ttl":    func(c *Config) { c.TTL += c.Window },
 		}
 		for name, f := range relax {
 			r := c

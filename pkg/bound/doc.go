@@ -25,10 +25,14 @@
 //  4. Feed per-window, per-region admission counts to [Reconcile]; every
 //     window whose total exceeds [Bound.Ceiling] is a violation of the stated
 //     bound, i.e. a bug or a broken assumption, and is listed with its ledger.
+//     Negative counts are listed in Report.Invalid, left out of the sums, and
+//     make the report not OK.
 //
 // The terms are upper bounds for one window under the stated assumptions
 // (notably: at most one allocator failover and one regional store failover
-// per window); they are not measurements. Terms never overlap: a token spent
+// per window); they are not measurements. The allocator caps no region's
+// holdings, so no term assumes a region holds less than a whole pool per
+// window its leases reach. Terms never overlap: a token spent
 // in the wrong window because of a clock error is counted by timing only when
 // leases are clamped, since without clamp carry_over already counts every
 // token held across the boundary.

@@ -1,8 +1,10 @@
 package bound
 
 import (
+	"cmp"
 	"maps"
 	"slices"
+	"strings"
 )
 
 // Observation is what one or more regions report for one window of a quota.
@@ -54,6 +56,19 @@ type WindowReport struct {
 	StrandedPercent float64
 }
 
+// InvalidCount is a reported count that cannot be a count: a negative
+// number of tokens.
+type InvalidCount struct {
+	// WindowIndex is the window the count was reported for.
+	WindowIndex int64
+	// Region is the region it was reported for.
+	Region string
+	// Field is "admitted", "granted" or "unspent".
+	Field string
+	// Value is the count as reported.
+	Value int64
+}
+
 // Report is the reconciliation of observed admissions against a bound.
 type Report struct {
 	// Limit is G.
@@ -66,14 +81,22 @@ type Report struct {
 	Violations []WindowReport
 	// MaxOvershoot is the largest Overshoot of any window.
 	MaxOvershoot int64
+	// Invalid lists the negative counts found in the observations, in the
+	// order of the observations and then by region and field. They are left
+	// out of every sum (a negative count must not hide another region's
+	// admissions), and a report with any is not OK: the observations are
+	// broken, so the reconciliation cannot vouch for the bound.
+	Invalid []InvalidCount
 }
 
-// OK reports whether no window broke the bound.
-func (r Report) OK() bool { return len(r.Violations) == 0 }
+// OK reports whether no window broke the bound and every count was valid.
+func (r Report) OK() bool { return len(r.Violations) == 0 && len(r.Invalid) == 0 }
 
 // Reconcile checks every observed window against b: a window whose total
 // admissions exceed b.Ceiling() is a violation, listed with its per-region
-// ledger. Values are summed as given.
+// ledger. Counts are summed as given, saturating at MaxInt64 (a total that
+// large is a violation of any bound); negative counts are listed in
+// Report.Invalid and left out of the sums.
 func Reconcile(b Bound, observed []Observation) Report {
 	type acc struct {
 		regions map[string]*RegionLedger
@@ -88,33 +111,56 @@ func Reconcile(b Bound, observed []Observation) Report {
 		}
 		return l
 	}
+	r := Report{Limit: b.Limit, Ceiling: b.Ceiling()}
+	// valid lists the negative counts of one field of one observation in
+	// region order, and reports whether v may be summed.
+	var bad []InvalidCount
+	valid := func(w int64, region, field string, v int64) bool {
+		if v < 0 {
+			bad = append(bad, InvalidCount{WindowIndex: w, Region: region, Field: field, Value: v})
+		}
+		return v >= 0
+	}
 	for _, o := range observed {
 		a, ok := byWindow[o.WindowIndex]
 		if !ok {
 			a = &acc{regions: make(map[string]*RegionLedger)}
 			byWindow[o.WindowIndex] = a
 		}
+		bad = bad[:0]
 		for region, v := range o.Admitted {
-			ledger(a, region).Admitted += v
+			if valid(o.WindowIndex, region, "admitted", v) {
+				l := ledger(a, region)
+				l.Admitted = satAdd(l.Admitted, v)
+			}
 		}
 		for region, v := range o.Granted {
-			ledger(a, region).Granted += v
+			if valid(o.WindowIndex, region, "granted", v) {
+				l := ledger(a, region)
+				l.Granted = satAdd(l.Granted, v)
+			}
 		}
 		for region, v := range o.Unspent {
-			ledger(a, region).Unspent += v
-			a.unspent = true
+			if valid(o.WindowIndex, region, "unspent", v) {
+				l := ledger(a, region)
+				l.Unspent = satAdd(l.Unspent, v)
+				a.unspent = true
+			}
 		}
+		slices.SortFunc(bad, func(x, y InvalidCount) int {
+			return cmp.Or(strings.Compare(x.Region, y.Region), strings.Compare(x.Field, y.Field))
+		})
+		r.Invalid = append(r.Invalid, bad...)
 	}
 
-	r := Report{Limit: b.Limit, Ceiling: b.Ceiling()}
 	for _, w := range slices.Sorted(maps.Keys(byWindow)) {
 		a := byWindow[w]
 		wr := WindowReport{WindowIndex: w, StrandedKnown: a.unspent}
 		for _, region := range slices.Sorted(maps.Keys(a.regions)) {
 			l := *a.regions[region]
 			wr.Regions = append(wr.Regions, l)
-			wr.Admitted += l.Admitted
-			wr.Stranded += l.Unspent
+			wr.Admitted = satAdd(wr.Admitted, l.Admitted)
+			wr.Stranded = satAdd(wr.Stranded, l.Unspent)
 		}
 		wr.Overshoot = max(0, wr.Admitted-b.Limit)
 		wr.Violation = wr.Admitted > r.Ceiling

@@ -1,6 +1,7 @@
 package bound
 
 import (
+	"math"
 	"reflect"
 	"testing"
 
@@ -8,9 +9,9 @@ import (
 )
 
 func TestReconcile(t *testing.T) {
-	// Atlas with clamp off: G 1,000, ceiling 1,200.
+	// Atlas with a fallback of 100 per region: G 1,000, ceiling 1,200.
 	c := atlas()
-	c.Clamp = false
+	c.FallbackPerRegion = 100
 	b := Calculate(c)
 
 	r := Reconcile(b, []Observation{
@@ -95,4 +96,66 @@ func TestReconcileProperty(t *testing.T) {
 			t.Fatalf("%d violations listed, %d found", len(rep.Violations), violations)
 		}
 	})
+}
+
+// TestReconcileBadCounts: a huge count saturates instead of wrapping
+// negative (and hiding the violation), and a negative count is flagged and
+// left out of the sums instead of cancelling another region's admissions.
+func TestReconcileBadCounts(t *testing.T) {
+	b := Calculate(atlas()) // G 1,000, ceiling 1,000
+	tests := []struct {
+		name          string
+		give          Observation
+		wantAdmitted  int64
+		wantViolation bool
+		wantInvalid   []InvalidCount
+	}{
+		{
+			name:          "sum saturates",
+			give:          Observation{WindowIndex: 3, Admitted: map[string]int64{"eu": math.MaxInt64, "us": 5000}},
+			wantAdmitted:  math.MaxInt64,
+			wantViolation: true,
+		},
+		{
+			name:          "negative count does not offset",
+			give:          Observation{WindowIndex: 3, Admitted: map[string]int64{"eu": 5000, "us": -4500}},
+			wantAdmitted:  5000,
+			wantViolation: true,
+			wantInvalid:   []InvalidCount{{WindowIndex: 3, Region: "us", Field: "admitted", Value: -4500}},
+		},
+		{
+			name: "negative counts under the ceiling still fail",
+			give: Observation{WindowIndex: 4, Admitted: map[string]int64{"eu": 500, "us": -1},
+				Granted: map[string]int64{"eu": -2}, Unspent: map[string]int64{"eu": -3, "us": 7}},
+			wantAdmitted: 500,
+			wantInvalid: []InvalidCount{
+				{WindowIndex: 4, Region: "eu", Field: "granted", Value: -2},
+				{WindowIndex: 4, Region: "eu", Field: "unspent", Value: -3},
+				{WindowIndex: 4, Region: "us", Field: "admitted", Value: -1},
+			},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := Reconcile(b, []Observation{tt.give})
+			if len(r.Windows) != 1 {
+				t.Fatalf("%d windows, want 1", len(r.Windows))
+			}
+			w := r.Windows[0]
+			if w.Admitted != tt.wantAdmitted || w.Violation != tt.wantViolation {
+				t.Errorf("admitted %d violation %v, want %d %v", w.Admitted, w.Violation, tt.wantAdmitted, tt.wantViolation)
+			}
+			if !reflect.DeepEqual(r.Invalid, tt.wantInvalid) {
+				t.Errorf("Invalid = %+v, want %+v", r.Invalid, tt.wantInvalid)
+			}
+			if r.OK() {
+				t.Errorf("OK() = true for %+v", r)
+			}
+			for _, l := range w.Regions {
+				if l.Admitted < 0 || l.Granted < 0 || l.Unspent < 0 {
+					t.Errorf("ledger %+v has a negative count", l)
+				}
+			}
+		})
+	}
 }

@@ -119,11 +119,14 @@ func RedisTTL(deadline, now time.Time, storeDelay time.Duration) time.Duration {
 	if storeDelay < 0 {
 		storeDelay = 0
 	}
-	ttl := deadline.Sub(now) - storeDelay
-	if ttl <= 0 {
+	// Compare before subtracting: Sub saturates at MinInt64 for a deadline
+	// far in the past (the zero time), and subtracting from it would wrap
+	// around to a TTL of centuries.
+	left := deadline.Sub(now)
+	if left <= storeDelay {
 		return 0
 	}
-	return ttl.Truncate(time.Millisecond)
+	return (left - storeDelay).Truncate(time.Millisecond)
 }
 
 // Sizing sizes the chunks a region asks for from its observed demand.
@@ -159,9 +162,10 @@ func (s Sizing) Validate() error {
 // Chunk returns the number of tokens to ask for at a demand of ratePerSec
 // tokens per second: enough to last until the next renewal arrives,
 // ceil(rate x (Lead + RTT)), clamped to [MinChunk, MaxChunk]. A negative or
-// NaN rate counts as zero; MaxChunk wins if it is below MinChunk.
+// NaN rate counts as zero; MaxChunk wins if it is below MinChunk. Lead + RTT
+// saturates instead of overflowing.
 func (s Sizing) Chunk(ratePerSec float64) int64 {
-	n := ceilTokens(ratePerSec, s.Lead+s.RTT)
+	n := ceilTokens(ratePerSec, time.Duration(satAdd(int64(s.Lead), int64(s.RTT))))
 	if n < s.MinChunk {
 		n = s.MinChunk
 	}

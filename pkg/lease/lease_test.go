@@ -177,6 +177,11 @@ func TestRedisTTL(t *testing.T) {
 		{name: "past deadline is zero", deadline: now.Add(-time.Second), delay: 0, want: 0},
 		{name: "delay exceeds remaining", deadline: now.Add(5 * time.Millisecond), delay: 10 * time.Millisecond, want: 0},
 		{name: "negative delay ignored", deadline: now.Add(time.Second), delay: -time.Hour, want: time.Second},
+		// deadline.Sub(now) saturates at MinInt64; subtracting the delay
+		// from it must not wrap around to a TTL of centuries.
+		{name: "zero deadline with a delay", deadline: time.Time{}, delay: time.Millisecond, want: 0},
+		{name: "far past deadline with a delay", deadline: now.AddDate(-300, 0, 0), delay: time.Nanosecond, want: 0},
+		{name: "far future deadline saturates", deadline: now.AddDate(300, 0, 0), delay: time.Millisecond, want: time.Duration(math.MaxInt64 - int64(time.Millisecond)).Truncate(time.Millisecond)},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -215,6 +220,32 @@ func TestSizing(t *testing.T) {
 			}
 			if got := s.LowWatermark(tt.rate); got != tt.wantLow {
 				t.Errorf("LowWatermark(%v) = %d, want %d", tt.rate, got, tt.wantLow)
+			}
+		})
+	}
+}
+
+// TestChunkLeadPlusRTTSaturates: a Sizing that passes Validate with the
+// largest lead still sizes chunks at MaxChunk under demand; Lead + RTT must
+// not wrap around to a negative duration (which would ask for MinChunk).
+func TestChunkLeadPlusRTTSaturates(t *testing.T) {
+	tests := []struct {
+		name string
+		give Sizing
+		rate float64
+		want int64
+	}{
+		{name: "max lead plus rtt", give: Sizing{MinChunk: 1, MaxChunk: 500, Lead: math.MaxInt64, RTT: time.Millisecond}, rate: 100, want: 500},
+		{name: "lead plus max rtt", give: Sizing{MinChunk: 1, MaxChunk: 500, Lead: time.Second, RTT: math.MaxInt64}, rate: 100, want: 500},
+		{name: "zero demand still min", give: Sizing{MinChunk: 7, MaxChunk: 500, Lead: math.MaxInt64, RTT: math.MaxInt64}, rate: 0, want: 7},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if err := tt.give.Validate(); err != nil {
+				t.Fatalf("Validate() = %v", err)
+			}
+			if got := tt.give.Chunk(tt.rate); got != tt.want {
+				t.Fatalf("Chunk(%v) = %d, want %d", tt.rate, got, tt.want)
 			}
 		})
 	}

@@ -1,0 +1,400 @@
+package fsm
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"testing"
+)
+
+// acquireAt has region ask for tokens of pool at now with a fresh request
+// id and returns the tokens granted.
+func (h *harness) acquireAt(now int64, region, pool string, tokens int64) int64 {
+	h.t.Helper()
+	id := fmt.Sprint("r-", len(h.log)) // unique: every call appends an entry
+	return h.acquire(now, region, id, Want{Quota: pool, Tokens: tokens}).Grants[0].Tokens
+}
+
+// ask is one Acquire made after a reset and what it must get.
+type ask struct {
+	at     int64
+	pool   string
+	tokens int64
+	want   int64
+}
+
+// TestResetCarriesLiveTokens: a publish that resets a quota's pools (a
+// changed window length, a removal followed by a re-add) keeps regions'
+// leases valid, so the pools opened while those leases live leave room for
+// their unreleased tokens: one window never sees 2G of live tokens. Once
+// the leases end, the pool is full again.
+func TestResetCarriesLiveTokens(t *testing.T) {
+	g := QuotaSpec{Name: "g", Limit: 1000, WindowMs: minute, ChunkTokens: 100, TTLMs: minute, Clamp: true}
+	other := QuotaSpec{Name: "other", Limit: 10, WindowMs: minute, ChunkTokens: 1, TTLMs: minute}
+	half := g
+	half.WindowMs = minute / 2
+	half.TTLMs = minute / 2
+	unclamped := g
+	unclamped.Clamp = false
+	unclamped.TTLMs = 90_000
+	tests := []struct {
+		name    string
+		spec    QuotaSpec // published first; eu takes 1,000 at t0+1s
+		release int64     // eu releases this many before the reset
+		reset   func(h *harness)
+		asks    []ask // by us, afterwards
+		noReset bool  // the publish keeps the pools: nothing is carried
+	}{
+		{
+			name: "removed and added again",
+			spec: g,
+			reset: func(h *harness) {
+				if r := h.publish(t0+2000, other); fmt.Sprint(r.Removed) != "[g]" {
+					t.Fatalf("Removed %v", r.Removed)
+				}
+				h.publish(t0+2500, g, other)
+			},
+			asks: []ask{{t0 + 3000, "g", 1000, 0}, {t0 + 59_999, "g", 1000, 0}, {t0 + minute, "g", 1000, 1000}},
+		},
+		{
+			name:    "removed and added again after a partial release",
+			spec:    g,
+			release: 400,
+			reset: func(h *harness) {
+				h.publish(t0+2000, other)
+				h.publish(t0+2500, g, other)
+			},
+			asks: []ask{{t0 + 3000, "g", 1000, 400}, {t0 + minute, "g", 1000, 1000}},
+		},
+		{
+			name: "removed and added again with another window",
+			spec: g,
+			reset: func(h *harness) {
+				h.publish(t0+2000, other)
+				h.publish(t0+2500, half, other)
+			},
+			asks: []ask{{t0 + 3000, "g", 1000, 0}, {t0 + 30_000, "g", 1000, 0}, {t0 + minute, "g", 1000, 1000}},
+		},
+		{
+			// The leases end at t0+60s: both 30 s windows they overlap
+			// leave room for them.
+			name: "window_ms changed to 30s",
+			spec: g,
+			reset: func(h *harness) {
+				if r := h.publish(t0+2000, half, other); fmt.Sprint(r.WindowsReset) != "[g]" {
+					t.Fatalf("WindowsReset %v", r.WindowsReset)
+				}
+			},
+			asks: []ask{{t0 + 3000, "g", 1000, 0}, {t0 + 30_000, "g", 1000, 0}, {t0 + minute, "g", 1000, 1000}},
+		},
+		{
+			// A second reset while the first one's tokens live keeps them,
+			// and adds what the windows between granted (nothing here).
+			name: "window_ms changed and changed back",
+			spec: g,
+			reset: func(h *harness) {
+				h.publish(t0+2000, half, other)
+				h.publish(t0+2500, g, other)
+			},
+			asks: []ask{{t0 + 3000, "g", 1000, 0}, {t0 + minute, "g", 1000, 1000}},
+		},
+		{
+			// Unclamped, eu's lease lives until t0+91s: into the third
+			// 30 s window.
+			name: "unclamped lease outliving the window, window_ms changed",
+			spec: unclamped,
+			reset: func(h *harness) {
+				s := unclamped
+				s.WindowMs = minute / 2
+				h.publish(t0+2000, s, other)
+			},
+			asks: []ask{{t0 + 3000, "g", 1000, 0}, {t0 + minute, "g", 1000, 0}, {t0 + 91_000, "g", 1000, 1000}},
+		},
+		{
+			// A limit change is no reset: the pool is the new limit less
+			// what is outstanding.
+			name: "limit changed",
+			spec: g,
+			reset: func(h *harness) {
+				s := g
+				s.Limit = 1500
+				if r := h.publish(t0+2000, s, other); len(r.WindowsReset) != 0 {
+					t.Fatalf("WindowsReset %v", r.WindowsReset)
+				}
+			},
+			asks:    []ask{{t0 + 3000, "g", 1000, 500}},
+			noReset: true,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			h := newHarness(t)
+			h.strict = true
+			h.publish(t0, tt.spec, other)
+			eu := h.acquire(t0+1000, "eu", "eu-1", Want{Quota: "g", Tokens: 1000}).Grants[0]
+			if eu.Tokens != 1000 {
+				t.Fatalf("eu got %d", eu.Tokens)
+			}
+			if tt.release > 0 {
+				h.release(t0+1500, "eu", eu.GrantID, tt.release)
+			}
+			tt.reset(h)
+			for _, a := range tt.asks {
+				w := h.f.CurrentWindow(a.pool, a.at)
+				if got := h.acquireAt(a.at, "us", a.pool, a.tokens); got != a.want {
+					t.Fatalf("us asked %d of %s at +%d ms: got %d, want %d (window before: %+v)", a.tokens, a.pool, a.at-t0, got, a.want, w)
+				}
+				if live := eu.Tokens - tt.release; !tt.noReset && a.at < eu.ExpiresUnixMs && w.Carried < live {
+					t.Fatalf("at +%d ms the window carries %d, eu still holds %d", a.at-t0, w.Carried, live)
+				}
+			}
+			// Replaying the log and restoring the snapshot reach the same state.
+			snap := snapshotBytes(t, h.f)
+			replica := newHarness(t)
+			for _, b := range h.log {
+				replica.applyBytes(b)
+			}
+			if !bytes.Equal(snapshotBytes(t, replica.f), snap) {
+				t.Fatal("replayed log gives a different snapshot")
+			}
+			roundTrip(t, snap)
+		})
+	}
+}
+
+// TestResetCarriesTemplates: the instances of a template are carried one by
+// one when their names keep their meaning (a changed window, a removed and
+// re-added template); when TemplateKeys change, a new instance cannot be
+// matched to the old ones, so it leaves room for all of their live tokens,
+// and a single pool and a template of the same name carry into each other
+// whole.
+func TestResetCarriesTemplates(t *testing.T) {
+	std := QuotaSpec{Name: "std", Limit: 1000, WindowMs: minute, ChunkTokens: 100, TTLMs: minute, Clamp: true, TemplateKeys: 1}
+	other := QuotaSpec{Name: "other", Limit: 10, WindowMs: minute, ChunkTokens: 1, TTLMs: minute}
+	single := std
+	single.TemplateKeys = 0
+	halfWindow := std
+	halfWindow.WindowMs, halfWindow.TTLMs = minute/2, minute/2
+	twoKeys := std
+	twoKeys.TemplateKeys = 2
+	tests := []struct {
+		name  string
+		spec  QuotaSpec
+		take  map[string]int64 // eu's grants at t0+1s
+		reset func(h *harness)
+		asks  []ask
+	}{
+		{
+			name:  "instance window changed",
+			spec:  std,
+			take:  map[string]int64{"std/x": 1000},
+			reset: func(h *harness) { h.publish(t0+2000, halfWindow, other) },
+			asks: []ask{
+				{t0 + 3000, "std/x", 1000, 0}, {t0 + 3000, "std/y", 1000, 1000}, // other tenants are unaffected
+				{t0 + 30_000, "std/x", 1000, 0}, {t0 + minute, "std/x", 1000, 1000},
+			},
+		},
+		{
+			name: "template removed and added again",
+			spec: std,
+			take: map[string]int64{"std/x": 700},
+			reset: func(h *harness) {
+				h.publish(t0+2000, other)
+				h.publish(t0+2500, std, other)
+			},
+			asks: []ask{{t0 + 3000, "std/x", 1000, 300}, {t0 + 3000, "std/y", 1000, 1000}, {t0 + minute, "std/x", 1000, 1000}},
+		},
+		{
+			name:  "template keys changed",
+			spec:  std,
+			take:  map[string]int64{"std/x": 400, "std/y": 300},
+			reset: func(h *harness) { h.publish(t0+2000, twoKeys, other) },
+			asks:  []ask{{t0 + 3000, "std/a/b", 1000, 300}, {t0 + 3000, "std/c/d", 1000, 300}, {t0 + minute, "std/a/b", 1000, 1000}},
+		},
+		{
+			name:  "single pool became a template",
+			spec:  single,
+			take:  map[string]int64{"std": 700},
+			reset: func(h *harness) { h.publish(t0+2000, std, other) },
+			asks:  []ask{{t0 + 3000, "std/a", 1000, 300}, {t0 + 3000, "std/b", 1000, 300}, {t0 + minute, "std/a", 1000, 1000}},
+		},
+		{
+			name:  "template became a single pool",
+			spec:  std,
+			take:  map[string]int64{"std/x": 400, "std/y": 300},
+			reset: func(h *harness) { h.publish(t0+2000, single, other) },
+			asks:  []ask{{t0 + 3000, "std", 1000, 300}, {t0 + minute, "std", 1000, 1000}},
+		},
+		{
+			name: "template became a single pool, removed, and came back",
+			spec: std,
+			take: map[string]int64{"std/x": 400},
+			reset: func(h *harness) {
+				h.publish(t0+2000, single, other)
+				h.acquireAt(t0+2100, "eu", "std", 100) // the single pool grants 100 more
+				h.publish(t0+2200, other)
+				h.publish(t0+2300, std, other)
+			},
+			// std/x: its own 400 and the single pool's 100 (which any
+			// tenant may have spent); std/y: the single pool's 100.
+			asks: []ask{{t0 + 3000, "std/x", 1000, 500}, {t0 + 3000, "std/y", 1000, 900}, {t0 + minute, "std/x", 1000, 1000}},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			h := newHarness(t)
+			h.strict = true
+			h.publish(t0, tt.spec, other)
+			for pool, n := range tt.take { // independent pools: order does not matter
+				if got := h.acquireAt(t0+1000, "eu", pool, n); got != n {
+					t.Fatalf("eu got %d of %s, want %d", got, pool, n)
+				}
+			}
+			tt.reset(h)
+			for _, a := range tt.asks {
+				if got := h.acquireAt(a.at, "us", a.pool, a.tokens); got != a.want {
+					t.Fatalf("us asked %d of %s at +%d ms: got %d, want %d", a.tokens, a.pool, a.at-t0, got, a.want)
+				}
+			}
+			roundTrip(t, snapshotBytes(t, h.f))
+		})
+	}
+}
+
+// resetHarness reaches a state holding carries of every kind: a removed
+// single pool, a single pool whose window changed, a template's instance.
+func resetHarness(t testing.TB) *harness {
+	h := newHarness(t)
+	g := QuotaSpec{Name: "g", Limit: 1000, WindowMs: minute, ChunkTokens: 100, TTLMs: minute, Clamp: true}
+	gone := QuotaSpec{Name: "gone", Limit: 50, WindowMs: minute, ChunkTokens: 5, TTLMs: 30_000}
+	std := QuotaSpec{Name: "std", Limit: 100, WindowMs: minute, ChunkTokens: 10, TTLMs: minute, Clamp: true, TemplateKeys: 1}
+	h.publish(t0, g, gone, std)
+	h.acquire(t0+1000, "eu", "a", Want{Quota: "g", Tokens: 600}, Want{Quota: "gone", Tokens: 20}, Want{Quota: "std/x", Tokens: 70})
+	g2, std2 := g, std
+	g2.WindowMs, std2.WindowMs = minute/2, minute/2
+	g2.TTLMs, std2.TTLMs = minute/2, minute/2
+	h.publish(t0+2000, g2, std2)
+	h.acquire(t0+3000, "us", "b", Want{Quota: "g", Tokens: 1000}, Want{Quota: "std/x", Tokens: 100})
+	return h
+}
+
+// TestResetCarriesSnapshot: carries and the windows that carry tokens
+// round-trip through a snapshot byte for byte, the restored FSM continues
+// the log identically, and carries whose leases ended leave the snapshot.
+func TestResetCarriesSnapshot(t *testing.T) {
+	h := resetHarness(t)
+	snap := snapshotBytes(t, h.f)
+	for _, want := range []string{`"carries":4`, `{"name":"g","tokens":600,`, `{"name":"gone","tokens":20,`, `{"name":"std","tokens":70,`, `"template_keys":1`, `{"name":"std/x","tokens":70,`, `"carried":600`, `"carried":70`} {
+		if !bytes.Contains(snap, []byte(want)) {
+			t.Fatalf("snapshot lacks %s:\n%s", want, snap)
+		}
+	}
+	f := roundTrip(t, snap)
+	if got, want := f.CurrentWindow("g", t0+3000), h.f.CurrentWindow("g", t0+3000); fmt.Sprint(got) != fmt.Sprint(want) || got.Carried != 600 || got.Remaining != 0 {
+		t.Fatalf("restored window %+v, original %+v", got, want)
+	}
+	r := newHarness(t)
+	r.f, r.index = f, h.index
+	cmds := []Command{
+		{Type: CmdPublishPolicy, NowUnixMs: t0 + 4000, Publish: &Publish{ExpectedVersion: 3, Author: "a", Quotas: []QuotaSpec{
+			{Name: "gone", Limit: 50, WindowMs: minute, ChunkTokens: 5, TTLMs: 30_000},
+			{Name: "std", Limit: 100, WindowMs: minute / 2, ChunkTokens: 10, TTLMs: minute / 2, Clamp: true, TemplateKeys: 1},
+		}}},
+		{Type: CmdAcquire, NowUnixMs: t0 + 5000, Acquire: &Acquire{Region: "us", RequestID: "c", Wants: []Want{{Quota: "gone", Tokens: 50}, {Quota: "std/x", Tokens: 100}, {Quota: "std/y", Tokens: 100}}}},
+		{Type: CmdAcquire, NowUnixMs: t0 + 31_000, Acquire: &Acquire{Region: "us", RequestID: "d", Wants: []Want{{Quota: "gone", Tokens: 50}}}},
+	}
+	for i, c := range cmds {
+		if got, want := fmt.Sprintf("%+v", r.apply(c)), fmt.Sprintf("%+v", h.apply(c)); got != want {
+			t.Fatalf("command %d: restored FSM answered %s, original %s", i, got, want)
+		}
+	}
+	if !bytes.Equal(snapshotBytes(t, f), snapshotBytes(t, h.f)) {
+		t.Fatal("states diverged after restore")
+	}
+	// Once every carried lease ended, the carries leave the snapshot, and
+	// the next publish forgets them.
+	h.publish(t0+2*minute, QuotaSpec{Name: "gone", Limit: 50, WindowMs: minute, ChunkTokens: 5, TTLMs: 30_000})
+	if b := snapshotBytes(t, h.f); bytes.Contains(b, []byte(`"carries"`)) || bytes.Contains(b, []byte(`"carried"`)) {
+		t.Fatalf("expired carries still in the snapshot:\n%s", b)
+	}
+	if n := len(h.f.s.carries); n != 0 {
+		t.Fatalf("%d expired carries kept after a publish", n)
+	}
+}
+
+// TestRestoreSnapshotWithoutCarries: a snapshot written before carries
+// existed (no "carries" in the header, no "carried" in windows) restores,
+// and is written back byte for byte.
+func TestRestoreSnapshotWithoutCarries(t *testing.T) {
+	old := []byte(`{"format":1,"now_unix_ms":5,"tokens_granted":5,"last_grant_index":1,"policies":1,"quotas":1,"idempotency":0,"members":[]}` + "\n" +
+		`{"version":1,"author":"a","reason":"","published_unix_ms":1,"document":null,"quotas":[{"name":"q","limit":5,"window_ms":10,"chunk_tokens":1,"ttl_ms":5,"clamp":false,"strategy":"demand","fallback_per_region":0}]}` + "\n" +
+		`{"name":"q","windows":[{"index":0,"limit":5,"grants":[{"id":"1-0","region":"eu","tokens":5,"released":1,"granted_unix_ms":1,"expires_unix_ms":6}]}]}` + "\n")
+	f := roundTrip(t, old)
+	if w := f.CurrentWindow("q", 5); w.Carried != 0 || w.Remaining != 1 || w.Outstanding != 4 {
+		t.Fatalf("window %+v", w)
+	}
+}
+
+func TestRestoreRejectsBadCarries(t *testing.T) {
+	good := snapshotBytes(t, resetHarness(t).f)
+	var lines []map[string]any
+	for _, l := range bytes.Split(bytes.TrimSpace(good), []byte("\n")) {
+		var m map[string]any
+		if err := json.Unmarshal(l, &m); err != nil {
+			t.Fatal(err)
+		}
+		lines = append(lines, m)
+	}
+	h := lines[0]
+	n := func(k string) int { v, _ := h[k].(float64); return int(v) }
+	first := 1 + n("policies") + n("quotas") + n("instances") // the first carry
+	if n("carries") < 2 {
+		t.Fatalf("fixture has %d carries", n("carries"))
+	}
+	edit := func(mod func(l []map[string]any)) []byte {
+		l := make([]map[string]any, len(lines))
+		for i, m := range lines {
+			c := map[string]any{}
+			b, _ := json.Marshal(m)
+			_ = json.Unmarshal(b, &c)
+			l[i] = c
+		}
+		mod(l)
+		var out []byte
+		for _, m := range l {
+			b, _ := json.Marshal(m)
+			out = append(append(out, b...), '\n')
+		}
+		return out
+	}
+	if err := restore(New(), edit(func([]map[string]any) {})); err != nil {
+		t.Fatalf("unedited snapshot rejected: %v", err)
+	}
+	now := h["now_unix_ms"].(float64)
+	tests := []struct {
+		name string
+		mod  func(l []map[string]any)
+	}{
+		{"zero tokens", func(l []map[string]any) { l[first]["tokens"] = 0 }},
+		{"tokens over any limit", func(l []map[string]any) { l[first]["tokens"] = float64(MaxLimit) + 1 }},
+		{"expired", func(l []map[string]any) { l[first]["expires_unix_ms"] = now }},
+		{"expiry too far", func(l []map[string]any) { l[first]["expires_unix_ms"] = now + 2*MaxWindowMs + 1 }},
+		{"out of order", func(l []map[string]any) { l[first], l[first+1] = l[first+1], l[first] }},
+		{"empty name", func(l []map[string]any) { l[first]["name"] = "" }},
+		{"bad template keys", func(l []map[string]any) { l[first]["template_keys"] = MaxTemplateKeys + 1 }},
+		{"negative template keys", func(l []map[string]any) { l[first]["template_keys"] = -1 }},
+		{"count too high", func(l []map[string]any) { l[0]["carries"] = float64(n("carries") + 1) }},
+		{"negative count", func(l []map[string]any) { l[0]["carries"] = -1 }},
+		{"negative carried", func(l []map[string]any) {
+			l[1+n("policies")]["windows"].([]any)[0].(map[string]any)["carried"] = -1
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if err := restore(New(), edit(tt.mod)); !errors.Is(err, ErrBadSnapshot) {
+				t.Fatalf("Restore = %v, want ErrBadSnapshot", err)
+			}
+		})
+	}
+}
