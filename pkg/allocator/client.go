@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -345,10 +346,26 @@ func (o *OperatorClient) AddMember(ctx context.Context, req *allotv1.AddMemberRe
 }
 
 // RemoveMember calls OperatorService.RemoveMember.
+//
+// The client retries a call whose answer was lost, and a removal whose
+// first attempt committed is then answered NotFound although it took
+// effect. When a retried removal is answered NotFound and the cluster
+// (GetCluster) does not list the member, RemoveMember reports the success
+// it was, with that membership. A NotFound at the first attempt stays one.
 func (o *OperatorClient) RemoveMember(ctx context.Context, req *allotv1.RemoveMemberRequest) (*allotv1.RemoveMemberResponse, error) {
-	return opCall(ctx, o.c, req, func(s allotv1connect.OperatorServiceClient) func(context.Context, *connect.Request[allotv1.RemoveMemberRequest]) (*connect.Response[allotv1.RemoveMemberResponse], error) {
+	var attempts atomic.Int32
+	resp, err := opCall(ctx, o.c, req, func(s allotv1connect.OperatorServiceClient) func(context.Context, *connect.Request[allotv1.RemoveMemberRequest]) (*connect.Response[allotv1.RemoveMemberResponse], error) {
+		attempts.Add(1)
 		return s.RemoveMember
 	})
+	if err == nil || attempts.Load() < 2 || connect.CodeOf(err) != connect.CodeNotFound {
+		return resp, err
+	}
+	cl, cerr := o.GetCluster(ctx, &allotv1.GetClusterRequest{})
+	if cerr != nil || slices.ContainsFunc(cl.GetMembers(), func(m *allotv1.Member) bool { return m.GetId() == req.GetId() }) {
+		return resp, err
+	}
+	return &allotv1.RemoveMemberResponse{Members: cl.GetMembers()}, nil
 }
 
 // WatchPolicy opens a policy watch stream on the preferred endpoint. Callers

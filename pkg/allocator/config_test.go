@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/hashicorp/raft"
 	"go.uber.org/zap"
 )
 
@@ -105,5 +106,69 @@ func TestParsePeerChecksAddresses(t *testing.T) {
 		if _, err := ParsePeer(bad); err == nil {
 			t.Errorf("ParsePeer(%q) accepted", bad)
 		}
+	}
+}
+
+// TestRaftConfigCapsAppendEntries: a grouped Acquire entry may be several
+// MB, and a follower catching up gets up to MaxAppendEntries of them in one
+// message; 512 could make that GBs.
+func TestRaftConfigCapsAppendEntries(t *testing.T) {
+	rc := raftConfig(validConfig(), zap.NewNop())
+	if rc.MaxAppendEntries != 64 {
+		t.Errorf("MaxAppendEntries = %d, want 64", rc.MaxAppendEntries)
+	}
+	if err := raft.ValidateConfig(rc); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestRunEndsOpenWatches stops a node while a WatchPolicy stream is open:
+// the graceful shutdown ends the stream and Run returns nil at once. It
+// used to wait for the watch until ShutdownGrace ran out and return
+// "context deadline exceeded", so the command exited 1 on every SIGTERM
+// while agents were connected.
+func TestRunEndsOpenWatches(t *testing.T) {
+	api, raftAddr := closedAddr(t), closedAddr(t)
+	cfg := fastConfig("w1", api)
+	cfg.RaftAddr, cfg.DataDir, cfg.Bootstrap = raftAddr, t.TempDir(), true
+	cfg.Peers = []Peer{{ID: "w1", RaftAddr: raftAddr, APIAddr: api}}
+	const grace = 30 * time.Second
+	ctx, stop := context.WithCancel(context.Background())
+	defer stop()
+	done := make(chan error, 1)
+	go func() { done <- Run(ctx, cfg, RunOptions{ShutdownGrace: grace}, zap.NewNop()) }()
+
+	publishTest(t, []string{api}, clusterPolicy, 1) // the client retries until the node leads
+	c, err := NewClient([]string{api})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	wctx, wcancel := context.WithTimeout(context.Background(), time.Minute)
+	defer wcancel()
+	stream, err := c.Operator().WatchPolicy(wctx, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stream.Close()
+	if !stream.Receive() {
+		t.Fatalf("watch: %v", stream.Err())
+	}
+
+	start := time.Now()
+	stop()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("Run() = %v after %s, want nil", err, time.Since(start))
+		}
+		t.Logf("Run returned after %s", time.Since(start).Round(time.Millisecond))
+	case <-time.After(grace / 2):
+		wcancel() // let Run finish before the test ends
+		<-done
+		t.Fatalf("Run did not return within %s of the stop with a watch open (grace %s)", grace/2, grace)
+	}
+	if stream.Receive() {
+		t.Errorf("the stream delivered version %d after the shutdown", stream.Msg().GetPolicy().GetVersion())
 	}
 }

@@ -15,11 +15,18 @@
 // callers and the node about half the CPU per call of net/http's HTTP/2;
 // Client sends Acquire and Release there with WithGRPCEndpoints.
 //
+// Membership changes keep the quorum: AddMember adds a non-voter and
+// promotes it only once it has caught up (else it stays a non-voter and a
+// retry promotes it), and RemoveMember refuses to remove a voter unless a
+// quorum of the voters left answer.
+//
 // # Usage
 //
 //  1. Build a Config from DefaultConfig and flags; Validate it.
 //  2. Call Run (processes), or NewNode + NewServer + Mux + HTTPServer (tests,
-//     embedding), injecting stores and a transport with WithRaftDeps if needed.
+//     embedding), injecting stores and a transport with WithRaftDeps if needed;
+//     register Server.Shutdown with the HTTP server's RegisterOnShutdown, as
+//     Run does, so open WatchPolicy streams do not hold a graceful shutdown.
 //  3. Publish a policy (OperatorService.PublishPolicy) before regions Acquire.
 //  4. Stop with a cancelled context (Run) or Node.Close: both transfer
 //     leadership first when other voters exist.

@@ -26,7 +26,9 @@ func (s *Server) toConnect(method string, err error) error {
 		code = connect.CodeNotFound
 	case errors.Is(err, fsm.ErrInvalidArgument), errors.Is(err, fsm.ErrMalformedCommand), errors.Is(err, policy.ErrInvalid), errors.Is(err, errInvalid):
 		code = connect.CodeInvalidArgument
-	case errors.Is(err, fsm.ErrStaleVersion):
+	case errors.Is(err, errExists):
+		code = connect.CodeAlreadyExists
+	case errors.Is(err, fsm.ErrStaleVersion), errors.Is(err, errPrecondition), errors.Is(err, ErrMembershipRefused):
 		code = connect.CodeFailedPrecondition
 	case errors.Is(err, fsm.ErrResourceExhausted):
 		code = connect.CodeResourceExhausted
@@ -55,11 +57,14 @@ func (s *Server) toConnect(method string, err error) error {
 	return out
 }
 
-// errNotFound and errInvalid mark input errors of the server itself; the
-// message before them names the field.
+// errNotFound, errInvalid, errExists and errPrecondition mark errors of
+// the server itself whose message goes to the client: the message before
+// them names the field, or says what the cluster's state refuses.
 var (
-	errNotFound = errors.New("not found")
-	errInvalid  = errors.New("invalid")
+	errNotFound     = errors.New("not found")
+	errInvalid      = errors.New("invalid")
+	errExists       = errors.New("already exists")
+	errPrecondition = errors.New("failed precondition")
 )
 
 // LeaderHintOf extracts the leader's API address from an Unavailable error.

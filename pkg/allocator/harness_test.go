@@ -108,6 +108,39 @@ func (tc *testCluster) startNode(cfg Config, tr *raft.InmemTransport, store *raf
 	return node
 }
 
+// addNode starts a node that is no member yet (it does not bootstrap), at
+// raft address raftAddr on a new in-memory transport connected to every
+// other, with its API on ln; AddMember makes it a member.
+func (tc *testCluster) addNode(id, raftAddr string, ln net.Listener) *Node {
+	tc.t.Helper()
+	_, tr := raft.NewInmemTransportWithTimeout(raft.ServerAddress(raftAddr), 500*time.Millisecond)
+	for _, o := range tc.trans {
+		tr.Connect(o.LocalAddr(), o)
+		o.Connect(tr.LocalAddr(), tr)
+	}
+	cfg := fastConfig(id, ln.Addr().String())
+	cfg.RaftAddr = raftAddr
+	n := tc.startNode(cfg, tr, raft.NewInmemStore(), ln)
+	tc.trans = append(tc.trans, tr)
+	tc.nodes = append(tc.nodes, n)
+	tc.addrs = append(tc.addrs, ln.Addr().String())
+	return n
+}
+
+// closedAddr returns a loopback address nothing listens on.
+func closedAddr(t testing.TB) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	if err := ln.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return addr
+}
+
 func (tc *testCluster) close() {
 	for _, s := range tc.servers {
 		_ = s.Close()

@@ -7,6 +7,8 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -24,7 +26,72 @@ var (
 	// ErrUnknownOutcome means a proposal was sent but leadership was lost before
 	// it was known to be committed; retry with the same request id.
 	ErrUnknownOutcome = errors.New("outcome unknown: leadership lost")
+	// ErrMembershipRefused means Raft refused a membership change as invalid
+	// for the current configuration (an address already used, no voter
+	// left, a configuration that changed in between); the message says which.
+	ErrMembershipRefused = errors.New("membership change refused")
 )
+
+// raftError maps the error of a Raft future to the node's sentinel errors,
+// in one place for every path that waits on Raft (apply, barrier,
+// membership changes, configuration reads), so each gets the same Connect
+// code: not the leader, or a leadership transfer under way (nothing was
+// enqueued) is ErrNotLeader; leadership lost, shutdown or an enqueue
+// timeout (the entry may or may not commit) is ErrUnknownOutcome; both are
+// Unavailable with a leader hint, which clients retry. A configuration
+// Raft refused is ErrMembershipRefused. Anything else stays an internal
+// error, wrapped with op.
+func raftError(op string, err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, raft.ErrNotLeader):
+		return fmt.Errorf("%s: %w", op, ErrNotLeader)
+	case errors.Is(err, raft.ErrLeadershipTransferInProgress):
+		return fmt.Errorf("%s: %w: leadership transfer in progress", op, ErrNotLeader)
+	case errors.Is(err, raft.ErrLeadershipLost), errors.Is(err, raft.ErrRaftShutdown), errors.Is(err, raft.ErrEnqueueTimeout):
+		return fmt.Errorf("%s: %w: %v", op, ErrUnknownOutcome, err)
+	case isConfigurationError(err):
+		return fmt.Errorf("%s: %w: %v", op, ErrMembershipRefused, err)
+	}
+	return fmt.Errorf("%s: %w", op, err)
+}
+
+// raftConfigurationErrors are the beginnings of the errors hashicorp/raft
+// (v1.7) returns when it refuses a configuration change
+// (checkConfiguration, nextConfiguration); it has no sentinels for them.
+// TestRaftErrorMapsMembershipRefusals pins them against the raft in go.mod.
+var raftConfigurationErrors = []string{
+	"empty ID in configuration",
+	"empty address in configuration",
+	"found duplicate ID in configuration",
+	"found duplicate address in configuration",
+	"need at least one voter in configuration",
+	"configuration changed since",
+}
+
+func isConfigurationError(err error) bool {
+	msg := err.Error()
+	for _, p := range raftConfigurationErrors {
+		if strings.HasPrefix(msg, p) {
+			return true
+		}
+	}
+	return false
+}
+
+// await waits for f, or until ctx ends (f goes on, and its outcome is then
+// unknown to the caller), and maps its error with raftError.
+func await(ctx context.Context, op string, f raft.Future) error {
+	done := make(chan error, 1)
+	go func() { done <- f.Error() }()
+	select {
+	case err := <-done:
+		return raftError(op, err)
+	case <-ctx.Done():
+		return fmt.Errorf("%s: %w", op, ctx.Err())
+	}
+}
 
 // RaftDeps are the stores and transport of a node. Tests inject in-memory ones;
 // production uses BoltDB, file snapshots and TCP.
@@ -115,24 +182,7 @@ func NewNode(cfg Config, opts ...Option) (*Node, error) {
 	}
 	n.trans = deps.Transport
 
-	rc := raft.DefaultConfig()
-	rc.LocalID = raft.ServerID(cfg.NodeID)
-	rc.HeartbeatTimeout = cfg.HeartbeatTimeout
-	rc.ElectionTimeout = cfg.ElectionTimeout
-	rc.LeaderLeaseTimeout = cfg.LeaderLeaseTimeout
-	rc.CommitTimeout = cfg.CommitTimeout
-	if cfg.SnapshotThreshold > 0 {
-		rc.SnapshotThreshold = cfg.SnapshotThreshold
-	}
-	if cfg.SnapshotInterval > 0 {
-		rc.SnapshotInterval = cfg.SnapshotInterval
-	}
-	if cfg.TrailingLogs > 0 {
-		rc.TrailingLogs = cfg.TrailingLogs
-	}
-	rc.BatchApplyCh = true
-	rc.MaxAppendEntries = 512
-	rc.Logger = newHCLog(o.logger, "raft")
+	rc := raftConfig(cfg, o.logger)
 	if err := raft.ValidateConfig(rc); err != nil {
 		n.runClosers()
 		return nil, fmt.Errorf("raft config: %w", err)
@@ -183,6 +233,39 @@ func NewNode(cfg Config, opts ...Option) (*Node, error) {
 		n.watchLeadership(obsCh)
 	}()
 	return n, nil
+}
+
+// maxAppendEntries caps the entries of one AppendEntries message (and the
+// applies the leader dispatches at once). The proposer already group-commits
+// up to fsm.MaxBatch calls into one entry, so more entries per message buy
+// little, while an entry may be large: a full batch carries up to about
+// 2 x fsm.MaxWants wants, several MB of JSON. A follower catching up gets up
+// to this many entries in one message, held in memory on both ends: at 512
+// that could reach GBs; at 64 (raft's default) the worst case is a few
+// hundred MB and the common case (small entries) is unchanged.
+const maxAppendEntries = 64
+
+// raftConfig returns the Raft configuration of a node with cfg.
+func raftConfig(cfg Config, log *zap.Logger) *raft.Config {
+	rc := raft.DefaultConfig()
+	rc.LocalID = raft.ServerID(cfg.NodeID)
+	rc.HeartbeatTimeout = cfg.HeartbeatTimeout
+	rc.ElectionTimeout = cfg.ElectionTimeout
+	rc.LeaderLeaseTimeout = cfg.LeaderLeaseTimeout
+	rc.CommitTimeout = cfg.CommitTimeout
+	if cfg.SnapshotThreshold > 0 {
+		rc.SnapshotThreshold = cfg.SnapshotThreshold
+	}
+	if cfg.SnapshotInterval > 0 {
+		rc.SnapshotInterval = cfg.SnapshotInterval
+	}
+	if cfg.TrailingLogs > 0 {
+		rc.TrailingLogs = cfg.TrailingLogs
+	}
+	rc.BatchApplyCh = true
+	rc.MaxAppendEntries = maxAppendEntries
+	rc.Logger = newHCLog(log, "raft")
+	return rc
 }
 
 func (n *Node) openDeps() (*RaftDeps, error) {
@@ -252,19 +335,44 @@ func (n *Node) watchLeadership(obs <-chan raft.Observation) {
 	}
 }
 
-// announceMembers writes the API addresses this node knows (itself, and the
-// bootstrap peers) into the member table when they are missing or stale.
+// announceMembers brings the member table in line with the Raft
+// configuration: it records this node's API address (and a bootstrap
+// peer's, when the table has none) and drops the entries of servers that
+// are no longer members. A leader that removes itself steps down before it
+// can drop its own entry, and a removal whose table update failed leaves
+// one behind: the next leader cleans both up here.
 func (n *Node) announceMembers() {
+	// The table is read before the configuration: a member is added to the
+	// configuration before its entry is written, so an entry read here
+	// whose server is not in the configuration read after it is stale.
 	known := n.fsm.Members()
+	f := n.raft.GetConfiguration()
+	if err := f.Error(); err != nil {
+		n.log.Warn("read configuration to record members", zap.Error(err))
+		return
+	}
+	inConf := map[string]bool{}
+	for _, s := range f.Configuration().Servers {
+		inConf[string(s.ID)] = true
+	}
+	var changes []fsm.SetMember
 	for id, api := range n.peerAPI {
-		if known[id] == api {
-			continue
+		if inConf[id] && (known[id] == "" || id == n.cfg.NodeID && known[id] != api) {
+			changes = append(changes, fsm.SetMember{ID: id, APIAddress: api})
 		}
+	}
+	for id := range known {
+		if !inConf[id] {
+			changes = append(changes, fsm.SetMember{ID: id, Remove: true})
+		}
+	}
+	slices.SortFunc(changes, func(a, b fsm.SetMember) int { return strings.Compare(a.ID, b.ID) })
+	for _, c := range changes {
 		ctx, cancel := context.WithTimeout(context.Background(), n.cfg.ApplyTimeout)
-		_, err := n.Apply(ctx, fsm.Command{Type: fsm.CmdSetMember, Member: &fsm.SetMember{ID: id, APIAddress: api}})
+		_, err := n.Apply(ctx, fsm.Command{Type: fsm.CmdSetMember, Member: &c})
 		cancel()
 		if err != nil {
-			n.log.Warn("record member api address", zap.String("member", id), zap.Error(err))
+			n.log.Warn("update member table", zap.String("member", c.ID), zap.Bool("remove", c.Remove), zap.Error(err))
 			return
 		}
 	}
@@ -340,13 +448,8 @@ func (n *Node) applyNow(cmd fsm.Command) (any, error) {
 	f := n.raft.Apply(b, n.cfg.ApplyTimeout)
 	err = f.Error()
 	n.metrics.ApplyLatency.Observe(time.Since(start).Seconds())
-	switch {
-	case errors.Is(err, raft.ErrNotLeader), errors.Is(err, raft.ErrLeadershipTransferInProgress):
-		return nil, ErrNotLeader
-	case errors.Is(err, raft.ErrLeadershipLost), errors.Is(err, raft.ErrRaftShutdown), errors.Is(err, raft.ErrEnqueueTimeout):
-		return nil, fmt.Errorf("apply: %w: %v", ErrUnknownOutcome, err)
-	case err != nil:
-		return nil, fmt.Errorf("apply: %w", err)
+	if err != nil {
+		return nil, raftError("apply", err)
 	}
 	resp := f.Response()
 	if e, ok := resp.(error); ok {
@@ -363,44 +466,63 @@ func (n *Node) Barrier(ctx context.Context) error {
 	}
 	timeout := n.cfg.ApplyTimeout
 	if dl, ok := ctx.Deadline(); ok {
-		timeout = time.Until(dl)
-	}
-	if err := n.raft.Barrier(timeout).Error(); err != nil {
-		if errors.Is(err, raft.ErrNotLeader) || errors.Is(err, raft.ErrLeadershipLost) {
-			return ErrNotLeader
+		if timeout = time.Until(dl); timeout <= 0 {
+			// Raft reads a zero timeout as none at all.
+			return fmt.Errorf("barrier: %w", context.DeadlineExceeded)
 		}
-		return fmt.Errorf("barrier: %w", err)
 	}
-	return nil
+	return await(ctx, "barrier", n.raft.Barrier(timeout))
 }
 
-// AddVoter adds a member and records its API address.
-func (n *Node) AddVoter(ctx context.Context, p Peer) error {
+// AddNonvoter adds p as a non-voter, which receives the log but counts
+// towards no quorum (an unreachable or mistyped address costs the cluster
+// nothing), and records p's API address in the member table. A server
+// that is already a member keeps its suffrage (Raft then only updates its
+// address). Promote makes it a voter once it has caught up.
+func (n *Node) AddNonvoter(ctx context.Context, p Peer) error {
 	if n.raft.State() != raft.Leader {
 		return ErrNotLeader
 	}
-	if err := n.raft.AddVoter(raft.ServerID(p.ID), raft.ServerAddress(p.RaftAddr), 0, n.cfg.ApplyTimeout).Error(); err != nil {
-		if errors.Is(err, raft.ErrNotLeader) {
-			return ErrNotLeader
-		}
-		return fmt.Errorf("add voter %q: %w", p.ID, err)
+	op := fmt.Sprintf("add non-voter %q", p.ID)
+	if err := await(ctx, op, n.raft.AddNonvoter(raft.ServerID(p.ID), raft.ServerAddress(p.RaftAddr), 0, n.cfg.ApplyTimeout)); err != nil {
+		return err
 	}
-	_, err := n.Apply(ctx, fsm.Command{Type: fsm.CmdSetMember, Member: &fsm.SetMember{ID: p.ID, APIAddress: p.APIAddr}})
+	return n.RecordMember(ctx, p.ID, p.APIAddr)
+}
+
+// Promote makes the member p a voter, provided the configuration is still
+// the one at index prevIndex (0: whatever it is), so that a member removed
+// meanwhile is not added back.
+func (n *Node) Promote(ctx context.Context, p Peer, prevIndex uint64) error {
+	if n.raft.State() != raft.Leader {
+		return ErrNotLeader
+	}
+	op := fmt.Sprintf("promote %q to voter", p.ID)
+	return await(ctx, op, n.raft.AddVoter(raft.ServerID(p.ID), raft.ServerAddress(p.RaftAddr), prevIndex, n.cfg.ApplyTimeout))
+}
+
+// RecordMember records the API address of member id in the member table,
+// unless the table holds it already.
+func (n *Node) RecordMember(ctx context.Context, id, apiAddr string) error {
+	if n.fsm.Members()[id] == apiAddr {
+		return nil
+	}
+	_, err := n.Apply(ctx, fsm.Command{Type: fsm.CmdSetMember, Member: &fsm.SetMember{ID: id, APIAddress: apiAddr}})
 	return err
 }
 
-// RemoveServer removes a member.
+// RemoveServer removes a member and its member table entry.
 func (n *Node) RemoveServer(ctx context.Context, id string) error {
 	if n.raft.State() != raft.Leader {
 		return ErrNotLeader
 	}
-	if err := n.raft.RemoveServer(raft.ServerID(id), 0, n.cfg.ApplyTimeout).Error(); err != nil {
-		if errors.Is(err, raft.ErrNotLeader) {
-			return ErrNotLeader
-		}
-		return fmt.Errorf("remove server %q: %w", id, err)
+	if err := await(ctx, fmt.Sprintf("remove server %q", id), n.raft.RemoveServer(raft.ServerID(id), 0, n.cfg.ApplyTimeout)); err != nil {
+		return err
 	}
 	if id == n.cfg.NodeID {
+		// This node stepped down when its removal committed, so it can no
+		// longer write the table: the next leader drops the entry
+		// (announceMembers).
 		return nil
 	}
 	_, err := n.Apply(ctx, fsm.Command{Type: fsm.CmdSetMember, Member: &fsm.SetMember{ID: id, Remove: true}})
@@ -415,9 +537,16 @@ type MemberInfo struct {
 
 // Members returns the Raft configuration with API addresses.
 func (n *Node) Members() ([]MemberInfo, error) {
+	ms, _, err := n.membership()
+	return ms, err
+}
+
+// membership returns the Raft configuration with API addresses, and the
+// index of the log entry that holds it.
+func (n *Node) membership() ([]MemberInfo, uint64, error) {
 	f := n.raft.GetConfiguration()
 	if err := f.Error(); err != nil {
-		return nil, fmt.Errorf("configuration: %w", err)
+		return nil, 0, raftError("configuration", err)
 	}
 	_, lid := n.raft.LeaderWithID()
 	var out []MemberInfo
@@ -427,7 +556,7 @@ func (n *Node) Members() ([]MemberInfo, error) {
 			Suffrage: s.Suffrage.String(), Leader: s.ID == lid,
 		})
 	}
-	return out, nil
+	return out, f.Index(), nil
 }
 
 // TransferLeadership hands leadership to another voter when this node leads

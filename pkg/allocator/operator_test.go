@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+	"github.com/allot-dev/allot/proto/allot/v1/allotv1connect"
 )
 
 // TestAddMemberRejectsBadInput sends AddMember calls whose id or addresses
@@ -138,5 +139,72 @@ func TestRunStopsWhenJoinIsRefused(t *testing.T) {
 	}
 	if d := time.Since(start); d > 5*time.Second {
 		t.Errorf("Run took %s to give up", d)
+	}
+}
+
+// TestLeaderReadsTakeBarrier: GetPolicy, ListPolicies and GetBound, like
+// GetWindow, are answered by the leader after a Raft barrier (one entry in
+// its log), so a leader newly elected, whose state machine may not have
+// applied every committed entry yet, does not answer from behind.
+func TestLeaderReadsTakeBarrier(t *testing.T) {
+	tc := newTestCluster(t, 1)
+	l := tc.leader()
+	publishTest(t, tc.addrs, clusterPolicy, 1)
+	deadline := time.Now().Add(5 * time.Second)
+	for l.FSM().Members()[l.ID()] == "" { // the leader's own entries are written
+		if time.Now().After(deadline) {
+			t.Fatal("the leader never recorded its API address")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	c, err := NewClient(tc.addrs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	op := c.Operator()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for _, tt := range []struct {
+		name string
+		call func() error
+	}{
+		{"GetPolicy", func() error { _, err := op.GetPolicy(ctx, &allotv1.GetPolicyRequest{}); return err }},
+		{"ListPolicies", func() error { _, err := op.ListPolicies(ctx, &allotv1.ListPoliciesRequest{}); return err }},
+		{"GetBound", func() error { _, err := op.GetBound(ctx, &allotv1.GetBoundRequest{}); return err }},
+		{"GetWindow", func() error { _, err := op.GetWindow(ctx, &allotv1.GetWindowRequest{Quota: "atlas"}); return err }},
+	} {
+		before := l.Raft().LastIndex()
+		if err := tt.call(); err != nil {
+			t.Fatalf("%s: %v", tt.name, err)
+		}
+		if after := l.Raft().LastIndex(); after != before+1 {
+			t.Errorf("%s: the leader's log went from %d to %d entries, want one barrier", tt.name, before, after)
+		}
+	}
+}
+
+// TestReleaseRequiresRequestID: a Release without a request id (a raw
+// Connect or gRPC caller; the Go client always sends one) would credit its
+// tokens again on every retry; it is refused, naming the field, and
+// changes nothing.
+func TestReleaseRequiresRequestID(t *testing.T) {
+	tc := newTestCluster(t, 1)
+	l := tc.leader()
+	publishTest(t, tc.addrs, clusterPolicy, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	raw := allotv1connect.NewAllocatorServiceClient(NewHTTPClient(), "http://"+tc.addrs[0])
+	acq, err := raw.Acquire(ctx, connect.NewRequest(&allotv1.AcquireRequest{Region: "eu", RequestId: "a", Wants: []*allotv1.Want{{Quota: "atlas", Tokens: 100}}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := acq.Msg.GetGrants()[0]
+	_, err = raw.Release(ctx, connect.NewRequest(&allotv1.ReleaseRequest{Region: "eu", GrantId: g.GetGrantId(), Tokens: 30}))
+	if connect.CodeOf(err) != connect.CodeInvalidArgument || !strings.Contains(err.Error(), "request_id:") {
+		t.Fatalf("Release without request_id: %v, want InvalidArgument naming request_id", err)
+	}
+	if w := l.FSM().CurrentWindow("atlas", acq.Msg.GetLeaderNowUnixMs()); w.Released != 0 || w.Remaining != 900 {
+		t.Fatalf("window after the refused release: released %d remaining %d, want 0 and 900", w.Released, w.Remaining)
 	}
 }

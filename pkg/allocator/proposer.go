@@ -34,7 +34,12 @@ type proposer struct {
 	siblings int
 	queue    chan *proposal
 	stop     chan struct{}
-	wg       sync.WaitGroup
+	// drained is closed by close once every call the dispatcher took or
+	// the queue held has been answered.
+	drained chan struct{}
+	// wg counts the dispatcher and the batches in flight, until their
+	// callers are answered.
+	wg sync.WaitGroup
 }
 
 // proposal is one caller's command waiting to be group-committed.
@@ -69,7 +74,8 @@ func newProposer(n *Node) *proposer {
 
 // startProposer starts a dispatcher proposing through apply.
 func startProposer(apply func(fsm.Command) (any, error), delay time.Duration, siblings int) *proposer {
-	p := &proposer{apply: apply, delay: delay, siblings: max(siblings, 1), queue: make(chan *proposal, 4*fsm.MaxBatch), stop: make(chan struct{})}
+	p := &proposer{apply: apply, delay: delay, siblings: max(siblings, 1), queue: make(chan *proposal, 4*fsm.MaxBatch),
+		stop: make(chan struct{}), drained: make(chan struct{})}
 	p.wg.Add(1)
 	go p.run()
 	return p
@@ -78,8 +84,9 @@ func startProposer(apply func(fsm.Command) (any, error), delay time.Duration, si
 // errShuttingDown is what queued callers get when the node closes.
 func errShuttingDown() error { return fmt.Errorf("apply: %w: shutting down", ErrNotLeader) }
 
-// close stops the dispatcher, waits for the batches in flight and fails the
-// calls still queued.
+// close stops the dispatcher, waits for the batches in flight to be
+// answered and fails the calls still queued. Calls that come after, or
+// that raced it into the queue after the drain, fail at once (propose).
 func (p *proposer) close() {
 	close(p.stop)
 	p.wg.Wait()
@@ -88,6 +95,7 @@ func (p *proposer) close() {
 		case pr := <-p.queue:
 			pr.done <- proposalResult{err: errShuttingDown()}
 		default:
+			close(p.drained)
 			return
 		}
 	}
@@ -95,6 +103,13 @@ func (p *proposer) close() {
 
 // propose queues cmd and waits for its own result.
 func (p *proposer) propose(ctx context.Context, cmd fsm.Command) (any, error) {
+	// A select picks among ready cases at random: once stopped, never
+	// queue (a call queued after close's drain would wait for nothing).
+	select {
+	case <-p.stop:
+		return nil, errShuttingDown()
+	default:
+	}
 	pr := &proposal{ctx: ctx, cmd: cmd, done: make(chan proposalResult, 1)}
 	select {
 	case p.queue <- pr:
@@ -109,6 +124,16 @@ func (p *proposer) propose(ctx context.Context, cmd fsm.Command) (any, error) {
 	case <-ctx.Done():
 		// The entry may still commit; the caller retries with the same request id.
 		return nil, fmt.Errorf("apply: %w", ctx.Err())
+	case <-p.drained:
+		// Every call the dispatcher or the drain took has been answered;
+		// one that has no answer now was queued after the drain (racing
+		// close) and was never proposed.
+		select {
+		case r := <-pr.done:
+			return r.res, r.err
+		default:
+			return nil, errShuttingDown()
+		}
 	}
 }
 
@@ -157,7 +182,9 @@ func (p *proposer) run() {
 				lingerC = nil
 			}
 			inFlight++
+			p.wg.Add(1)
 			go func() {
+				defer p.wg.Done()
 				results := p.commit(batch)
 				// finished is unbuffered: once it is received, the
 				// dispatcher has counted the calls that waited beside this

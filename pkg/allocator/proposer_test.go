@@ -240,3 +240,92 @@ func count(xs []string, x string) int {
 	}
 	return n
 }
+
+// TestProposeAfterCloseNeverHangs: every call that comes after close, or
+// races it, is answered at once. A select picks among ready cases at
+// random, so a call after close used to be queued half the time, after the
+// drain, and wait for its whole deadline.
+func TestProposeAfterCloseNeverHangs(t *testing.T) {
+	cmd := fsm.Command{Type: fsm.CmdRelease, Release: &fsm.Release{Region: "eu", GrantID: "1-0", Tokens: 1, RequestID: "r"}}
+	apply := func(c fsm.Command) (any, error) {
+		if c.Type != fsm.CmdBatch {
+			return &fsm.ReleaseResult{}, nil
+		}
+		br := &fsm.BatchResult{}
+		for range c.Batch {
+			br.Results = append(br.Results, &fsm.ReleaseResult{})
+		}
+		return br, nil
+	}
+	const deadline = 5 * time.Second
+	check := func(t *testing.T, p *proposer, calls int) {
+		t.Helper()
+		var wg sync.WaitGroup
+		errs := make(chan error, calls)
+		for range calls {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				ctx, cancel := context.WithTimeout(context.Background(), deadline)
+				defer cancel()
+				start := time.Now()
+				_, err := p.propose(ctx, cmd)
+				if err != nil && !errors.Is(err, ErrNotLeader) || time.Since(start) > deadline/2 {
+					errs <- fmt.Errorf("after %s: %v", time.Since(start).Round(time.Millisecond), err)
+				}
+			}()
+		}
+		wg.Wait()
+		close(errs)
+		n := 0
+		for err := range errs {
+			if n++; n <= 3 {
+				t.Errorf("a call after or racing close: %v, want the result or ErrNotLeader at once", err)
+			}
+		}
+		if n > 3 {
+			t.Errorf("... %d such calls in all", n)
+		}
+	}
+
+	t.Run("after close", func(t *testing.T) {
+		p := startProposer(apply, 0, 1)
+		p.close()
+		check(t, p, 500)
+	})
+	t.Run("racing close", func(t *testing.T) {
+		for range 20 {
+			p := startProposer(apply, 0, 1)
+			var (
+				wg  sync.WaitGroup
+				bad = make(chan error, 8)
+			)
+			for range 8 {
+				wg.Add(1)
+				go func() { // calls until it has seen the proposer closed thrice
+					defer wg.Done()
+					for closed := 0; closed < 3; {
+						ctx, cancel := context.WithTimeout(context.Background(), deadline)
+						start := time.Now()
+						_, err := p.propose(ctx, cmd)
+						cancel()
+						if err != nil && !errors.Is(err, ErrNotLeader) || time.Since(start) > deadline/2 {
+							bad <- fmt.Errorf("after %s: %v", time.Since(start).Round(time.Millisecond), err)
+							return
+						}
+						if err != nil {
+							closed++
+						}
+					}
+				}()
+			}
+			time.Sleep(time.Millisecond)
+			p.close()
+			wg.Wait()
+			close(bad)
+			for err := range bad {
+				t.Errorf("a call racing close: %v, want the result or ErrNotLeader at once", err)
+			}
+		}
+	})
+}

@@ -79,6 +79,9 @@ func Run(ctx context.Context, cfg Config, ro RunOptions, log *zap.Logger) error 
 		log.Info("allocator gRPC listening", zap.String("grpc", ro.GRPCAddr))
 	}
 	httpSrv := HTTPServer(cfg.APIAddr, Mux(srv, reg))
+	// Open WatchPolicy streams end when the graceful shutdown begins,
+	// rather than hold it until ShutdownGrace runs out.
+	httpSrv.RegisterOnShutdown(srv.Shutdown)
 	serveCtx, stopServe := context.WithCancel(context.Background())
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- Serve(serveCtx, httpSrv, ln, ro.ShutdownGrace) }()
@@ -134,7 +137,10 @@ func stopGRPC(g *grpc.Server, grace time.Duration) {
 
 // join asks the cluster (through any member) to add this node, retrying until
 // it succeeds or ctx ends; a refusal of the request itself (InvalidArgument:
-// an id or address the cluster cannot use) is not retried.
+// an id or address the cluster cannot use; AlreadyExists: an id or Raft
+// address another member holds) is not retried. A FailedPrecondition is:
+// the cluster added this node as a non-voter and promotes it to voter on a
+// retry once it has caught up.
 func join(ctx context.Context, cfg Config, via string, log *zap.Logger) error {
 	c, err := NewClient([]string{via})
 	if err != nil {
@@ -150,7 +156,7 @@ func join(ctx context.Context, cfg Config, via string, log *zap.Logger) error {
 			log.Info("joined cluster", zap.String("via", via))
 			return nil
 		}
-		if connect.CodeOf(err) == connect.CodeInvalidArgument {
+		if code := connect.CodeOf(err); code == connect.CodeInvalidArgument || code == connect.CodeAlreadyExists {
 			return err
 		}
 		log.Warn("join attempt failed; retrying", zap.String("via", via), zap.Error(err))

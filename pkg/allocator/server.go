@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -16,6 +17,7 @@ import (
 	"unicode/utf8"
 
 	"connectrpc.com/connect"
+	"github.com/hashicorp/raft"
 	"go.uber.org/zap"
 
 	"github.com/allot-dev/allot/fsm"
@@ -47,6 +49,9 @@ type Server struct {
 	peers   *peerClients
 	// watchPoll is how often a WatchPolicy stream looks for a new version.
 	watchPoll time.Duration
+	// closing is closed by Shutdown: open WatchPolicy streams end.
+	closing   chan struct{}
+	closeOnce sync.Once
 }
 
 var (
@@ -62,8 +67,16 @@ func NewServer(node *Node, log *zap.Logger, m *Metrics) *Server {
 	return &Server{
 		node: node, log: log.Named("api"), metrics: m, now: node.now,
 		peers: newPeerClients(), watchPoll: 100 * time.Millisecond,
+		closing: make(chan struct{}),
 	}
 }
+
+// Shutdown ends the open WatchPolicy streams (their clients reconnect
+// through another node) and makes new ones end at once. An HTTP server's
+// graceful Shutdown waits for every handler to return, and a watch returns
+// only when its client goes away: register Shutdown with the HTTP server's
+// RegisterOnShutdown (as Run does), or call it before. It is idempotent.
+func (s *Server) Shutdown() { s.closeOnce.Do(func() { close(s.closing) }) }
 
 // Handler returns an http.Handler serving both services (Connect, gRPC and
 // gRPC-Web protocols) with the body size limit of the node's config.
@@ -104,6 +117,22 @@ func forward[Req, Resp any](ctx context.Context, s *Server, req *connect.Request
 		return nil, true, fmt.Errorf("forward to leader %s: %w (%v)", api, ErrNotLeader, err)
 	}
 	return resp, true, nil
+}
+
+// leaderRead is forward for a read that must see every acknowledged write:
+// on the leader it returns handled=false only after a Raft barrier, so
+// the state machine has applied every entry committed before the call (a
+// new leader may not have yet).
+func leaderRead[Req, Resp any](ctx context.Context, s *Server, req *connect.Request[Req],
+	call func(c *peerClient) func(context.Context, *connect.Request[Req]) (*connect.Response[Resp], error),
+) (resp *connect.Response[Resp], handled bool, err error) {
+	if resp, handled, err := forward(ctx, s, req, call); handled {
+		return resp, true, err
+	}
+	if err := s.node.Barrier(ctx); err != nil {
+		return nil, true, err
+	}
+	return nil, false, nil
 }
 
 func validateAcquire(m *allotv1.AcquireRequest, maxWants int) error {
@@ -203,6 +232,12 @@ func (s *Server) Release(ctx context.Context, req *connect.Request[allotv1.Relea
 		return nil, s.toConnect(method, fmt.Errorf("grant_id: must not be empty: %w", errInvalid))
 	case m.GetTokens() <= 0:
 		return nil, s.toConnect(method, fmt.Errorf("tokens: %d must be positive: %w", m.GetTokens(), errInvalid))
+	case m.GetRequestId() == "":
+		// A retry of a call whose answer was lost must be a replay, not a
+		// second credit (the pool could then grant what a region holds).
+		return nil, s.toConnect(method, fmt.Errorf("request_id: must not be empty (it makes a retried Release a replay): %w", errInvalid))
+	case len(m.GetRequestId()) > maxRequestIDLen:
+		return nil, s.toConnect(method, fmt.Errorf("request_id: longer than %d bytes: %w", maxRequestIDLen, errInvalid))
 	}
 	if resp, handled, err := forward(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.ReleaseRequest]) (*connect.Response[allotv1.ReleaseResponse], error) {
 		return c.alloc.Release
@@ -211,9 +246,6 @@ func (s *Server) Release(ctx context.Context, req *connect.Request[allotv1.Relea
 			return nil, s.toConnect(method, err)
 		}
 		return resp, nil
-	}
-	if len(m.GetRequestId()) > maxRequestIDLen {
-		return nil, s.toConnect(method, fmt.Errorf("request_id: longer than %d bytes: %w", maxRequestIDLen, errInvalid))
 	}
 	out, err := s.node.Apply(ctx, fsm.Command{Type: fsm.CmdRelease, Release: &fsm.Release{
 		Region: m.GetRegion(), GrantID: m.GetGrantId(), Tokens: m.GetTokens(), RequestID: m.GetRequestId(),
@@ -305,10 +337,10 @@ func recordToProto(r fsm.PolicyRecord, withDoc bool) *allotv1.PolicyRecord {
 }
 
 // GetPolicy implements OperatorService.GetPolicy. It is answered by the
-// leader, so an operator reads what they just published.
+// leader after a Raft barrier, so an operator reads what they just published.
 func (s *Server) GetPolicy(ctx context.Context, req *connect.Request[allotv1.GetPolicyRequest]) (*connect.Response[allotv1.GetPolicyResponse], error) {
 	const method = "GetPolicy"
-	if resp, handled, err := forward(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.GetPolicyRequest]) (*connect.Response[allotv1.GetPolicyResponse], error) {
+	if resp, handled, err := leaderRead(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.GetPolicyRequest]) (*connect.Response[allotv1.GetPolicyResponse], error) {
 		return c.op.GetPolicy
 	}); handled {
 		if err != nil {
@@ -332,9 +364,10 @@ func (s *Server) GetPolicy(ctx context.Context, req *connect.Request[allotv1.Get
 	return connect.NewResponse(&allotv1.GetPolicyResponse{Policy: recordToProto(rec, true)}), nil
 }
 
-// ListPolicies implements OperatorService.ListPolicies (answered by the leader).
+// ListPolicies implements OperatorService.ListPolicies (answered by the
+// leader after a Raft barrier).
 func (s *Server) ListPolicies(ctx context.Context, req *connect.Request[allotv1.ListPoliciesRequest]) (*connect.Response[allotv1.ListPoliciesResponse], error) {
-	if resp, handled, err := forward(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.ListPoliciesRequest]) (*connect.Response[allotv1.ListPoliciesResponse], error) {
+	if resp, handled, err := leaderRead(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.ListPoliciesRequest]) (*connect.Response[allotv1.ListPoliciesResponse], error) {
 		return c.op.ListPolicies
 	}); handled {
 		if err != nil {
@@ -353,7 +386,8 @@ func (s *Server) ListPolicies(ctx context.Context, req *connect.Request[allotv1.
 
 // WatchPolicy implements OperatorService.WatchPolicy: it sends every retained
 // version newer than the last one sent, then waits for more until the client
-// goes away.
+// goes away or the server shuts down (Shutdown), when it ends with
+// Unavailable so the client reconnects through another node.
 func (s *Server) WatchPolicy(ctx context.Context, req *connect.Request[allotv1.WatchPolicyRequest], stream *connect.ServerStream[allotv1.WatchPolicyResponse]) error {
 	last := req.Msg.GetAfterVersion()
 	t := time.NewTicker(s.watchPoll)
@@ -377,6 +411,8 @@ func (s *Server) WatchPolicy(ctx context.Context, req *connect.Request[allotv1.W
 		select {
 		case <-ctx.Done():
 			return nil
+		case <-s.closing:
+			return connect.NewError(connect.CodeUnavailable, errors.New("allocator node shutting down: watch through another node"))
 		case <-t.C:
 		}
 	}
@@ -389,16 +425,13 @@ func (s *Server) GetWindow(ctx context.Context, req *connect.Request[allotv1.Get
 	if req.Msg.GetQuota() == "" {
 		return nil, s.toConnect(method, fmt.Errorf("quota: must not be empty: %w", errInvalid))
 	}
-	if resp, handled, err := forward(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.GetWindowRequest]) (*connect.Response[allotv1.GetWindowResponse], error) {
+	if resp, handled, err := leaderRead(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.GetWindowRequest]) (*connect.Response[allotv1.GetWindowResponse], error) {
 		return c.op.GetWindow
 	}); handled {
 		if err != nil {
 			return nil, s.toConnect(method, err)
 		}
 		return resp, nil
-	}
-	if err := s.node.Barrier(ctx); err != nil {
-		return nil, s.toConnect(method, err)
 	}
 	spec, ok := s.node.fsm.Quota(req.Msg.GetQuota())
 	if !ok {
@@ -520,7 +553,24 @@ func CheckDialAddr(addr string) error {
 	return nil
 }
 
-// AddMember implements OperatorService.AddMember.
+// probeTimeout bounds one call of a membership check to another node.
+const probeTimeout = time.Second
+
+// catchUpPolls is how often AddMember asks a new member how far it has
+// applied the log.
+const catchUpPolls = 100 * time.Millisecond
+
+// AddMember implements OperatorService.AddMember. The member is added as a
+// non-voter first, and promoted to voter only once it has applied the log
+// up to where the leader's stood when it was added: a voter that cannot be
+// reached (a stopped node, a mistyped address) would count towards the
+// quorum all the same, and one such voter added to a single node stops the
+// cluster. When the new member does not catch up in time (within the
+// call's deadline and a few apply timeouts), it stays a non-voter, which
+// costs the quorum nothing, and the call fails with FailedPrecondition: a
+// retry promotes it once it is reachable. A call for a voter of the same
+// addresses succeeds (a retry); an id that is a member at another Raft
+// address, or a Raft address of another member, is AlreadyExists.
 func (s *Server) AddMember(ctx context.Context, req *connect.Request[allotv1.AddMemberRequest]) (*connect.Response[allotv1.AddMemberResponse], error) {
 	const method = "AddMember"
 	m := req.Msg
@@ -535,22 +585,122 @@ func (s *Server) AddMember(ctx context.Context, req *connect.Request[allotv1.Add
 		}
 		return resp, nil
 	}
-	if err := s.node.AddVoter(ctx, Peer{ID: m.GetId(), RaftAddr: m.GetRaftAddress(), APIAddr: m.GetApiAddress()}); err != nil {
+	p := Peer{ID: m.GetId(), RaftAddr: m.GetRaftAddress(), APIAddr: m.GetApiAddress()}
+	if err := s.addMember(ctx, p); err != nil {
 		return nil, s.toConnect(method, err)
 	}
 	members, err := s.node.Members()
 	if err != nil {
 		return nil, s.toConnect(method, err)
 	}
-	s.log.Info("member added", zap.String("member", m.GetId()))
+	s.log.Info("member added", zap.String("member", p.ID))
 	s.metrics.Requests.WithLabelValues(method, "ok").Inc()
 	return connect.NewResponse(&allotv1.AddMemberResponse{Members: membersToProto(members)}), nil
 }
 
-// RemoveMember implements OperatorService.RemoveMember.
+// addMember adds p as a non-voter (unless it is a member already), waits
+// for it to catch up, and promotes it.
+func (s *Server) addMember(ctx context.Context, p Peer) error {
+	members, _, err := s.node.membership()
+	if err != nil {
+		return err
+	}
+	var cur *MemberInfo
+	for i, o := range members {
+		switch {
+		case o.ID == p.ID:
+			cur = &members[i]
+		case o.RaftAddr == p.RaftAddr:
+			return fmt.Errorf("raft_address: %q is the address of member %q: %w", p.RaftAddr, o.ID, errExists)
+		}
+	}
+	switch {
+	case cur == nil:
+		if err := s.node.AddNonvoter(ctx, p); err != nil {
+			return err
+		}
+	case cur.RaftAddr != p.RaftAddr:
+		return fmt.Errorf("id: %q is already a member at raft address %q, not %q (remove it first to move it): %w",
+			p.ID, cur.RaftAddr, p.RaftAddr, errExists)
+	default:
+		// A retry, or the promotion of a member added before: its API
+		// address is the one this call gives.
+		if err := s.node.RecordMember(ctx, p.ID, p.APIAddr); err != nil {
+			return err
+		}
+		if cur.Suffrage == raft.Voter.String() {
+			return nil
+		}
+	}
+	// The configuration now holds p as a non-voter; a change after this
+	// one (p removed meanwhile) makes the promotion fail rather than add p
+	// back.
+	_, confIndex, err := s.node.membership()
+	if err != nil {
+		return err
+	}
+	target := s.node.raft.LastIndex()
+	if err := s.awaitCaughtUp(ctx, p, target); err != nil {
+		return fmt.Errorf("id: %q was added as a non-voter but not promoted to voter: %v; "+
+			"a non-voter costs the quorum nothing, and retrying AddMember promotes it once it is reachable and has caught up: %w",
+			p.ID, err, errPrecondition)
+	}
+	return s.node.Promote(ctx, p, confIndex)
+}
+
+// awaitCaughtUp asks the new member p, at its API address, until it reports
+// that it has applied the log up to index target. It gives up when the
+// call's deadline comes near (keeping a quarter of what remains to answer)
+// or after three apply timeouts, and then says why p did not catch up.
+func (s *Server) awaitCaughtUp(ctx context.Context, p Peer, target uint64) error {
+	budget := 3 * s.node.cfg.ApplyTimeout
+	if dl, ok := ctx.Deadline(); ok {
+		budget = min(budget, time.Until(dl)*3/4)
+	}
+	wctx, cancel := context.WithTimeout(ctx, budget)
+	defer cancel()
+	t := time.NewTicker(catchUpPolls)
+	defer t.Stop()
+	for {
+		why := s.caughtUp(wctx, p, target)
+		if why == nil {
+			return nil
+		}
+		select {
+		case <-wctx.Done():
+			return fmt.Errorf("not caught up within %s: %w", budget.Round(time.Millisecond), why)
+		case <-t.C:
+		}
+	}
+}
+
+// caughtUp returns nil when p reports, at its API address, that it has
+// applied the log up to index target, and else why not.
+func (s *Server) caughtUp(ctx context.Context, p Peer, target uint64) error {
+	pctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
+	resp, err := s.peers.get(p.APIAddr).op.GetCluster(pctx, connect.NewRequest(&allotv1.GetClusterRequest{}))
+	if err != nil {
+		return fmt.Errorf("its api_address %s does not answer: %w", p.APIAddr, err)
+	}
+	switch c := resp.Msg; {
+	case c.GetNodeId() != p.ID:
+		return fmt.Errorf("its api_address %s answers as node %q", p.APIAddr, c.GetNodeId())
+	case c.GetAppliedIndex() < target:
+		return fmt.Errorf("it has applied the log up to index %d of %d", c.GetAppliedIndex(), target)
+	}
+	return nil
+}
+
+// RemoveMember implements OperatorService.RemoveMember. Removing a voter
+// is refused with FailedPrecondition unless a quorum of the voters that
+// remain answer and follow this leader: the new configuration must commit
+// with them, and a configuration whose quorum is cut off elects no leader,
+// not even to undo the change, until they are back.
 func (s *Server) RemoveMember(ctx context.Context, req *connect.Request[allotv1.RemoveMemberRequest]) (*connect.Response[allotv1.RemoveMemberResponse], error) {
 	const method = "RemoveMember"
-	if req.Msg.GetId() == "" {
+	id := req.Msg.GetId()
+	if id == "" {
 		return nil, s.toConnect(method, fmt.Errorf("id: must not be empty: %w", errInvalid))
 	}
 	if resp, handled, err := forward(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.RemoveMemberRequest]) (*connect.Response[allotv1.RemoveMemberResponse], error) {
@@ -561,26 +711,95 @@ func (s *Server) RemoveMember(ctx context.Context, req *connect.Request[allotv1.
 		}
 		return resp, nil
 	}
-	known := false
 	members, err := s.node.Members()
 	if err != nil {
 		return nil, s.toConnect(method, err)
 	}
-	for _, m := range members {
-		known = known || m.ID == req.Msg.GetId()
+	i := slices.IndexFunc(members, func(m MemberInfo) bool { return m.ID == id })
+	if i < 0 {
+		return nil, s.toConnect(method, fmt.Errorf("id: %q is not a member: %w", id, errNotFound))
 	}
-	if !known {
-		return nil, s.toConnect(method, fmt.Errorf("id: %q is not a member: %w", req.Msg.GetId(), errNotFound))
+	if members[i].Suffrage == raft.Voter.String() {
+		// A non-voter's removal leaves the voters, and the quorum, as they are.
+		if err := s.checkQuorumWithout(ctx, members, id); err != nil {
+			return nil, s.toConnect(method, err)
+		}
 	}
-	if err := s.node.RemoveServer(ctx, req.Msg.GetId()); err != nil {
+	if err := s.node.RemoveServer(ctx, id); err != nil {
 		return nil, s.toConnect(method, err)
 	}
 	if members, err = s.node.Members(); err != nil {
 		return nil, s.toConnect(method, err)
 	}
-	s.log.Info("member removed", zap.String("member", req.Msg.GetId()))
+	s.log.Info("member removed", zap.String("member", id))
 	s.metrics.Requests.WithLabelValues(method, "ok").Inc()
 	return connect.NewResponse(&allotv1.RemoveMemberResponse{Members: membersToProto(members)}), nil
+}
+
+// checkQuorumWithout returns nil when a quorum of the voters of members
+// other than id answer and follow this leader (this node, when it stays, is
+// one of them), and else an errPrecondition naming those that do not.
+func (s *Server) checkQuorumWithout(ctx context.Context, members []MemberInfo, id string) error {
+	self := s.node.cfg.NodeID
+	term := s.node.raft.CurrentTerm()
+	var remain []MemberInfo
+	for _, m := range members {
+		if m.ID != id && m.Suffrage == raft.Voter.String() {
+			remain = append(remain, m)
+		}
+	}
+	if len(remain) == 0 {
+		return fmt.Errorf("id: %q is the only voter, and a cluster needs one: %w", id, errPrecondition)
+	}
+	why := make([]error, len(remain))
+	var wg sync.WaitGroup
+	for i, m := range remain {
+		if m.ID == self {
+			continue
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			why[i] = s.follows(ctx, m, self, term)
+		}()
+	}
+	wg.Wait()
+	answered := 0
+	var missing []string
+	for i, m := range remain {
+		if why[i] == nil {
+			answered++
+			continue
+		}
+		missing = append(missing, fmt.Sprintf("%s (%v)", m.ID, why[i]))
+	}
+	if quorum := len(remain)/2 + 1; answered < quorum {
+		return fmt.Errorf("id: removing %q would leave %d voters, %d of which must be up to commit, and only %d are: "+
+			"not reachable or not following this leader: %s; bring them back, or remove them first: %w",
+			id, len(remain), quorum, answered, strings.Join(missing, "; "), errPrecondition)
+	}
+	return nil
+}
+
+// follows returns nil when member m answers at its API address that it
+// follows leader in term, and else why not.
+func (s *Server) follows(ctx context.Context, m MemberInfo, leader string, term uint64) error {
+	if m.APIAddr == "" {
+		return errors.New("no API address recorded")
+	}
+	pctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
+	resp, err := s.peers.get(m.APIAddr).op.GetCluster(pctx, connect.NewRequest(&allotv1.GetClusterRequest{}))
+	if err != nil {
+		return fmt.Errorf("%s does not answer: %w", m.APIAddr, err)
+	}
+	switch c := resp.Msg; {
+	case c.GetNodeId() != m.ID:
+		return fmt.Errorf("%s answers as node %q", m.APIAddr, c.GetNodeId())
+	case c.GetLeaderId() != leader || c.GetTerm() != term:
+		return fmt.Errorf("its leader is %q in term %d, not %q in term %d", c.GetLeaderId(), c.GetTerm(), leader, term)
+	}
+	return nil
 }
 
 // peerClient holds Connect clients for one node's API address.

@@ -48,10 +48,11 @@ func (c Config) BoundConfig() bound.Config {
 }
 
 // GetBound implements OperatorService.GetBound from the current policy and
-// the leader's stated assumptions (answered by the leader).
+// the leader's stated assumptions (answered by the leader after a Raft
+// barrier, so it is the bound of the latest policy).
 func (s *Server) GetBound(ctx context.Context, req *connect.Request[allotv1.GetBoundRequest]) (*connect.Response[allotv1.GetBoundResponse], error) {
 	const method = "GetBound"
-	if resp, handled, err := forward(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.GetBoundRequest]) (*connect.Response[allotv1.GetBoundResponse], error) {
+	if resp, handled, err := leaderRead(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.GetBoundRequest]) (*connect.Response[allotv1.GetBoundResponse], error) {
 		return c.op.GetBound
 	}); handled {
 		if err != nil {
