@@ -361,9 +361,9 @@ type ReleaseRequest struct {
 	GrantId string `protobuf:"bytes,2,opt,name=grant_id,json=grantId,proto3" json:"grant_id,omitempty"`
 	// tokens to hand back; at most what the grant has not yet released.
 	Tokens int64 `protobuf:"varint,3,opt,name=tokens,proto3" json:"tokens,omitempty"`
-	// request_id, when set, makes a retry idempotent: the same region and id
-	// return the recorded answer and hand nothing back twice. Set it whenever
-	// a Release may be retried.
+	// request_id (required, at most 128 bytes) makes a retry idempotent: the
+	// same region and id return the recorded answer and hand nothing back
+	// twice. A call without one is InvalidArgument.
 	RequestId     string `protobuf:"bytes,4,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
