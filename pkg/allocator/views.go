@@ -16,7 +16,7 @@ func windowToProto(quota string, w fsm.WindowView, now int64) *allotv1.GetWindow
 	out := &allotv1.GetWindowResponse{
 		Quota: quota, WindowIndex: w.Index, WindowStartUnixMs: w.StartUnixMs, WindowEndUnixMs: w.EndUnixMs,
 		Limit: w.Limit, Granted: w.Granted, Released: w.Released, Expired: w.Expired, Remaining: w.Remaining,
-		NowUnixMs: now,
+		NowUnixMs: now, Carried: w.Carried,
 	}
 	for _, r := range w.Regions {
 		out.Regions = append(out.Regions, &allotv1.RegionLedger{

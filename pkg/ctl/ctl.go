@@ -443,6 +443,11 @@ func (c *cli) window(ctx context.Context, args []string) error {
 		time.UnixMilli(resp.GetWindowStartUnixMs()).UTC().Format("15:04:05.000"),
 		time.UnixMilli(resp.GetWindowEndUnixMs()).UTC().Format("15:04:05.000"),
 		resp.GetLimit(), resp.GetGranted(), resp.GetReleased(), resp.GetExpired(), resp.GetRemaining())
+	if n := resp.GetCarried(); n > 0 {
+		// Leases of pools a publish reset, still live when this window
+		// opened: without this line remaining would not add up.
+		fmt.Fprintf(c.out, "carried %d (leases still live from before a window change or re-add; the pool leaves room for them)\n", n)
+	}
 	var rows [][]string
 	for _, r := range resp.GetRegions() {
 		rows = append(rows, []string{r.GetRegion(), fmt.Sprint(r.GetGrants()), fmt.Sprint(r.GetGranted()), fmt.Sprint(r.GetReleased()),

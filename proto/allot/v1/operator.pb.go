@@ -1054,7 +1054,12 @@ type GetWindowResponse struct {
 	// grants, in the order they were made.
 	Grants []*GrantRecord `protobuf:"bytes,11,rep,name=grants,proto3" json:"grants,omitempty"`
 	// now_unix_ms is the allocator's clock when the ledger was read.
-	NowUnixMs     int64 `protobuf:"varint,12,opt,name=now_unix_ms,json=nowUnixMs,proto3" json:"now_unix_ms,omitempty"`
+	NowUnixMs int64 `protobuf:"varint,12,opt,name=now_unix_ms,json=nowUnixMs,proto3" json:"now_unix_ms,omitempty"`
+	// carried is the tokens of leases regions still held when a publish reset
+	// the quota's pools (a window length change, a removal and re-add), live
+	// when this window opened: the pool leaves room for them, so remaining is
+	// max(0, limit - carried - (granted - released)).
+	Carried       int64 `protobuf:"varint,13,opt,name=carried,proto3" json:"carried,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1169,6 +1174,13 @@ func (x *GetWindowResponse) GetGrants() []*GrantRecord {
 func (x *GetWindowResponse) GetNowUnixMs() int64 {
 	if x != nil {
 		return x.NowUnixMs
+	}
+	return 0
+}
+
+func (x *GetWindowResponse) GetCarried() int64 {
+	if x != nil {
+		return x.Carried
 	}
 	return 0
 }
@@ -1681,7 +1693,7 @@ const file_allot_v1_operator_proto_rawDesc = "" +
 	"\x06tokens\x18\x03 \x01(\x03R\x06tokens\x12\x1a\n" +
 	"\breleased\x18\x04 \x01(\x03R\breleased\x12&\n" +
 	"\x0fgranted_unix_ms\x18\x05 \x01(\x03R\rgrantedUnixMs\x12&\n" +
-	"\x0fexpires_unix_ms\x18\x06 \x01(\x03R\rexpiresUnixMs\"\xaf\x03\n" +
+	"\x0fexpires_unix_ms\x18\x06 \x01(\x03R\rexpiresUnixMs\"\xc9\x03\n" +
 	"\x11GetWindowResponse\x12\x14\n" +
 	"\x05quota\x18\x01 \x01(\tR\x05quota\x12!\n" +
 	"\fwindow_index\x18\x02 \x01(\x03R\vwindowIndex\x12/\n" +
@@ -1695,7 +1707,8 @@ const file_allot_v1_operator_proto_rawDesc = "" +
 	"\aregions\x18\n" +
 	" \x03(\v2\x16.allot.v1.RegionLedgerR\aregions\x12-\n" +
 	"\x06grants\x18\v \x03(\v2\x15.allot.v1.GrantRecordR\x06grants\x12\x1e\n" +
-	"\vnow_unix_ms\x18\f \x01(\x03R\tnowUnixMs\"\x13\n" +
+	"\vnow_unix_ms\x18\f \x01(\x03R\tnowUnixMs\x12\x18\n" +
+	"\acarried\x18\r \x01(\x03R\acarried\"\x13\n" +
 	"\x11GetClusterRequest\"\x90\x01\n" +
 	"\x06Member\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12!\n" +
