@@ -146,6 +146,13 @@ type QuotaSpec struct {
 	// FallbackPerRegion is the tokens a cut-off region may admit locally per
 	// window. The state machine only records it, for the overshoot bound.
 	FallbackPerRegion int64 `json:"fallback_per_region"`
+	// MaxHeldPerRegion, when positive, caps the tokens one region holds of
+	// the pool (of each instance, for a template): a grant never leaves the
+	// region holding more than it in unreleased tokens of grants that have
+	// not expired, over the windows the state machine keeps (the previous,
+	// the current and the next). 0 means no cap. It needs TTLMs <=
+	// WindowMs, so that no older window holds a live grant.
+	MaxHeldPerRegion int64 `json:"max_held_per_region,omitempty"`
 	// Regions, when not empty, are the only regions that may acquire the
 	// quota. Stored sorted.
 	Regions []string `json:"regions,omitempty"`

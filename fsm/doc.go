@@ -26,21 +26,37 @@
 //     ChunkTokens per region before the window opens, and made only in
 //     the second half of the current window. Regions hold tokens
 //     the instant a window turns instead of one round trip later.
+//     A quota with MaxHeldPerRegion caps what one region holds: a grant
+//     never leaves the region holding more than the cap in unreleased
+//     tokens of its grants that have not expired, over the windows the
+//     state machine keeps (previous, current, and next: pre-grants count).
+//     The state machine cannot see spending, so spent tokens count until
+//     their grant expires or is released. A want beyond the room left gets
+//     less, possibly 0 (no grant id), and a grant cut short only by the
+//     cap is not PoolExhausted: room comes back as grants expire or are
+//     released, before the window ends. Each instance of a template has
+//     the cap on its own.
 //   - Release returns unspent tokens of a grant to the pool of its window,
 //     if that window is the current one (or, for a pre-grant, has not
 //     started); afterwards it is a no-op that returns 0, because the pool
 //     it came from is gone.
 //   - Publish installs a new policy version (current+1 exactly): its specs
 //     replace all quotas. A changed limit applies to the current window
-//     (pool = max(0, new limit - outstanding)); a changed window length (or
-//     TemplateKeys) drops the quota's windows and grants; a dropped quota
-//     goes with its windows. Regions keep spending the dropped grants until
-//     their leases end, so their unreleased tokens that had not expired are
-//     carried: every window opened while they live, for a pool of the same
-//     name (the quota's, or a re-added quota's), leaves room for them (pool
-//     = max(0, limit - carried - outstanding); WindowView.Carried). Only
-//     grants of windows still held (the previous, current and next) are
-//     carried. The last HistoryVersions versions are kept for audit.
+//     (pool = max(0, new limit - outstanding)); a changed MaxHeldPerRegion
+//     applies from the next grant (a region holding more than a lowered
+//     cap keeps its grants and gets nothing until it holds less); a
+//     changed window length (or TemplateKeys) drops the quota's windows
+//     and grants; a dropped quota goes with its windows. Regions keep
+//     spending the dropped grants until their leases end, so their
+//     unreleased tokens that had not expired are carried: every window
+//     opened while they live, for a pool of the same name (the quota's, or
+//     a re-added quota's), leaves room for them (pool = max(0, limit -
+//     carried - outstanding); WindowView.Carried). Only grants of windows
+//     still held (the previous, current and next) are carried. Carried
+//     tokens are not kept per region, so they do not count toward a
+//     region's cap: until they expire a region may hold them beside a
+//     full cap of new grants. The last HistoryVersions versions are kept
+//     for audit.
 //   - SetMember records (or removes) the API address of an allocator
 //     member, so that every replica can direct clients to the leader.
 //
@@ -122,7 +138,8 @@
 //     accept diverges. So does one that applies an entry by another rule:
 //     builds before the carried tokens (see Publish) grant a reset pool in
 //     full, so publish no window change or quota removal while replicas of
-//     both builds serve.
+//     both builds serve. Likewise, builds before MaxHeldPerRegion refuse a
+//     spec that sets it (an unknown field): publish no cap while they serve.
 //  6. Report demand on every Acquire when a quota uses fair_share: a region
 //     that reports none has no need, so under contention it gets no share.
 package fsm

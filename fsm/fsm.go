@@ -208,6 +208,30 @@ type ledger struct {
 	granted  int64
 	released int64
 	grants   int
+	// list is the region's grants of the window, in grant order; the first
+	// dead of them hold nothing at the state's time or later (expired or
+	// wholly released), so held skips them.
+	list []*grant
+	dead int
+}
+
+// held returns the unreleased tokens of l's grants that have not expired at
+// now. now must not be earlier than at any previous call: the grants it
+// finds dead at the front of the list are skipped from then on.
+func (l *ledger) held(now int64) int64 {
+	for l.dead < len(l.list) {
+		if g := l.list[l.dead]; g.expires > now && g.tokens > g.released {
+			break
+		}
+		l.dead++
+	}
+	var n int64
+	for _, g := range l.list[l.dead:] {
+		if g.expires > now {
+			n = satAdd(n, g.tokens-g.released)
+		}
+	}
+	return n
 }
 
 type grant struct {
@@ -602,7 +626,14 @@ func (s *state) acquire(index uint64, base int, now int64, a *Acquire) (*Acquire
 		case q.spec.Strategy == StrategyFairShare:
 			avail = min(avail, fairCap(q, w, a.Region, now))
 		}
-		n := min(asked, avail)
+		// room is what the region may still take under its cap: a grant
+		// never leaves it holding more than MaxHeldPerRegion, pre-grants
+		// of the next window included.
+		room := asked
+		if held := q.spec.MaxHeldPerRegion; held > 0 {
+			room = max(0, held-q.held(a.Region, now))
+		}
+		n := min(asked, avail, room)
 		end := lease.WindowEnd(w.index, q.spec.WindowMs)
 		gr := GrantResult{Quota: q.name, Requested: asked, WindowIndex: w.index, WindowEndUnixMs: end}
 		if wt.Next {
@@ -624,7 +655,11 @@ func (s *state) acquire(index uint64, base int, now int64, a *Acquire) (*Acquire
 			gr.GrantID, gr.Tokens, gr.ExpiresUnixMs, gr.TTLMs = g.id, n, g.expires, g.expires-now
 		}
 		gr.PoolRemaining = w.remaining()
-		gr.PoolExhausted = gr.PoolRemaining == 0 || n < asked
+		// Exhausted is the pool's word (or the fair share's, or a
+		// pre-grant's chunk): a grant cut short only by the region's cap
+		// is not, since the region gets more as its grants expire or are
+		// released, before the window ends.
+		gr.PoolExhausted = gr.PoolRemaining == 0 || avail < min(asked, room)
 		res.Grants[i] = gr
 		if t != nil {
 			t.touch(q, now)
@@ -649,6 +684,22 @@ func (w *window) add(g *grant) {
 	l.granted += g.tokens
 	l.released += g.released
 	l.grants++
+	l.list = append(l.list, g)
+}
+
+// held returns the tokens region holds of pool q at now: the unreleased
+// tokens of its grants that have not expired, in every window still
+// visible (the previous, the current and, once pre-granted from, the next).
+// Older windows hold no live grant of a quota with a cap (its TTL is at
+// most its window, see validateSpecs). now must not decrease between calls.
+func (q *quota) held(region string, now int64) int64 {
+	var n int64
+	for _, w := range q.windows {
+		if l := w.regions[region]; l != nil && q.visible(w.index, now) {
+			n = satAdd(n, l.held(now))
+		}
+	}
+	return n
 }
 
 // openWindow returns q's window idx (the current one, or the next for a
@@ -881,6 +932,12 @@ func validateSpecs(in []QuotaSpec) ([]QuotaSpec, error) {
 			return nil, fmt.Errorf("%s.ttl_ms %d: must not exceed window_ms %d when clamp is set: %w", field, q.TTLMs, q.WindowMs, ErrInvalidArgument)
 		case q.FallbackPerRegion < 0 || q.FallbackPerRegion > MaxLimit:
 			return nil, fmt.Errorf("%s.fallback_per_region %d: must be in [0, %d]: %w", field, q.FallbackPerRegion, int64(MaxLimit), ErrInvalidArgument)
+		case q.MaxHeldPerRegion < 0 || q.MaxHeldPerRegion > q.Limit:
+			return nil, fmt.Errorf("%s.max_held_per_region %d: must be in [0, limit %d]: %w", field, q.MaxHeldPerRegion, q.Limit, ErrInvalidArgument)
+		case q.MaxHeldPerRegion > 0 && q.TTLMs > q.WindowMs:
+			// Windows older than the previous one are dropped, so a lease
+			// outliving the next window would escape the count.
+			return nil, fmt.Errorf("%s.ttl_ms %d: must not exceed window_ms %d when max_held_per_region is set: %w", field, q.TTLMs, q.WindowMs, ErrInvalidArgument)
 		case len(q.Regions) > MaxRegionsPerQuota:
 			return nil, fmt.Errorf("%s.regions: %d entries, at most %d: %w", field, len(q.Regions), MaxRegionsPerQuota, ErrInvalidArgument)
 		case q.TemplateKeys < 0 || q.TemplateKeys > MaxTemplateKeys:

@@ -15,7 +15,7 @@ import (
 
 func TestEncodeDecodeRoundTrip(t *testing.T) {
 	spec := QuotaSpec{Name: "atlas", Limit: 1000, WindowMs: minute, ChunkTokens: 100, TTLMs: 15_000, Clamp: true,
-		Strategy: StrategyFairShare, FallbackPerRegion: 7, Regions: []string{"eu", "us"}, TemplateKeys: 2}
+		Strategy: StrategyFairShare, FallbackPerRegion: 7, MaxHeldPerRegion: 300, Regions: []string{"eu", "us"}, TemplateKeys: 2}
 	acquire := &Acquire{Region: "eu", RequestID: "r1", Wants: []Want{
 		{Quota: "atlas", Tokens: 5, DemandPerSecond: 1.5},
 		{Quota: "tq/a", Tokens: 3, DemandPerSecond: 0.25, Next: true},
@@ -256,6 +256,11 @@ func TestPublishValidation(t *testing.T) {
 		{name: "clamp with ttl beyond window", give: Publish{ExpectedVersion: 2, Author: "a", Quotas: []QuotaSpec{with(func(s *QuotaSpec) { s.TTLMs = minute + 1 })}}, wantErr: ErrInvalidArgument, wantField: "quotas[0].ttl_ms"},
 		{name: "unknown strategy", give: Publish{ExpectedVersion: 2, Author: "a", Quotas: []QuotaSpec{with(func(s *QuotaSpec) { s.Strategy = "lottery" })}}, wantErr: ErrInvalidArgument, wantField: "quotas[0].strategy"},
 		{name: "negative fallback", give: Publish{ExpectedVersion: 2, Author: "a", Quotas: []QuotaSpec{with(func(s *QuotaSpec) { s.FallbackPerRegion = -1 })}}, wantErr: ErrInvalidArgument, wantField: "quotas[0].fallback_per_region"},
+		{name: "negative max held", give: Publish{ExpectedVersion: 2, Author: "a", Quotas: []QuotaSpec{with(func(s *QuotaSpec) { s.MaxHeldPerRegion = -1 })}}, wantErr: ErrInvalidArgument, wantField: "quotas[0].max_held_per_region"},
+		{name: "max held above limit", give: Publish{ExpectedVersion: 2, Author: "a", Quotas: []QuotaSpec{with(func(s *QuotaSpec) { s.MaxHeldPerRegion = 1001 })}}, wantErr: ErrInvalidArgument, wantField: "quotas[0].max_held_per_region"},
+		{name: "max held with ttl beyond window", give: Publish{ExpectedVersion: 2, Author: "a", Quotas: []QuotaSpec{with(func(s *QuotaSpec) {
+			s.Clamp, s.TTLMs, s.MaxHeldPerRegion = false, minute+1, 100
+		})}}, wantErr: ErrInvalidArgument, wantField: "quotas[0].ttl_ms"},
 		{name: "duplicate region", give: Publish{ExpectedVersion: 2, Author: "a", Quotas: []QuotaSpec{with(func(s *QuotaSpec) { s.Regions = []string{"eu", "us", "eu"} })}}, wantErr: ErrInvalidArgument, wantField: "quotas[0].regions"},
 		{name: "empty region", give: Publish{ExpectedVersion: 2, Author: "a", Quotas: []QuotaSpec{with(func(s *QuotaSpec) { s.Regions = []string{"eu", ""} })}}, wantErr: ErrInvalidArgument, wantField: "quotas[0].regions[1]"},
 	}

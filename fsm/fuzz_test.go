@@ -28,6 +28,7 @@ func fuzzSeeds(tb testing.TB) [][]byte {
 		enc(Command{Type: CmdRelease, NowUnixMs: t0 + 3, Release: &Release{Region: "eu", GrantID: "1-0", Tokens: 10}}),
 		enc(Command{Type: CmdRelease, NowUnixMs: t0 + 3, Release: &Release{Region: "eu", GrantID: "1-0", Tokens: 10, RequestID: "x"}}),
 		enc(Command{Type: CmdPublishPolicy, NowUnixMs: t0 + 4, Publish: &Publish{ExpectedVersion: 2, Author: "a", Quotas: []QuotaSpec{{Name: "atlas", Limit: 10, WindowMs: 1000, ChunkTokens: 1, TTLMs: 500, Clamp: true, Strategy: StrategyFairShare}}}}),
+		enc(Command{Type: CmdPublishPolicy, NowUnixMs: t0 + 4, Publish: &Publish{ExpectedVersion: 2, Author: "a", Quotas: []QuotaSpec{{Name: "atlas", Limit: 10, WindowMs: 1000, ChunkTokens: 4, TTLMs: 500, MaxHeldPerRegion: 6}}}}),
 		enc(Command{Type: CmdPublishPolicy, NowUnixMs: t0 + 4, Publish: &Publish{ExpectedVersion: 2, Author: "a"}}),
 		enc(Command{Type: CmdSetMember, NowUnixMs: t0 + 5, Member: &SetMember{ID: "a1", APIAddress: "127.0.0.1:7000"}}),
 		enc(Command{Type: CmdSetMember, NowUnixMs: t0 + 5, Member: &SetMember{ID: "a1", Remove: true}}),

@@ -25,6 +25,11 @@ type model struct {
 	// outstanding tokens; peak holds the largest limit a window had.
 	lowered map[windowKey]bool
 	peak    map[windowKey]int64
+	// gen counts publishes; capGen holds, per spec name, the gen at which
+	// its MaxHeldPerRegion took its current value (a grant made since
+	// leaves its region within that cap).
+	gen    int
+	capGen map[string]int
 	// tally counts, over every run of the property, what the commands
 	// achieved, so that the test fails when nothing is ever granted or
 	// released (then every invariant holds trivially).
@@ -33,6 +38,8 @@ type model struct {
 
 type propTally struct {
 	runs, grants, releases int
+	// capped counts the grants a region's cap cut short.
+	capped int
 	// carried counts the checks that found live tokens of dropped grants.
 	carried int
 }
@@ -55,6 +62,8 @@ type grantMade struct {
 	expires           int64
 	// released is the tokens the FSM took back (ReleaseResult.Returned).
 	released int64
+	// gen is the model's gen when the grant was made.
+	gen int
 	// dropped is set when a publish removed the grant's quota or changed
 	// its window length, which drops its windows and grants.
 	dropped bool
@@ -105,18 +114,25 @@ func drawSpec(t *rapid.T, name string) QuotaSpec {
 	limit := rapid.Int64Range(1, 500).Draw(t, name+".limit")
 	window := rapid.SampledFrom([]int64{1_000, 5_000, minute}).Draw(t, name+".window")
 	clamp := rapid.Bool().Draw(t, name+".clamp")
+	// A cap on what one region holds, sometimes; it needs a TTL within
+	// the window.
+	var held int64
+	if rapid.IntRange(0, 2).Draw(t, name+".capped?") == 0 {
+		held = rapid.Int64Range(1, limit).Draw(t, name+".maxheld")
+	}
 	ttlMax := 2 * window
-	if clamp {
+	if clamp || held > 0 {
 		ttlMax = window
 	}
 	return QuotaSpec{
-		Name:        name,
-		Limit:       limit,
-		WindowMs:    window,
-		ChunkTokens: rapid.Int64Range(1, limit).Draw(t, name+".chunk"),
-		TTLMs:       rapid.Int64Range(1, ttlMax).Draw(t, name+".ttl"),
-		Clamp:       clamp,
-		Strategy:    rapid.SampledFrom([]Strategy{StrategyDemand, StrategyFairShare}).Draw(t, name+".strategy"),
+		Name:             name,
+		Limit:            limit,
+		WindowMs:         window,
+		ChunkTokens:      rapid.Int64Range(1, limit).Draw(t, name+".chunk"),
+		TTLMs:            rapid.Int64Range(1, ttlMax).Draw(t, name+".ttl"),
+		Clamp:            clamp,
+		Strategy:         rapid.SampledFrom([]Strategy{StrategyDemand, StrategyFairShare}).Draw(t, name+".strategy"),
+		MaxHeldPerRegion: held,
 	}
 }
 
@@ -129,6 +145,12 @@ func (m *model) publish(t *rapid.T) {
 			specs[name] = old // unchanged
 		case had && rapid.Bool().Draw(t, "relimit "+name):
 			old.Limit = rapid.Int64Range(old.ChunkTokens, 600).Draw(t, name+".newlimit")
+			old.MaxHeldPerRegion = min(old.MaxHeldPerRegion, old.Limit)
+			specs[name] = old
+		case had && old.TTLMs <= old.WindowMs && rapid.Bool().Draw(t, "recap "+name):
+			// Set, change or lift the cap; a region may then hold more
+			// than the new cap until its grants end.
+			old.MaxHeldPerRegion = rapid.Int64Range(0, old.Limit).Draw(t, name+".newmaxheld")
 			specs[name] = old
 		case rapid.IntRange(0, 4).Draw(t, "drop "+name) > 0:
 			specs[name] = drawSpec(t, name)
@@ -171,6 +193,12 @@ func (m *model) publish(t *rapid.T) {
 		}
 	}
 	m.h.publish(m.stamp, list...)
+	m.gen++
+	for name, s := range specs {
+		if old, had := m.specs[name]; !had || old.MaxHeldPerRegion != s.MaxHeldPerRegion {
+			m.capGen[name] = m.gen
+		}
+	}
 	now := m.h.f.Now()
 	for _, name := range propQuotas {
 		old, had := m.specs[name]
@@ -213,10 +241,47 @@ func (m *model) valid(wants []Want) bool {
 func (m *model) recordGrants(region string, r *AcquireResult) {
 	for _, g := range r.Grants {
 		if g.Tokens > 0 {
-			m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: region, tokens: g.Tokens, window: g.WindowIndex, expires: g.ExpiresUnixMs})
+			m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: region, tokens: g.Tokens, window: g.WindowIndex, expires: g.ExpiresUnixMs, gen: m.gen})
 			m.tally.grants++
 		}
 	}
+}
+
+// held is what region holds of pool name at now as the cap counts it: the
+// unreleased tokens of its grants the FSM still keeps (not dropped by a
+// publish, of a window no older than the previous one) that have not
+// expired.
+func (m *model) held(name, region string, now int64) int64 {
+	spec, ok := m.spec(name)
+	if !ok {
+		return 0
+	}
+	cur := lease.WindowIndex(now, spec.WindowMs)
+	var n int64
+	for _, g := range m.grants {
+		if g.quota == name && g.region == region && !g.dropped && g.window >= cur-1 && g.expires > now {
+			n += g.tokens - g.released
+		}
+	}
+	return n
+}
+
+// room is what region may still be granted of pool name at now under its
+// cap (the asked tokens when it has none).
+func (m *model) room(name, region string, now, asked int64) int64 {
+	spec, _ := m.spec(name)
+	if spec.MaxHeldPerRegion == 0 {
+		return asked
+	}
+	return max(0, spec.MaxHeldPerRegion-m.held(name, region, now))
+}
+
+// capName is the spec name whose cap applies to pool name.
+func capName(name string) string {
+	if slices.Contains(propInstances, name) {
+		return "tq"
+	}
+	return name
 }
 
 func (m *model) windowsAt(stamp int64) map[string]WindowView {
@@ -259,6 +324,17 @@ func (m *model) acquire(t *rapid.T) {
 	acq := Acquire{Region: region, RequestID: fmt.Sprint("req-", m.nextID), Wants: wants}
 	before := m.windowsAt(m.stamp)
 	valid := m.valid(wants)
+	now := max(m.h.f.Now(), m.stamp)
+	room := make([]int64, len(wants))
+	for i, w := range wants {
+		if valid {
+			asked := w.Tokens
+			if asked == 0 {
+				asked = m.specs[capName(w.Quota)].ChunkTokens
+			}
+			room[i] = m.room(w.Quota, region, now, asked)
+		}
+	}
 	res := m.h.acquireRes(m.stamp, region, acq.RequestID, wants...)
 	r, ok := res.(*AcquireResult)
 	switch {
@@ -290,8 +366,8 @@ func (m *model) acquire(t *rapid.T) {
 				t.Fatalf("want %d: pre-grant of window %d from %d, current window %d ends %d", i, g.WindowIndex, g.NotBeforeUnixMs, a.Index, a.EndUnixMs)
 			}
 			next, _ := m.h.f.Window(g.Quota, g.WindowIndex)
-			if g.Tokens > g.Requested || g.Tokens > spec.ChunkTokens {
-				t.Fatalf("want %d: pre-granted %d, asked %d, chunk %d", i, g.Tokens, g.Requested, spec.ChunkTokens)
+			if g.Tokens > g.Requested || g.Tokens > spec.ChunkTokens || g.Tokens > room[i] {
+				t.Fatalf("want %d: pre-granted %d, asked %d, chunk %d, room under the cap %d", i, g.Tokens, g.Requested, spec.ChunkTokens, room[i])
 			}
 			if early := g.NotBeforeUnixMs-r.NowUnixMs > spec.WindowMs/2; early && g.Tokens > 0 {
 				t.Fatalf("want %d: pre-granted %d tokens %d ms before the window, more than half a window %d", i, g.Tokens, g.NotBeforeUnixMs-r.NowUnixMs, spec.WindowMs)
@@ -309,7 +385,7 @@ func (m *model) acquire(t *rapid.T) {
 				if g.ExpiresUnixMs > g.WindowEndUnixMs || g.ExpiresUnixMs-g.NotBeforeUnixMs > spec.TTLMs || g.ExpiresUnixMs <= g.NotBeforeUnixMs {
 					t.Fatalf("want %d: pre-grant for [%d, %d) expires %d (ttl %d)", i, g.NotBeforeUnixMs, g.WindowEndUnixMs, g.ExpiresUnixMs, spec.TTLMs)
 				}
-				m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: region, tokens: g.Tokens, window: g.WindowIndex, expires: g.ExpiresUnixMs})
+				m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: region, tokens: g.Tokens, window: g.WindowIndex, expires: g.ExpiresUnixMs, gen: m.gen})
 				m.tally.grants++
 			}
 			continue
@@ -323,8 +399,20 @@ func (m *model) acquire(t *rapid.T) {
 		if b.Index == a.Index && a.Remaining != b.Remaining-g.Tokens {
 			t.Fatalf("want %d: pool %d -> %d after granting %d\nres %+v\nbefore %+v\nafter %+v\nstamp %d now %d", i, b.Remaining, a.Remaining, g.Tokens, r, b, a, m.stamp, m.h.f.Now())
 		}
-		if spec.Strategy == StrategyDemand && g.Tokens != min(g.Requested, b.Remaining) {
-			t.Fatalf("demand strategy granted %d of %d with %d in the pool", g.Tokens, g.Requested, b.Remaining)
+		if g.Tokens > room[i] {
+			t.Fatalf("want %d: granted %d, but %s had room for %d under its cap %d", i, g.Tokens, region, room[i], spec.MaxHeldPerRegion)
+		}
+		if spec.Strategy == StrategyDemand && b.Index == a.Index {
+			if g.Tokens != min(g.Requested, b.Remaining, room[i]) {
+				t.Fatalf("demand strategy granted %d of %d with %d in the pool and room for %d under the cap", g.Tokens, g.Requested, b.Remaining, room[i])
+			}
+			// Only the pool says it is exhausted, never the cap.
+			if want := a.Remaining == 0 || b.Remaining < min(g.Requested, room[i]); g.PoolExhausted != want {
+				t.Fatalf("want %d: pool_exhausted %v, want %v: asked %d, pool %d -> %d, room %d", i, g.PoolExhausted, want, g.Requested, b.Remaining, a.Remaining, room[i])
+			}
+		}
+		if room[i] < min(g.Requested, b.Remaining) {
+			m.tally.capped++
 		}
 		if g.Tokens > 0 {
 			if spec.Clamp && g.ExpiresUnixMs > g.WindowEndUnixMs {
@@ -333,7 +421,7 @@ func (m *model) acquire(t *rapid.T) {
 			if g.TTLMs <= 0 || g.TTLMs > spec.TTLMs {
 				t.Fatalf("ttl %d outside (0, %d]", g.TTLMs, spec.TTLMs)
 			}
-			m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: region, tokens: g.Tokens, window: g.WindowIndex, expires: g.ExpiresUnixMs})
+			m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: region, tokens: g.Tokens, window: g.WindowIndex, expires: g.ExpiresUnixMs, gen: m.gen})
 			m.tally.grants++
 		}
 	}
@@ -441,9 +529,11 @@ func (m *model) release(t *rapid.T) {
 		return
 	}
 	m.nextID++
+	room := m.room(g.quota, region, now, tokens)
 	back := m.h.acquire(m.stamp, region, fmt.Sprint("back-", m.nextID), Want{Quota: g.quota, Tokens: tokens})
-	if got := back.Grants[0].Tokens; got != tokens {
-		t.Fatalf("released %d, then re-acquired only %d (pool %d)", tokens, got, afterCur.Remaining)
+	m.recordGrants(region, back)
+	if got := back.Grants[0].Tokens; got != min(tokens, room) {
+		t.Fatalf("released %d, then re-acquired only %d (pool %d, room under the cap %d)", tokens, got, afterCur.Remaining, room)
 	}
 }
 
@@ -477,6 +567,21 @@ func (m *model) check(t *rapid.T, prevNow int64) {
 		t.Fatalf("time went backwards: %d -> %d", prevNow, now)
 	}
 	for _, name := range m.pools() {
+		// No region holds more than its cap, unless the cap was lowered
+		// (or set) while it held more and it got nothing since.
+		if spec, _ := m.spec(name); spec.MaxHeldPerRegion > 0 {
+			for _, region := range propRegions {
+				held := m.held(name, region, now)
+				if held <= spec.MaxHeldPerRegion {
+					continue
+				}
+				for _, g := range m.grants {
+					if g.quota == name && g.region == region && !g.dropped && g.gen >= m.capGen[capName(name)] {
+						t.Fatalf("%s holds %d of %s, over its cap %d, and was granted %+v since the cap was set", region, held, name, spec.MaxHeldPerRegion, g)
+					}
+				}
+			}
+		}
 		// The live tokens of the pool's grants that publishes dropped:
 		// every window opened since leaves room for them, so a reset
 		// never opens a second pool beside leases still being spent.
@@ -535,7 +640,7 @@ func TestPropertyInvariants(t *testing.T) {
 		tally.runs++
 		h := newHarness(t)
 		h.strict = true // every rejected command must leave the state untouched
-		m := &model{h: h, stamp: t0, specs: map[string]QuotaSpec{}, lowered: map[windowKey]bool{}, peak: map[windowKey]int64{}, tally: &tally}
+		m := &model{h: h, stamp: t0, specs: map[string]QuotaSpec{}, lowered: map[windowKey]bool{}, peak: map[windowKey]int64{}, capGen: map[string]int{}, tally: &tally}
 		m.publish(t)
 		steps := rapid.IntRange(1, 120).Draw(t, "steps")
 		for range steps {
@@ -588,9 +693,10 @@ func TestPropertyInvariants(t *testing.T) {
 	// 120 commands, a run without a grant or a release is common but all
 	// of them without one is practically impossible; with very few runs
 	// (-rapid.checks) it is not, so the check needs some.
-	t.Logf("%d runs: %d grants, %d releases returned tokens, %d checks of carried tokens", tally.runs, tally.grants, tally.releases, tally.carried)
-	if !t.Failed() && tally.runs >= 20 && (tally.grants == 0 || tally.releases == 0 || tally.carried == 0) {
-		t.Fatalf("%d runs made %d grants and %d releases, %d checks of carried tokens: the property checked nothing",
-			tally.runs, tally.grants, tally.releases, tally.carried)
+	t.Logf("%d runs: %d grants (%d cut short by a cap), %d releases returned tokens, %d checks of carried tokens",
+		tally.runs, tally.grants, tally.capped, tally.releases, tally.carried)
+	if !t.Failed() && tally.runs >= 20 && (tally.grants == 0 || tally.releases == 0 || tally.carried == 0 || tally.capped == 0) {
+		t.Fatalf("%d runs made %d grants (%d cut short by a cap) and %d releases, %d checks of carried tokens: the property checked nothing",
+			tally.runs, tally.grants, tally.capped, tally.releases, tally.carried)
 	}
 }

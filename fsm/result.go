@@ -40,8 +40,12 @@ type GrantResult struct {
 	TTLMs int64 `json:"ttl_ms"`
 	// PoolRemaining is the window's pool after this grant.
 	PoolRemaining int64 `json:"pool_remaining"`
-	// PoolExhausted is set when the grant is smaller than asked or it
-	// emptied the pool.
+	// PoolExhausted is set when the grant emptied the pool, or the pool
+	// (or, for fair_share, the region's fair share; for a pre-grant, its
+	// chunk) made it smaller than asked. A grant cut short (possibly to 0)
+	// only by the region's cap, QuotaSpec.MaxHeldPerRegion, does not set
+	// it: the region gets more as its grants expire or are released,
+	// before the window ends.
 	PoolExhausted bool `json:"pool_exhausted"`
 }
 

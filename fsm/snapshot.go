@@ -448,7 +448,8 @@ func specEqual(a, b QuotaSpec) bool {
 	}
 	return a.Name == b.Name && a.Limit == b.Limit && a.WindowMs == b.WindowMs &&
 		a.ChunkTokens == b.ChunkTokens && a.TTLMs == b.TTLMs && a.Clamp == b.Clamp &&
-		a.Strategy == b.Strategy && a.FallbackPerRegion == b.FallbackPerRegion && a.TemplateKeys == b.TemplateKeys
+		a.Strategy == b.Strategy && a.FallbackPerRegion == b.FallbackPerRegion && a.MaxHeldPerRegion == b.MaxHeldPerRegion &&
+		a.TemplateKeys == b.TemplateKeys
 }
 
 func (s *state) restoreQuota(q *quota, sq snapQuota) error {

@@ -323,3 +323,41 @@ func TestReleaseRetryIsIdempotent(t *testing.T) {
 		t.Errorf("ledger: released %d remaining %d, want 30 and 930", w.GetReleased(), w.GetRemaining())
 	}
 }
+
+// TestPublishedHeldCapIsEnforced: a policy's lease.max_held_per_region
+// reaches the state machine through the allocator, so the bound that GetBound
+// states with it holds: a region at its cap is granted nothing more, and
+// another region is not held back.
+func TestPublishedHeldCapIsEnforced(t *testing.T) {
+	tc := newTestCluster(t, 1)
+	publishTest(t, tc.addrs, strings.Replace(clusterPolicy, "lease: {chunk: 100, ttl: 15s, clamp: true}",
+		"lease: {chunk: 100, ttl: 15s, clamp: false, max_held_per_region: 150}", 1), 1)
+	c, err := NewClient(tc.addrs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for _, tt := range []struct {
+		region, id string
+		want       int64
+	}{{"eu", "r1", 100}, {"eu", "r2", 50}, {"eu", "r3", 0}, {"us", "r4", 100}} {
+		resp, err := c.Acquire(ctx, &allotv1.AcquireRequest{Region: tt.region, RequestId: tt.id, Wants: []*allotv1.Want{{Quota: "atlas", Tokens: 100}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := resp.GetGrants()[0].GetTokens(); got != tt.want {
+			t.Errorf("%s %s: granted %d, want %d (cap 150 per region)", tt.region, tt.id, got, tt.want)
+		}
+	}
+	b, err := c.Operator().GetBound(ctx, &allotv1.GetBoundRequest{Quota: "atlas"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Clamp off: carry-over is what two regions can hold, 2 x 150.
+	for _, term := range b.GetBounds()[0].GetTerms() {
+		if term.GetName() == "carry_over" && term.GetTokens() != 300 {
+			t.Errorf("carry_over %d, want 300: %s", term.GetTokens(), term.GetAssumption())
+		}
+	}
+}

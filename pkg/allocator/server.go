@@ -316,7 +316,7 @@ func QuotaSpecs(doc *policy.Document) []fsm.QuotaSpec {
 		out[i] = fsm.QuotaSpec{
 			Name: q.Name, Limit: q.Limit, WindowMs: q.Window.Milliseconds(), ChunkTokens: q.Chunk,
 			TTLMs: q.TTL.Milliseconds(), Clamp: q.Clamp, Strategy: fsm.Strategy(q.Strategy),
-			FallbackPerRegion: q.FallbackPerRegion, Regions: append([]string(nil), q.Regions...),
+			FallbackPerRegion: q.FallbackPerRegion, MaxHeldPerRegion: q.MaxHeldPerRegion, Regions: append([]string(nil), q.Regions...),
 			TemplateKeys: len(q.TemplateKeys),
 		}
 	}

@@ -51,6 +51,13 @@ type Config struct {
 	// FallbackPerRegion is the tokens per window a region admits on its own
 	// while cut off from the allocator; 0 means fail closed.
 	FallbackPerRegion int64
+	// MaxHeldPerRegion is the most unexpired, unreleased tokens of the pool
+	// the allocator lets one region hold at once (policy
+	// lease.max_held_per_region, which the allocator enforces); 0 means no
+	// cap, and the terms assume one region may hold a whole pool. A cap
+	// needs a TTL no longer than the window (the allocator counts only the
+	// windows it keeps).
+	MaxHeldPerRegion int64
 	// QuorumCommit says the allocator acknowledges a grant only after a Raft
 	// quorum has committed it, so no failover forgets an acknowledged grant.
 	QuorumCommit bool
@@ -102,7 +109,8 @@ func DefaultConfig() Config {
 }
 
 // WithQuota returns c with the quota fields taken from q (name, limit,
-// window, chunk, TTL, clamp, regions, fallback allowance, gateway chunk).
+// window, chunk, TTL, clamp, regions, fallback allowance, per-region cap,
+// gateway chunk).
 func (c Config) WithQuota(q policy.GlobalQuota) Config {
 	c.Name = q.Name
 	c.Limit = q.Limit
@@ -112,6 +120,7 @@ func (c Config) WithQuota(q policy.GlobalQuota) Config {
 	c.Clamp = q.Clamp
 	c.Regions = len(q.Regions)
 	c.FallbackPerRegion = q.FallbackPerRegion
+	c.MaxHeldPerRegion = q.MaxHeldPerRegion
 	c.GatewayChunk = q.GatewayChunk
 	return c
 }
@@ -136,6 +145,12 @@ func (c Config) Validate() error {
 	}
 	if c.Regions <= 0 {
 		bad("Regions", "must be positive, got %d", c.Regions)
+	}
+	switch {
+	case c.MaxHeldPerRegion < 0 || c.Limit > 0 && c.MaxHeldPerRegion > c.Limit:
+		bad("MaxHeldPerRegion", "must be in [0, Limit], got %d", c.MaxHeldPerRegion)
+	case c.MaxHeldPerRegion > 0 && c.TTL > c.Window:
+		bad("MaxHeldPerRegion", "the allocator enforces a cap only for a TTL within the window (TTL %s, window %s)", fmtDur(c.TTL), fmtDur(c.Window))
 	}
 	nonNeg := []struct {
 		field string
@@ -178,10 +193,11 @@ type Term struct {
 // reported beside the bound (it can only cause denials, never overshoot).
 type Stranded struct {
 	// PerRegion is the most tokens of one window one region cut off from
-	// the allocator can hold and leave unspent until they expire: the whole
-	// pool, since the allocator caps no region's holdings.
+	// the allocator can hold and leave unspent until they expire: its cap
+	// (Config.MaxHeldPerRegion), or without one the whole pool.
 	PerRegion int64
-	// Fleet is the most tokens all regions together can hold unspent (at most G).
+	// Fleet is the most tokens all regions together can hold unspent:
+	// regions x the cap, at most G.
 	Fleet int64
 	// Parked is the most tokens sitting in gateways' in-process chunks.
 	Parked int64
@@ -244,19 +260,23 @@ func (b Bound) String() string {
 // Calculate states the bound for c. It assumes c is valid (see Validate);
 // negative values are treated as zero.
 //
-// The allocator caps no region's holdings: a region may hold a window's
+// Without a cap (Config.MaxHeldPerRegion 0) a region may hold a window's
 // whole pool, G, and with clamp off the pools of every earlier window its
-// leases reach as well. The terms assume nothing tighter.
+// leases reach as well; the terms assume nothing tighter. With a cap H the
+// allocator never lets a region hold more than H at once, which bounds
+// carry_over, timing and store_rollback by what the regions can spend at
+// once, whichever is lower: H each when the expiry margin covers drift,
+// delay and skew, a few times H when it falls short (see spendable).
 func Calculate(c Config) Bound {
 	g := max(c.Limit, 0)
 	regions := int64(max(c.Regions, 0))
 
 	b := Bound{Name: c.Name, Limit: g, Window: c.Window}
 	b.Terms = []Term{
-		carryOver(c, g),
+		carryOver(c, g, regions),
 		fallback(c, regions),
 		lostGrants(c, g),
-		timing(c, g),
+		timing(c, g, regions),
 		storeRollback(c, g),
 	}
 	for _, t := range b.Terms {
@@ -271,7 +291,60 @@ func Calculate(c Config) Bound {
 			"Smaller chunks and shorter TTLs strand less, at the cost of more Acquire calls.",
 			g, regions),
 	}
+	if h := heldCap(c); h > 0 {
+		b.Stranded.PerRegion = h
+		b.Stranded.Fleet = min(satMul(regions, h), g)
+		b.Stranded.Assumption = fmt.Sprintf("A region cut off from the allocator spends only what it holds, and the allocator caps each region's holdings at H %d "+
+			"(lease.max_held_per_region): up to %d tokens per region, %d for %d regions together (at most G), can expire unspent while callers elsewhere are denied. "+
+			"A lower cap, smaller chunks and shorter TTLs strand less, at the cost of more Acquire calls.",
+			h, h, b.Stranded.Fleet, regions)
+	}
 	return b
+}
+
+// heldCap is the per-region cap H, or 0 for none.
+func heldCap(c Config) int64 { return max(c.MaxHeldPerRegion, 0) }
+
+// spendable returns the most tokens one region may spend at one instant s
+// out of grants the allocator made under a cap H (h > 0), and how many
+// times H that is. The allocator counts a grant as held until its expiry,
+// so by its count the region holds at most H at any instant; with no
+// lateness (lateBy 0) that is all it can spend at s. When the margin leaves
+// it spending up to late past an expiry, it also spends grants the
+// allocator counts as expired at s, those that expired within (s-late, s]:
+//   - grants that lived their full TTL: granted within (s-late-TTL, s-TTL],
+//     a stretch that ceil(late / TTL) spans of one TTL cover, and the grants
+//     of one span were all held at its end: at most H per span;
+//   - with clamp on, grants cut short at a window end E within it: all
+//     held just before E, at most H per end, ceil(late / window) ends.
+//
+// At a window turn (atTurn: s is a window end, with clamp on) the grants
+// held just before s are those cut at s, so that end is not counted twice.
+func spendable(c Config, h int64, atTurn bool) (tokens, times int64) {
+	times = 1
+	if late := int64(lateBy(c)); late > 0 {
+		times = satAdd(times, mulDivCeil(late, 1, max(int64(c.TTL), 1)))
+		if c.Clamp {
+			ends := mulDivCeil(late, 1, max(int64(c.Window), 1))
+			if atTurn {
+				ends--
+			}
+			times = satAdd(times, ends)
+		}
+	}
+	return satMul(h, times), times
+}
+
+// heldText names the cap in a term's assumption ("the allocator caps each
+// region's holdings at H"), with what one region may spend at once.
+func heldText(c Config, h int64, atTurn bool) string {
+	tokens, times := spendable(c, h, atTurn)
+	if times == 1 {
+		return fmt.Sprintf("the allocator caps each region's holdings at H %d (lease.max_held_per_region), so a region spends at most %d at once", h, tokens)
+	}
+	return fmt.Sprintf("the allocator caps each region's holdings at H %d (lease.max_held_per_region), but a region spending %s late also spends "+
+		"grants the allocator counts as expired, at most H of each TTL (and, clamped, of each window end) within that time: %d x H = %d at once",
+		h, fmtDur(lateBy(c)), times, tokens)
 }
 
 // carrySpans is the number of earlier windows whose leases can still be
@@ -291,20 +364,31 @@ func carrySpans(c Config) int64 {
 	return spans
 }
 
-func carryOver(c Config, g int64) Term {
+func carryOver(c Config, g, regions int64) Term {
 	t := Term{Name: TermCarryOver, HowToZero: "clamp every lease to the window end (lease.clamp: true); grants near a boundary are shorter."}
 	spans := carrySpans(c)
 	if spans == 0 {
 		t.Assumption = "Leases are clamped: every grant expires at min(now+TTL, window end), so no token is spent in a later window."
 		return t
 	}
-	// Each earlier window a lease reaches granted at most its pool, G, and
-	// nothing caps what one region holds, so one region alone can carry
-	// all of it: the number of regions does not lower the term.
+	// Each earlier window a lease reaches granted at most its pool, G.
+	// Without a cap one region alone can carry all of it, so the number of
+	// regions does not lower the term; with one, a token spent across the
+	// boundary was held across it (or, spent late, just before), so each
+	// region carries at most what it can spend at once.
 	t.Tokens = satMul(g, spans)
+	h := heldCap(c)
+	if h == 0 {
+		t.Assumption = fmt.Sprintf("Leases are not clamped: a lease lives its TTL %s (plus %s spent late), so tokens of the %d window(s) before "+
+			"can still be spent in this one; the allocator caps no region's holdings, so each such window's whole pool counts: %d x G.",
+			fmtDur(c.TTL), fmtDur(lateBy(c)), spans, spans)
+		return t
+	}
+	per, _ := spendable(c, h, false)
+	t.Tokens = min(t.Tokens, satMul(regions, per))
 	t.Assumption = fmt.Sprintf("Leases are not clamped: a lease lives its TTL %s (plus %s spent late), so tokens of the %d window(s) before "+
-		"can still be spent in this one; the allocator caps no region's holdings, so each such window's whole pool counts: %d x G.",
-		fmtDur(c.TTL), fmtDur(lateBy(c)), spans, spans)
+		"can still be spent in this one; %s: at most min(%d regions x %d, %d x G) = %d.",
+		fmtDur(c.TTL), fmtDur(lateBy(c)), spans, heldText(c, h, false), regions, per, spans, t.Tokens)
 	return t
 }
 
@@ -351,7 +435,7 @@ func lostGrants(c Config, g int64) Term {
 	return t
 }
 
-func timing(c Config, g int64) Term {
+func timing(c Config, g, regions int64) Term {
 	need, sum := timingNeed(c)
 	margin := max(c.ExpiryMargin, 0)
 	t := Term{Name: TermTiming, HowToZero: fmt.Sprintf("raise the expiry margin to at least %s (%s), or shorten the TTL; "+
@@ -365,16 +449,23 @@ func timing(c Config, g int64) Term {
 			fmtDur(margin), sum)
 		return t
 	}
-	// Clamped leases of one window hold at most its pool at its end.
+	// Clamped leases of one window hold at most its pool at its end, and
+	// with a cap each region at most what it can spend at once.
 	late := need - margin
 	t.Tokens = g
+	held := fmt.Sprintf(", at most the %d tokens of one window's pool", g)
+	if h := heldCap(c); h > 0 {
+		per, _ := spendable(c, h, true)
+		t.Tokens = min(g, satMul(regions, per))
+		held = fmt.Sprintf("; %s: at most min(%d regions x %d, G %d) = %d", heldText(c, h, true), regions, per, g, t.Tokens)
+	}
 	capped := ""
 	if c.PeakAdmissionRate > 0 {
-		t.Tokens = min(g, mulDivCeil(c.PeakAdmissionRate, int64(late), int64(time.Second)))
+		t.Tokens = min(t.Tokens, mulDivCeil(c.PeakAdmissionRate, int64(late), int64(time.Second)))
 		capped = fmt.Sprintf(", at a peak of %d/s", c.PeakAdmissionRate)
 	}
 	t.Assumption = fmt.Sprintf("Margin %s is %s short of %s: regions may spend for up to %s past the allocator's expiry, "+
-		"into the next window%s, at most the %d tokens of one window's pool.", fmtDur(margin), fmtDur(late), sum, fmtDur(late), capped, g)
+		"into the next window%s%s.", fmtDur(margin), fmtDur(late), sum, fmtDur(late), capped, held)
 	return t
 }
 
@@ -389,6 +480,13 @@ func storeRollback(c Config, g int64) Term {
 	// pools of the earlier windows its leases reach.
 	spans := carrySpans(c)
 	held := satMul(g, 1+spans)
+	holds := fmt.Sprintf("the allocator caps no region: G x %d window(s)", 1+spans)
+	if h := heldCap(c); h > 0 {
+		// A region re-spends only tokens of grants it still holds.
+		per, _ := spendable(c, h, false)
+		held = min(held, per)
+		holds = heldText(c, h, false)
+	}
 	t.Tokens = held
 	how := "replication lag unknown"
 	if c.PeakAdmissionRate > 0 && c.StoreReplicationLag > 0 {
@@ -396,8 +494,8 @@ func storeRollback(c Config, g int64) Term {
 		how = fmt.Sprintf("%s of lag at a peak of %d/s", fmtDur(c.StoreReplicationLag), c.PeakAdmissionRate)
 	}
 	t.Assumption = fmt.Sprintf("A regional store failover to an asynchronous replica forgets recent debits (%s), "+
-		"re-spendable up to the %d tokens one region can hold (the allocator caps no region: G x %d window(s)); "+
-		"assumes at most one store failover per window.", how, held, 1+spans)
+		"re-spendable up to the %d tokens one region can hold (%s); "+
+		"assumes at most one store failover per window.", how, held, holds)
 	return t
 }
 

@@ -1,6 +1,7 @@
 package bound
 
 import (
+	"cmp"
 	"errors"
 	"strings"
 	"testing"
@@ -12,8 +13,8 @@ import (
 )
 
 // atlas is P-TENANT from reference chapter 15: G = 1,000/min over two
-// regions, chunks of 100 with a 15 s TTL, a region holding at most one chunk,
-// under the strict environment assumptions.
+// regions, chunks of 100 with a 15 s TTL, no cap on what a region holds,
+// under the strict environment assumptions (TestChapter15 has the cap).
 func atlas() Config {
 	c := DefaultConfig()
 	c.Name = "p-tenant-atlas"
@@ -48,9 +49,9 @@ func TestCalculate(t *testing.T) {
 			wantStrand: 1000,
 		},
 		{
-			// Chapter 15 states <= 100 per region, so <= 200, but nothing
-			// caps a region's holdings: one region can carry the whole
-			// previous pool into the window.
+			// Chapter 15 states <= 100 per region, so <= 200, but without
+			// lease.max_held_per_region nothing caps a region's holdings:
+			// one region can carry the whole previous pool into the window.
 			name:       "clamp off: carry-over is the previous window's whole pool",
 			give:       func(c *Config) { c.Clamp = false },
 			want:       map[string]int64{TermCarryOver: 1000},
@@ -249,6 +250,136 @@ func TestCalculate(t *testing.T) {
 	}
 }
 
+// chapter15 is Atlas as reference chapter 15 states it, as a policy: G =
+// 1,000/min over two regions, chunks of 100 with a 15 s TTL, the lease
+// block's other fields as given.
+func chapter15(t *testing.T, lease, failMode string) policy.GlobalQuota {
+	t.Helper()
+	d, err := policy.Parse([]byte(`
+name: chapter15
+regions: [eu, us]
+rules:
+  - name: p-tenant-atlas
+    scope: tenant
+    match: [{key: tenant, value: atlas}]
+    kind: global_quota
+    limit: 1000
+    window: 1m
+    lease: {chunk: 100, ttl: 15s, ` + lease + `}
+    fail_mode: ` + failMode + `
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d.GlobalQuotas()[0]
+}
+
+// TestChapter15: the table of reference chapter 15 (Atlas, G = 1,000/min,
+// two regions), with each region's holdings capped by the policy's
+// lease.max_held_per_region, which the allocator enforces: window
+// carry-over <= 100 per region, so <= 200; a fallback of 100 per region,
+// so <= 200; US cut off holding 200 strands up to 200 (20% of G).
+func TestChapter15(t *testing.T) {
+	tests := []struct {
+		name       string
+		lease      string
+		failMode   string
+		give       func(c *Config)
+		want       map[string]int64 // non-zero terms; the rest must be 0
+		wantStrand int64            // per region
+		wantFleet  int64
+	}{
+		{
+			name:  "clamp on, fail closed, quorum commit: no overshoot",
+			lease: "max_held_per_region: 100", wantStrand: 100, wantFleet: 200,
+		},
+		{
+			name:  "clamp off, at most 100 held per region: carry-over <= 200",
+			lease: "clamp: false, max_held_per_region: 100", want: map[string]int64{TermCarryOver: 200}, wantStrand: 100, wantFleet: 200,
+		},
+		{
+			name:  "bounded fallback of 100 per region: <= 200",
+			lease: "max_held_per_region: 100, fallback_per_region: 100", failMode: "fallback",
+			want: map[string]int64{TermFallback: 200}, wantStrand: 100, wantFleet: 200,
+		},
+		{
+			name:  "both terms at their bound: +40%",
+			lease: "clamp: false, max_held_per_region: 100, fallback_per_region: 100", failMode: "fallback",
+			want: map[string]int64{TermCarryOver: 200, TermFallback: 200}, wantStrand: 100, wantFleet: 200,
+		},
+		{
+			name:  "US cut off holding 200 strands up to 200 (20% of G)",
+			lease: "max_held_per_region: 200", wantStrand: 200, wantFleet: 400,
+		},
+		{
+			// A failover forgets spent grants too: the cap does not help.
+			name:  "asynchronous allocator failover can still re-grant the whole pool",
+			lease: "max_held_per_region: 100", give: func(c *Config) { c.QuorumCommit = false },
+			want: map[string]int64{TermLostGrants: 1000}, wantStrand: 100, wantFleet: 200,
+		},
+		{
+			// A region can only re-spend what it holds.
+			name:  "asynchronous store failover, lag unknown: one region's cap",
+			lease: "clamp: false, max_held_per_region: 100", give: func(c *Config) { c.StoreAsyncFailover = true },
+			want: map[string]int64{TermCarryOver: 200, TermStoreRollback: 100}, wantStrand: 100, wantFleet: 200,
+		},
+		{
+			// 203 ms late with a 15 s TTL: into the next window a region
+			// spends what it held just before the turn (100) and grants
+			// the allocator counted as expired up to 203 ms before (100):
+			// 400 for two regions, under G. (H each, 200, would not do: a
+			// region holding 100 that expire 100 ms before the turn is
+			// granted 100 more and spends both after it.)
+			name:  "no margin, rate unknown: timing is bounded by the regions' holdings",
+			lease: "max_held_per_region: 100", give: func(c *Config) { c.ExpiryMargin = 0 },
+			want: map[string]int64{TermTiming: 400}, wantStrand: 100, wantFleet: 200,
+		},
+		{
+			name:  "no margin, clamp off: late spending of held tokens is carry-over",
+			lease: "clamp: false, max_held_per_region: 100", give: func(c *Config) { c.ExpiryMargin = 0 },
+			want: map[string]int64{TermCarryOver: 400}, wantStrand: 100, wantFleet: 200,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			failMode := cmp.Or(tt.failMode, "closed")
+			c := DefaultConfig().WithQuota(chapter15(t, tt.lease, failMode))
+			if tt.give != nil {
+				tt.give(&c)
+			}
+			if err := c.Validate(); err != nil {
+				t.Fatal(err)
+			}
+			b := Calculate(c)
+			got := terms(b)
+			var total int64
+			for _, name := range []string{TermCarryOver, TermFallback, TermLostGrants, TermTiming, TermStoreRollback} {
+				if got[name] != tt.want[name] {
+					t.Errorf("%s = %d, want %d", name, got[name], tt.want[name])
+				}
+				total += tt.want[name]
+			}
+			if b.Total != total || b.Ceiling() != 1000+total {
+				t.Errorf("Total %d, ceiling %d, want %d, %d", b.Total, b.Ceiling(), total, 1000+total)
+			}
+			if b.Stranded.PerRegion != tt.wantStrand || b.Stranded.Fleet != tt.wantFleet {
+				t.Errorf("Stranded %+v, want %d per region, %d fleet-wide", b.Stranded, tt.wantStrand, tt.wantFleet)
+			}
+			// Every term the cap lowered says so.
+			for _, term := range b.Terms {
+				uncapped := c
+				uncapped.MaxHeldPerRegion = 0
+				if u, _ := Calculate(uncapped).Term(term.Name); u.Tokens > term.Tokens && !strings.Contains(term.Assumption, "the allocator caps each region's holdings at H") {
+					t.Errorf("%s = %d (%d without the cap) does not name the cap: %s", term.Name, term.Tokens, u.Tokens, term.Assumption)
+				}
+			}
+			if !strings.Contains(b.Stranded.Assumption, "the allocator caps each region's holdings at H") {
+				t.Errorf("stranded capacity does not name the cap: %s", b.Stranded.Assumption)
+			}
+		})
+	}
+}
+
 func TestCalculateNorthstar(t *testing.T) {
 	d, err := policy.Parse(examples.Northstar)
 	if err != nil {
@@ -317,6 +448,9 @@ func TestConfigValidate(t *testing.T) {
 		{"zero ttl", func(c *Config) { c.TTL = 0 }, "TTL: must be positive"},
 		{"no regions", func(c *Config) { c.Regions = 0 }, "Regions: must be positive"},
 		{"negative fallback", func(c *Config) { c.FallbackPerRegion = -1 }, "FallbackPerRegion: must not be negative"},
+		{"negative held cap", func(c *Config) { c.MaxHeldPerRegion = -1 }, "MaxHeldPerRegion: must be in [0, Limit]"},
+		{"held cap above limit", func(c *Config) { c.MaxHeldPerRegion = 1001 }, "MaxHeldPerRegion: must be in [0, Limit]"},
+		{"held cap with a TTL beyond the window", func(c *Config) { c.MaxHeldPerRegion = 100; c.Clamp = false; c.TTL = 2 * time.Minute }, "MaxHeldPerRegion: the allocator enforces a cap only for a TTL within the window"},
 		{"negative margin", func(c *Config) { c.ExpiryMargin = -time.Second }, "ExpiryMargin: must not be negative"},
 		{"absurd drift", func(c *Config) { c.MaxDriftPPM = 2_000_000 }, "MaxDriftPPM"},
 		{"negative rate", func(c *Config) { c.PeakAdmissionRate = -1 }, "PeakAdmissionRate: must not be negative"},
@@ -340,7 +474,7 @@ func genConfig(t *rapid.T) Config {
 	dur := func(label string, hi time.Duration) time.Duration {
 		return time.Duration(rapid.Int64Range(0, int64(hi)).Draw(t, label))
 	}
-	return Config{
+	c := Config{
 		Limit:               g,
 		Window:              window,
 		Chunk:               rapid.Int64Range(1, g).Draw(t, "chunk"),
@@ -348,6 +482,7 @@ func genConfig(t *rapid.T) Config {
 		Clamp:               rapid.Bool().Draw(t, "clamp"),
 		Regions:             regions,
 		FallbackPerRegion:   rapid.Int64Range(0, g).Draw(t, "fallback"),
+		MaxHeldPerRegion:    rapid.Int64Range(0, g).Draw(t, "held"),
 		QuorumCommit:        rapid.Bool().Draw(t, "quorum"),
 		ExpiryMargin:        dur("margin", time.Minute),
 		MaxDriftPPM:         rapid.Int64Range(0, 999_999).Draw(t, "drift"),
@@ -359,6 +494,10 @@ func genConfig(t *rapid.T) Config {
 		Gateways:            rapid.IntRange(0, 10_000).Draw(t, "gateways"),
 		GatewayChunk:        rapid.Int64Range(0, g).Draw(t, "gwchunk"),
 	}
+	if c.TTL > c.Window || rapid.Bool().Draw(t, "uncapped") {
+		c.MaxHeldPerRegion = 0 // a cap needs a TTL within the window
+	}
+	return c
 }
 
 // TestBoundProperties: the total is the sum of the terms, every term is
@@ -400,6 +539,29 @@ func TestBoundProperties(t *testing.T) {
 		if b.Stranded.Fleet > c.Limit || b.Stranded.PerRegion > c.Limit {
 			t.Fatalf("stranded %+v exceeds G %d", b.Stranded, c.Limit)
 		}
+		// A cap lowers terms, never raises one; what it bounds is the
+		// regions' holdings: H each, and with no lateness exactly that.
+		if h := c.MaxHeldPerRegion; h > 0 {
+			u := c
+			u.MaxHeldPerRegion = 0
+			ub := Calculate(u)
+			for i, term := range b.Terms {
+				if term.Tokens > ub.Terms[i].Tokens {
+					t.Fatalf("the cap raised %s from %d to %d", term.Name, ub.Terms[i].Tokens, term.Tokens)
+				}
+			}
+			per, _ := spendable(c, h, false)
+			regions := int64(c.Regions)
+			if tm[TermCarryOver] > satMul(regions, per) || tm[TermTiming] > satMul(regions, per) || tm[TermStoreRollback] > per {
+				t.Fatalf("a term exceeds what %d regions holding at most %d (%d at once) can spend: %v", regions, h, per, tm)
+			}
+			if lateBy(c) == 0 && per != h {
+				t.Fatalf("no lateness, but a region spends %d at once with a cap of %d", per, h)
+			}
+			if b.Stranded.PerRegion != h || b.Stranded.Fleet != min(satMul(regions, h), c.Limit) {
+				t.Fatalf("stranded %+v with a cap of %d x %d regions", b.Stranded, h, regions)
+			}
+		}
 
 		// The strict configuration states a bound of exactly G.
 		s := c
@@ -424,9 +586,17 @@ func TestBoundProperties(t *testing.T) {
 			"async store":   func(c *Config) { c.StoreAsyncFailover = true },
 			"no margin":     func(c *Config) { c.ExpiryMargin = 0 },
 			"more fallback": func(c *Config) { c.FallbackPerRegion++ },
-			"longer ttl":    func(c *Config) { c.TTL += c.Window },
+			"longer ttl":    func(c *Config) { c.TTL += c.Window; c.MaxHeldPerRegion = 0 }, // a cap needs a TTL within the window
+			"no held cap":   func(c *Config) { c.MaxHeldPerRegion = 0 },
 		}
 		for name, f := range relax {
+			if name == "clamp off" && c.MaxHeldPerRegion > 0 && lateBy(c) > 0 {
+				// Under a cap, with a margin that falls short, clamping is
+				// not free: a grant cut at a window end lets a region take
+				// another H sooner, one more lot of held tokens that late
+				// spending and a store rollback can reach.
+				continue
+			}
 			r := c
 			f(&r)
 			if Calculate(r).Total < b.Total {
@@ -449,4 +619,91 @@ func TestArithmetic(t *testing.T) {
 	if got := satAdd(1<<62, 1<<62); got != 1<<63-1 {
 		t.Errorf("satAdd saturates: got %d", got)
 	}
+}
+
+// TestSpendableProperty checks spendable against a region that takes all
+// it may under its cap: at every instant the allocator counts at most H of
+// its grants unexpired (a grant of n is made only when what it holds plus n
+// is at most H), each grant lives its TTL (with clamp on, at most to its
+// window's end), and the region spends a grant from when it is made until
+// late past its expiry. Whatever it can spend at one instant, and what of
+// earlier windows it can spend at a window turn, stays within spendable.
+func TestSpendableProperty(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		h := rapid.Int64Range(1, 20).Draw(t, "held")
+		window := rapid.Int64Range(1, 200).Draw(t, "window")
+		ttl := rapid.Int64Range(1, window).Draw(t, "ttl")
+		late := rapid.Int64Range(0, 300).Draw(t, "late")
+		c := Config{
+			Limit: 1 << 40, Window: time.Duration(window), TTL: time.Duration(ttl), Clamp: rapid.Bool().Draw(t, "clamp"),
+			Regions: 1, MaxHeldPerRegion: h, MaxOneWayDelay: time.Duration(late),
+		}
+		if lateBy(c) != time.Duration(late) {
+			t.Fatalf("lateBy %d, want %d", lateBy(c), late)
+		}
+		type grant struct{ at, expires, tokens int64 }
+		var grants []grant
+		held := func(now int64) int64 {
+			var n int64
+			for _, g := range grants {
+				if g.expires > now {
+					n += g.tokens
+				}
+			}
+			return n
+		}
+		now := int64(0)
+		for range rapid.IntRange(1, 60).Draw(t, "grants") {
+			// Mostly ask again the moment the allocator counts a grant
+			// expired, or just before a window's end: the worst cases.
+			switch rapid.IntRange(0, 2).Draw(t, "when") {
+			case 0:
+				next := int64(-1)
+				for _, g := range grants {
+					if g.expires > now && (next < 0 || g.expires < next) {
+						next = g.expires
+					}
+				}
+				if next >= 0 {
+					now = next
+				}
+			case 1:
+				end := (now/window + 1) * window
+				now = max(now, end-rapid.Int64Range(1, window).Draw(t, "before end"))
+			default:
+				now += rapid.Int64Range(0, 2*ttl).Draw(t, "advance")
+			}
+			n := h - held(now)
+			if rapid.IntRange(0, 3).Draw(t, "all?") == 0 {
+				n = min(n, rapid.Int64Range(1, h).Draw(t, "ask"))
+			}
+			if n <= 0 {
+				continue
+			}
+			expires := now + ttl
+			if c.Clamp {
+				expires = min(expires, (now/window+1)*window)
+			}
+			grants = append(grants, grant{now, expires, n})
+		}
+		anyTime, _ := spendable(c, h, false)
+		atTurn, _ := spendable(c, h, true)
+		for s := int64(0); s <= now+ttl+late; s++ {
+			var spend, carried int64
+			for _, g := range grants {
+				if g.at <= s && s < g.expires+late {
+					spend += g.tokens
+					if s%window == 0 && g.at < s {
+						carried += g.tokens // made in an earlier window
+					}
+				}
+			}
+			if spend > anyTime {
+				t.Fatalf("at %d the region can spend %d, spendable says %d", s, spend, anyTime)
+			}
+			if c.Clamp && carried > atTurn {
+				t.Fatalf("at the turn %d the region can spend %d of earlier windows, spendable says %d", s, carried, atTurn)
+			}
+		}
+	})
 }

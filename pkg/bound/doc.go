@@ -30,10 +30,19 @@
 //
 // The terms are upper bounds for one window under the stated assumptions
 // (notably: at most one allocator failover and one regional store failover
-// per window); they are not measurements. The allocator caps no region's
-// holdings, so no term assumes a region holds less than a whole pool per
-// window its leases reach. Terms never overlap: a token spent
-// in the wrong window because of a clock error is counted by timing only when
-// leases are clamped, since without clamp carry_over already counts every
-// token held across the boundary.
+// per window); they are not measurements. Without a per-region cap
+// (Config.MaxHeldPerRegion, the policy's lease.max_held_per_region) no term
+// assumes a region holds less than a whole pool per window its leases
+// reach. With one, the allocator never lets a region hold more than H
+// unexpired, unreleased tokens, so carry_over, timing and store_rollback
+// count at most what the regions can spend at once: H each when the expiry
+// margin covers drift, delay and skew, a few times H when it falls short
+// (see the terms' assumptions). The cap does not lower lost_grants (a
+// failover forgets spent grants too). A publish that resets a pool (a
+// changed window length, a removed and re-added quota) lets a region hold
+// its old leases beside H new tokens until the old ones end: the capped
+// terms assume no such publish in the window or the lease lifetime before.
+// Terms never overlap: a token spent in the wrong window because of a clock
+// error is counted by timing only when leases are clamped, since without
+// clamp carry_over already counts every token held across the boundary.
 package bound

@@ -11,8 +11,9 @@ import (
 )
 
 // Canonical validates doc and returns its canonical JSON encoding: compact,
-// fields in a fixed order, defaults written out, fields a kind does not use
-// left out, durations in Go syntax ("10s", "1m"), the refill rate as an exact
+// fields in a fixed order, defaults written out (but lease.max_held_per_region
+// only when set, so that documents older than the field keep their bytes),
+// fields a kind does not use left out, durations in Go syntax ("10s", "1m"), the refill rate as an exact
 // decimal, regions and rules sorted by name, no HTML escaping. It is what the
 // allocator stores and hashes. Parse(Canonical(d)) equals d for any d that
 // Parse returned.
@@ -67,7 +68,11 @@ type canonLease struct {
 	Clamp             bool     `json:"clamp"`
 	Strategy          Strategy `json:"strategy"`
 	FallbackPerRegion int64    `json:"fallback_per_region"`
-	GatewayChunk      int64    `json:"gateway_chunk"`
+	// MaxHeldPerRegion is left out when 0 (no cap), unlike the other
+	// fields: a document published before the field existed keeps its
+	// canonical bytes and its digest.
+	MaxHeldPerRegion int64 `json:"max_held_per_region,omitempty"`
+	GatewayChunk     int64 `json:"gateway_chunk"`
 }
 
 // encodeCanonical encodes any Document, valid or not; it cannot fail.
@@ -122,6 +127,7 @@ func canonicalRule(r *Rule) canonRule {
 			Clamp:             l.Clamp,
 			Strategy:          l.Strategy,
 			FallbackPerRegion: l.FallbackPerRegion,
+			MaxHeldPerRegion:  l.MaxHeldPerRegion,
 			GatewayChunk:      l.GatewayChunk,
 		}
 	}

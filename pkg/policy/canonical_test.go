@@ -47,6 +47,64 @@ name: mini
 	}
 }
 
+// TestMaxHeldPerRegion: lease.max_held_per_region is parsed, reaches the
+// global quotas (a template's instances included), is written in the
+// canonical form only when set (so documents without it keep their bytes
+// and digest), and round-trips.
+func TestMaxHeldPerRegion(t *testing.T) {
+	src := `
+name: mini
+regions: [eu, us]
+rules:
+  - {name: atlas, scope: tenant, match: [{key: tenant, value: atlas}], kind: global_quota,
+     limit: 1000, window: 1m, lease: {chunk: 100, ttl: 15s, clamp: false, max_held_per_region: 100}}
+  - {name: plan, scope: tenant, match: [{key: tenant}], kind: global_quota,
+     limit: 500, window: 1m, lease: {chunk: 50, ttl: 15s, max_held_per_region: 200}}
+`
+	d := mustParse(t, []byte(src))
+	if got := d.Rule("atlas").Lease.MaxHeldPerRegion; got != 100 {
+		t.Fatalf("Lease.MaxHeldPerRegion = %d, want 100", got)
+	}
+	qs := d.GlobalQuotas()
+	if len(qs) != 2 || qs[0].MaxHeldPerRegion != 100 || qs[1].MaxHeldPerRegion != 200 {
+		t.Fatalf("GlobalQuotas = %+v, want caps 100 and 200", qs)
+	}
+	if q, ok := d.Quota("plan/birch"); !ok || q.MaxHeldPerRegion != 200 {
+		t.Fatalf("Quota(plan/birch) = %+v, %v: want the template's cap 200", q, ok)
+	}
+	c, err := Canonical(d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		`"lease":{"chunk":100,"ttl":"15s","clamp":false,"strategy":"demand","fallback_per_region":0,"max_held_per_region":100,"gateway_chunk":0}`,
+		`"lease":{"chunk":50,"ttl":"15s","clamp":true,"strategy":"demand","fallback_per_region":0,"max_held_per_region":200,"gateway_chunk":0}`,
+	} {
+		if !strings.Contains(string(c), want) {
+			t.Errorf("canonical form lacks %s:\n%s", want, c)
+		}
+	}
+	back := mustParse(t, c)
+	if !reflect.DeepEqual(back, d) {
+		t.Fatalf("Parse(Canonical(d)) != d\n%+v\n%+v", back, d)
+	}
+	// Without a cap the field is not written at all: the canonical bytes,
+	// and so the digest, of a document older than the field are unchanged.
+	none := d.Clone()
+	none.Rule("atlas").Lease.MaxHeldPerRegion = 0
+	none.Rule("plan").Lease.MaxHeldPerRegion = 0
+	c0, err := Canonical(none)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(c0), "max_held_per_region") {
+		t.Errorf("an uncapped lease writes the field:\n%s", c0)
+	}
+	if Digest(none) == Digest(d) {
+		t.Error("the digest ignores the cap")
+	}
+}
+
 func TestCanonicalNorthstarRoundTrip(t *testing.T) {
 	d := mustParse(t, examples.Northstar)
 	c1, err := Canonical(d)

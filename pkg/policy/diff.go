@@ -118,7 +118,7 @@ var fieldOrder = []string{
 	"name", "description", "regions", "scope", "match", "kind", "limit", "window", "cost",
 	"capacity", "refill_per_second", "zero_refill_reason", "max_in_flight", "slot_ttl",
 	"lease.chunk", "lease.ttl", "lease.clamp", "lease.strategy", "lease.fallback_per_region",
-	"lease.gateway_chunk", "fail_mode", "shadow",
+	"lease.max_held_per_region", "lease.gateway_chunk", "fail_mode", "shadow",
 }
 
 func docFields(d *Document) []field {
@@ -156,6 +156,7 @@ func ruleFields(r *Rule) []field {
 			field{"lease.clamp", strconv.FormatBool(l.Clamp)},
 			field{"lease.strategy", string(l.Strategy)},
 			field{"lease.fallback_per_region", strconv.FormatInt(l.FallbackPerRegion, 10)},
+			field{"lease.max_held_per_region", strconv.FormatInt(l.MaxHeldPerRegion, 10)},
 			field{"lease.gateway_chunk", strconv.FormatInt(l.GatewayChunk, 10)},
 		)
 	}
@@ -186,6 +187,9 @@ func summarize(r *Rule) string {
 		fmt.Fprintf(&b, " limit=%d/%s cost=%d", r.Limit, formatDuration(r.Window), r.Cost)
 		if l := r.Lease; l != nil {
 			fmt.Fprintf(&b, " chunk=%d ttl=%s clamp=%t", l.Chunk, formatDuration(l.TTL), l.Clamp)
+			if l.MaxHeldPerRegion > 0 {
+				fmt.Fprintf(&b, " max_held_per_region=%d", l.MaxHeldPerRegion)
+			}
 		}
 	}
 	fmt.Fprintf(&b, " fail_mode=%s", r.FailMode)

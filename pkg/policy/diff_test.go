@@ -26,6 +26,7 @@ func TestDiff(t *testing.T) {
 	atlas := b.Rule("p-tenant-atlas")
 	atlas.Limit = 1200
 	atlas.Lease.TTL = 10 * time.Second
+	atlas.Lease.MaxHeldPerRegion = 200
 	read := b.Rule("p-read")
 	read.RefillMilliPerSecond = 500
 	read.Shadow = true
@@ -50,6 +51,7 @@ func TestDiff(t *testing.T) {
 		"~ rule p-read: shadow false -> true",
 		"~ rule p-tenant-atlas: limit 1000 -> 1200",
 		"~ rule p-tenant-atlas: lease.ttl 15s -> 10s",
+		"~ rule p-tenant-atlas: lease.max_held_per_region 0 -> 200",
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("Diff:\ngot  %q\nwant %q", got, want)
@@ -165,6 +167,28 @@ func TestFormatMatchInjective(t *testing.T) {
 		check([]Match{e})
 		for _, f := range entries {
 			check([]Match{e, f})
+		}
+	}
+}
+
+// TestDiffSummaryNamesMaxHeld: an added global quota's summary shows its
+// per-region cap when it has one.
+func TestDiffSummaryNamesMaxHeld(t *testing.T) {
+	a := mustParse(t, examples.Northstar)
+	b := a.Clone()
+	b.Rules = slices.DeleteFunc(b.Rules, func(r Rule) bool { return r.Name == "p-tenant-atlas" })
+	c := a.Clone()
+	c.Rule("p-tenant-atlas").Lease.MaxHeldPerRegion = 100
+	for _, tt := range []struct {
+		to   *Document
+		want string
+	}{
+		{a, "+ rule p-tenant-atlas: global_quota scope=tenant match=[tenant=atlas] limit=1000/1m cost=1 chunk=100 ttl=15s clamp=true fail_mode=closed"},
+		{c, "+ rule p-tenant-atlas: global_quota scope=tenant match=[tenant=atlas] limit=1000/1m cost=1 chunk=100 ttl=15s clamp=true max_held_per_region=100 fail_mode=closed"},
+	} {
+		got := Diff(b, tt.to)
+		if len(got) != 1 || got[0].String() != tt.want {
+			t.Errorf("Diff = %v, want [%s]", got, tt.want)
 		}
 	}
 }

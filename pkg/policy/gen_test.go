@@ -124,6 +124,10 @@ func genRule(t *rapid.T, o genOpts, l, name string, regions int) Rule {
 		if r.FailMode == FailFallback {
 			le.FallbackPerRegion = r.Cost - 1 + genAmount(t, l+"-fallback", r.Limit/int64(regions)-r.Cost+1)
 		}
+		// A per-region cap, when set, is at least a chunk and at most the limit.
+		if rapid.Bool().Draw(t, l+"-held") {
+			le.MaxHeldPerRegion = le.Chunk - 1 + genAmount(t, l+"-maxheld", r.Limit-le.Chunk+1)
+		}
 		r.Lease = le
 	}
 	return r

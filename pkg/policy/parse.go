@@ -440,7 +440,7 @@ func (p *parser) match(path string, n *yaml.Node, m *Match) {
 }
 
 func (p *parser) lease(path string, n *yaml.Node) *Lease {
-	f := p.fields(path, n, "chunk", "ttl", "clamp", "strategy", "fallback_per_region", "gateway_chunk")
+	f := p.fields(path, n, "chunk", "ttl", "clamp", "strategy", "fallback_per_region", "max_held_per_region", "gateway_chunk")
 	if f == nil {
 		return nil
 	}
@@ -459,6 +459,9 @@ func (p *parser) lease(path string, n *yaml.Node) *Lease {
 	}
 	if v, ok := f["fallback_per_region"]; ok {
 		l.FallbackPerRegion = p.integer(path+".fallback_per_region", v)
+	}
+	if v, ok := f["max_held_per_region"]; ok {
+		l.MaxHeldPerRegion = p.integer(path+".max_held_per_region", v)
 	}
 	if v, ok := f["gateway_chunk"]; ok {
 		l.GatewayChunk = p.integer(path+".gateway_chunk", v)

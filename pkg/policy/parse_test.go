@@ -196,6 +196,16 @@ func TestParseRejects(t *testing.T) {
 			limit: 10
 			window: 1m
 			lease: {chunk: 1, ttl: 1s, clamped: true}`), []string{`rules[0].lease.clamped: unknown field; did you mean "clamp"?`}},
+		{"max held not an integer", rule(`
+			scope: tenant
+			match: [{key: tenant, value: atlas}]
+			kind: global_quota
+			limit: 10
+			window: 1m
+			lease: {chunk: 1, ttl: 1s, max_held_per_region: lots}`), []string{`rules[0].lease.max_held_per_region: expected an integer, got string "lots"`}},
+		{"max held under chunk, with line", "name: t\nregions: [eu]\nrules:\n  - name: r\n    scope: tenant\n    match: [{key: tenant, value: atlas}]\n" +
+			"    kind: global_quota\n    limit: 10\n    window: 1m\n    lease:\n      chunk: 5\n      ttl: 1s\n      max_held_per_region: 4\n",
+			[]string{"rules[0].lease.max_held_per_region: 4 is less than chunk 5: a region at the cap could never be granted a full chunk (line 13)"}},
 		{"unknown match field", rule("scope: ip\nmatch: [{key: ip, val: x}]\nkind: fixed_window\nlimit: 1\nwindow: 1s\n"),
 			[]string{`rules[0].match[0].val: unknown field; did you mean "value"?`}},
 		{"match key missing", rule("scope: ip\nmatch: [{value: x}]\nkind: fixed_window\nlimit: 1\nwindow: 1s\n"),

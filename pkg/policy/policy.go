@@ -145,6 +145,10 @@ type Lease struct {
 	// own when it cannot reach the allocator; non-zero only with fail_mode
 	// fallback. It is the bound's fallback term.
 	FallbackPerRegion int64
+	// MaxHeldPerRegion is the most unexpired, unreleased tokens of the pool
+	// the allocator lets one region hold at once (0: no cap); when set, at
+	// least Chunk and at most the rule's Limit.
+	MaxHeldPerRegion int64
 	// GatewayChunk is the tokens a gateway takes at once from its region's
 	// store to spend in-process (reference chapter 12); 0 means every request
 	// goes to the store.
@@ -300,6 +304,9 @@ type GlobalQuota struct {
 	Strategy Strategy
 	// FallbackPerRegion is the tokens per window a cut-off region may admit.
 	FallbackPerRegion int64
+	// MaxHeldPerRegion is the most unexpired, unreleased tokens one region
+	// may hold of the pool (of each instance, for a template); 0 for no cap.
+	MaxHeldPerRegion int64
 	// GatewayChunk is the tokens a gateway holds in-process; 0 for none.
 	GatewayChunk int64
 	// FailMode is the rule's fail mode (closed or fallback).
@@ -331,6 +338,7 @@ func (d *Document) GlobalQuotas() []GlobalQuota {
 			Clamp:             r.Lease.Clamp,
 			Strategy:          r.Lease.Strategy,
 			FallbackPerRegion: r.Lease.FallbackPerRegion,
+			MaxHeldPerRegion:  r.Lease.MaxHeldPerRegion,
 			GatewayChunk:      r.Lease.GatewayChunk,
 			FailMode:          r.FailMode,
 			Regions:           regions,

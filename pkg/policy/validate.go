@@ -220,6 +220,17 @@ func (r *Rule) validateGlobal(c *collector, p string, regions int) {
 			l.FallbackPerRegion, regions, l.FallbackPerRegion*int64(regions), r.Limit)
 	}
 	switch {
+	case l.MaxHeldPerRegion < 0:
+		c.add(lp+".max_held_per_region", 0, "must not be negative, got %d", l.MaxHeldPerRegion)
+	case l.MaxHeldPerRegion == 0: // no cap
+	case l.MaxHeldPerRegion > MaxAmount:
+		c.add(lp+".max_held_per_region", 0, "%d exceeds the maximum %d", l.MaxHeldPerRegion, int64(MaxAmount))
+	case r.Limit > 0 && l.MaxHeldPerRegion > r.Limit:
+		c.add(lp+".max_held_per_region", 0, "%d exceeds limit %d", l.MaxHeldPerRegion, r.Limit)
+	case l.Chunk > 0 && l.MaxHeldPerRegion < l.Chunk:
+		c.add(lp+".max_held_per_region", 0, "%d is less than chunk %d: a region at the cap could never be granted a full chunk", l.MaxHeldPerRegion, l.Chunk)
+	}
+	switch {
 	case l.GatewayChunk < 0:
 		c.add(lp+".gateway_chunk", 0, "must not be negative, got %d", l.GatewayChunk)
 	case l.GatewayChunk > 0 && template:

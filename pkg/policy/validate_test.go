@@ -95,6 +95,10 @@ func TestValidateRejects(t *testing.T) {
 		{"fallback exceeds limit", func(d *Document) { d.Rules[global].Lease.FallbackPerRegion = 20001 }, at(global, "lease.fallback_per_region") + ": 20001 x 2 regions = 40002 exceeds limit 40000"},
 		{"fallback with fail closed", func(d *Document) { d.Rules[atlas].Lease.FallbackPerRegion = 100 }, at(atlas, "lease.fallback_per_region") + ": 100 needs fail_mode fallback (fail_mode is closed)"},
 		{"fail fallback without allowance", func(d *Document) { d.Rules[atlas].FailMode = FailFallback }, at(atlas, "lease.fallback_per_region") + ": required with fail_mode fallback"},
+		{"negative max held", func(d *Document) { d.Rules[atlas].Lease.MaxHeldPerRegion = -1 }, at(atlas, "lease.max_held_per_region") + ": must not be negative, got -1"},
+		{"max held under chunk", func(d *Document) { d.Rules[atlas].Lease.MaxHeldPerRegion = 99 }, at(atlas, "lease.max_held_per_region") + ": 99 is less than chunk 100: a region at the cap could never be granted a full chunk"},
+		{"max held over limit", func(d *Document) { d.Rules[atlas].Lease.MaxHeldPerRegion = 1001 }, at(atlas, "lease.max_held_per_region") + ": 1001 exceeds limit 1000"},
+		{"huge max held", func(d *Document) { d.Rules[atlas].Lease.MaxHeldPerRegion = MaxAmount + 1 }, at(atlas, "lease.max_held_per_region") + ": 1000000000001 exceeds the maximum"},
 		{"fail open global quota", func(d *Document) { d.Rules[atlas].FailMode = FailOpen }, at(atlas, "fail_mode") + ": open has no overshoot bound"},
 		{"shadow global quota", func(d *Document) { d.Rules[atlas].Shadow = true }, at(atlas, "shadow") + ": a shadow global_quota is not supported"},
 		{"gateway chunk exceeds chunk", func(d *Document) { d.Rules[global].Lease.GatewayChunk = 4001 }, at(global, "lease.gateway_chunk") + ": 4001 exceeds chunk 4000"},
@@ -216,6 +220,13 @@ func TestValidateAccepts(t *testing.T) {
 		{"other non-characters and specials in text", func(d *Document) { d.Description = "\uFDD0 \U0001FFFE \uFEFF \uFFFD \U0010FFFD" }},
 		{"fallback fills the limit", func(d *Document) { d.Rule("p-global").Lease.FallbackPerRegion = 20000 }},
 		{"clamp off", func(d *Document) { d.Rule("p-tenant-atlas").Lease.Clamp = false }},
+		{"max held equals chunk", func(d *Document) { d.Rule("p-tenant-atlas").Lease.MaxHeldPerRegion = 100 }},
+		{"max held equals limit", func(d *Document) { d.Rule("p-tenant-atlas").Lease.MaxHeldPerRegion = 1000 }},
+		{"max held in a template", func(d *Document) {
+			r := d.Rule("p-tenant-atlas")
+			r.Match = []Match{{Key: "tenant"}}
+			r.Lease.MaxHeldPerRegion = 300
+		}},
 		{"fair share", func(d *Document) { d.Rule("p-tenant-atlas").Lease.Strategy = StrategyFairShare }},
 		{"shadow rule", func(d *Document) { d.Rule("p-read").Shadow = true }},
 		{"fail open bucket", func(d *Document) { d.Rule("p-read").FailMode = FailOpen }},
