@@ -15,6 +15,13 @@ import (
 // approaches the throughput of a hand-pipelined client while each caller
 // still waits only for its own decision.
 //
+// A caller that stops waiting (its timeout or its context) before its call
+// is sent abandons it (op.abandon), and the batcher drops it unsent
+// (op.claim decides, with one CAS, which of the two got there first): a
+// request already answered by its fail mode is not also charged when the
+// store comes back, and a backlog of such calls is not replayed into a
+// store that has just recovered.
+//
 // A worker given a partial batch first yields the processor once
 // (runtime.Gosched) and then tops the batch up from the calls that came
 // meanwhile; while it gathers, new calls start no other pipeline. Callers
@@ -116,6 +123,10 @@ func (b *batcher) nextLocked(force bool) []*op {
 		list = make([]*op, 0, b.cfg.BatchSize)
 	}
 	batch := b.takeLocked(list)
+	if len(batch) == 0 { // every pending call was abandoned
+		b.spare = append(b.spare, batch)
+		return nil
+	}
 	if len(batch) < b.cfg.BatchSize {
 		b.gathering++
 	}
@@ -123,14 +134,39 @@ func (b *batcher) nextLocked(force bool) []*op {
 	return batch
 }
 
-// takeLocked moves pending calls to batch until it holds BatchSize.
+// takeLocked moves pending calls to batch until it holds BatchSize. Calls
+// their callers abandoned are dropped on the way and take no room.
 func (b *batcher) takeLocked(batch []*op) []*op {
-	n := min(len(b.pending), b.cfg.BatchSize-len(batch))
-	batch = append(batch, b.pending[:n]...)
+	n := 0
+	for ; n < len(b.pending) && len(batch) < b.cfg.BatchSize; n++ {
+		if o := b.pending[n]; o.abandoned() {
+			o.drop()
+		} else {
+			batch = append(batch, o)
+		}
+	}
 	rest := copy(b.pending, b.pending[n:])
 	clear(b.pending[rest:])
 	b.pending = b.pending[:rest]
 	return batch
+}
+
+// claim takes the calls of batch for sending and returns them; the calls
+// whose callers gave up before (after they were taken from pending) are
+// dropped: finished with errDropped, never sent. A caller that gives up
+// after this may see its call applied: that is the unknown outcome of a
+// timeout.
+func claim(batch []*op) []*op {
+	live := batch[:0]
+	for _, o := range batch {
+		if o.claim() {
+			live = append(live, o)
+		} else {
+			o.drop()
+		}
+	}
+	clear(batch[len(live):])
+	return live
 }
 
 // gather tops up a partial batch with the calls submitted while its worker
@@ -182,7 +218,9 @@ func (b *batcher) worker(batch []*op) {
 		if len(batch) < b.cfg.BatchSize {
 			batch = b.gather(batch)
 		}
-		b.exec(batch)
+		if batch = claim(batch); len(batch) > 0 {
+			b.exec(batch)
+		}
 		clear(batch) // the calls are answered: drop them
 		b.mu.Lock()
 		b.inflight--

@@ -3,6 +3,7 @@ package admission
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -300,4 +301,88 @@ func TestBatcherGathersReadyCalls(t *testing.T) {
 	if len(sizes) != 2 || sizes[0]+sizes[1] != 7 || max(sizes[0], sizes[1]) != 4 {
 		t.Fatalf("pipelines carried %v calls; want a full batch of 4 and the gathered 3", sizes)
 	}
+}
+
+// TestBatcherDropsAbandonedCalls: a call whose caller gave up while it
+// waited to be sent is dropped, never sent, and finished with an error
+// Unsent recognises, both when it is still pending and when a worker has
+// taken it into a batch but not yet sent it; a call the batcher has taken
+// to send can no longer be abandoned (its outcome is unknown).
+func TestBatcherDropsAbandonedCalls(t *testing.T) {
+	newOp := func() *op { return &op{done: make(chan struct{}, 1)} }
+	t.Run("pending", func(t *testing.T) {
+		cfg := DefaultRedisConfig()
+		cfg.MaxPipelines, cfg.BatchSize = 1, 2
+		gate := make(chan struct{})
+		var (
+			mu   sync.Mutex
+			sent []*op
+		)
+		b := newBatcher(cfg, func(batch []*op) {
+			<-gate
+			mu.Lock()
+			sent = append(sent, batch...)
+			mu.Unlock()
+			for _, o := range batch {
+				o.finish()
+			}
+		})
+		first := newOp()
+		if err := b.submit(first); err != nil {
+			t.Fatal(err)
+		}
+		for atomic.LoadInt32(&first.state) != opTaken { // its worker takes it to send
+			time.Sleep(time.Millisecond)
+		}
+		if first.abandon() {
+			t.Fatal("a call taken to be sent was abandoned")
+		}
+		gone, kept1, kept2 := newOp(), newOp(), newOp()
+		for _, o := range []*op{gone, kept1, kept2} {
+			if err := b.submit(o); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if !gone.abandon() {
+			t.Fatal("a pending call could not be abandoned")
+		}
+		close(gate)
+		for _, o := range []*op{first, gone, kept1, kept2} {
+			<-o.done
+		}
+		b.close()
+		mu.Lock()
+		defer mu.Unlock()
+		if len(sent) != 3 || slices.Contains(sent, gone) {
+			t.Fatalf("sent %d calls (the abandoned one among them: %v); want the 3 others", len(sent), slices.Contains(sent, gone))
+		}
+		if !Unsent(gone.err) || Unsent(first.err) {
+			t.Fatalf("abandoned call: Unsent(%v) = %v; sent call: Unsent(%v) = %v", gone.err, Unsent(gone.err), first.err, Unsent(first.err))
+		}
+	})
+	t.Run("taken, not yet sent", func(t *testing.T) {
+		var execs atomic.Int32
+		b := newBatcher(DefaultRedisConfig(), func(batch []*op) {
+			execs.Add(1)
+			for _, o := range batch {
+				o.finish()
+			}
+		})
+		o := newOp()
+		// Its worker holds it in a partial batch and yields: the caller
+		// gives up then.
+		b.yield = func() {
+			if !o.abandon() {
+				t.Error("a call taken into a batch but not sent could not be abandoned")
+			}
+		}
+		if err := b.submit(o); err != nil {
+			t.Fatal(err)
+		}
+		<-o.done
+		b.close()
+		if execs.Load() != 0 || !Unsent(o.err) {
+			t.Fatalf("%d pipelines sent, call error %v; want none sent and the call dropped unsent", execs.Load(), o.err)
+		}
+	})
 }

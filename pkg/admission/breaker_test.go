@@ -108,3 +108,63 @@ func TestFallbackBucketKeepsFractions(t *testing.T) {
 		t.Fatalf("clock went back: tok %d ts %d, want 1000 at 100", s.tok, s.ts)
 	}
 }
+
+// TestFallbackEvictsLeastRecentlyUsed: when the fallback holds FallbackKeys
+// counters, a new key takes the room of the least recently used one that is
+// idle (unused for a minute, no slot held), in a few steps; with none idle
+// it is denied as quickly. It used to scan every counter, under the lock all
+// decisions share, for every new key, for as long as the outage lasted.
+func TestFallbackEvictsLeastRecentlyUsed(t *testing.T) {
+	const keys = 100_000
+	bucket := &spec{kind: kindBucket, fbCap: 10_000, fbRefill: 1}
+	slots := &spec{kind: kindSlots, fbLimit: 1, b: 10 * 60_000}
+	f := newFallback(keys)
+	decide := func(sp *spec, hash uint64, now int64) bool {
+		deny, _, _ := f.decide([]fbItem{{sp: sp, hash: hash, cost: 1000}}, now)
+		return deny < 0
+	}
+	// Key 1 holds a slot (for ten minutes); the others are buckets.
+	if !decide(slots, 1, 0) {
+		t.Fatal("the first slot was denied")
+	}
+	for h := uint64(2); h <= keys; h++ {
+		if !decide(bucket, h, 0) {
+			t.Fatalf("key %d denied below the cap", h)
+		}
+	}
+	// Half a minute on, every counter is in use: new keys are denied, each
+	// in a few steps (a scan of the map for each took seconds for these).
+	start := time.Now()
+	for h := uint64(keys + 1); h <= keys+10_000; h++ {
+		if decide(bucket, h, 30_000) {
+			t.Fatalf("new key %d admitted with every counter in use", h)
+		}
+	}
+	if el := time.Since(start); el > 2*time.Second {
+		t.Fatalf("10,000 new keys against a full fallback took %s", el)
+	}
+	// A minute on, keys 2-11 are used again; the others are idle. New keys
+	// take the room of the least recently used idle ones; the slot held and
+	// the keys in use stay.
+	for h := uint64(2); h <= 11; h++ {
+		decide(bucket, h, 61_000)
+	}
+	for h := uint64(keys + 1); h <= keys+100; h++ {
+		if !decide(bucket, h, 61_000) {
+			t.Fatalf("new key %d denied although idle counters could make room", h)
+		}
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.m) != keys {
+		t.Fatalf("%d counters, want the cap %d", len(f.m), keys)
+	}
+	for h := uint64(1); h <= 11; h++ {
+		if f.m[h] == nil {
+			t.Fatalf("key %d was evicted although in use", h)
+		}
+	}
+	if f.m[11+50] != nil {
+		t.Fatal("key 61 (idle, among the least recently used) was kept")
+	}
+}

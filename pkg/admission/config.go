@@ -44,8 +44,10 @@ type Config struct {
 	// UnavailableRetryAfter is the Retry-After of a 503 when a fail-closed
 	// rule cannot be decided and the breaker gives no better estimate.
 	UnavailableRetryAfter time.Duration
-	// FallbackKeys caps the in-process fallback buckets; beyond it the
-	// fallback denies new keys (it never grows without bound).
+	// FallbackKeys caps the in-process fallback buckets; beyond it a new key
+	// takes the room of the least recently used bucket that has been idle
+	// for a minute (holding no slot), or is denied (it never grows without
+	// bound).
 	FallbackKeys int
 	// ExtraDescriptors are descriptor keys accepted although no rule uses
 	// them (e.g. keys a newer policy will use). The standard keys tenant,

@@ -45,6 +45,10 @@ var conformance = []struct {
 	{"policy versions", testApply},
 	{"key layout: tags and hashed principals", testKeyLayout},
 	{"numbers beyond 32 bits", testLargeNumbers},
+	{"windows: a retuned length starts a fresh window", testWindowRetune},
+	{"idempotency: a retry passes the negative cache", testRetryPassesNegativeCache},
+	{"idempotency: a retry passes a starved gateway-local chunk", testRetryPassesStarvedChunk},
+	{"refund: a slot the request held before stays held", testRefundKeepsHeldSlot},
 }
 
 // testLargeNumbers: counts and retry times beyond 32 bits come back exact
@@ -1034,4 +1038,173 @@ func testReleaseRequest(t *testing.T, b backend) {
 	if _, err := h.e.ReleaseRequest(ctx, &admission.Request{Descriptors: entries(export("cedar")...)}); !errors.Is(err, admission.ErrInvalidRequest) {
 		t.Fatalf("without a request id: %v", err)
 	}
+}
+
+// testWindowRetune: a rule's counters outlive a retune (its digest leaves
+// its numbers out), but a window's state holds its index in windows of the
+// old length. A window that grew (1m to 1h) starts afresh: its index used
+// to read as a clock gone back by ages, and the rule denied with a
+// Retry-After of some 3,000 years until the key expired. One that shrank
+// starts afresh too.
+func testWindowRetune(t *testing.T, b backend) {
+	for _, kind := range []string{"fixed_window", "sliding_window"} {
+		t.Run(kind, func(t *testing.T) {
+			doc := func(window string) *policy.Document {
+				return parse(t, `
+name: retune
+rules:
+  - {name: win, scope: tenant, match: [{key: tenant}], kind: `+kind+`, limit: 3, window: `+window+`}
+`)
+			}
+			h := newHarness(t, b, doc("1m"), nil)
+			for i := 0; i < 3; i++ {
+				wantAllowed(t, h.decide("tenant", "acme"), "1m window")
+			}
+			if d := h.decide("tenant", "acme"); d.Allowed() {
+				t.Fatal("4th request in the 1m window allowed")
+			}
+			if err := h.e.Apply(doc("1h"), 2); err != nil {
+				t.Fatal(err)
+			}
+			h.clock.Advance(time.Second)
+			for i := 0; i < 3; i++ {
+				d := h.decide("tenant", "acme")
+				wantAllowed(t, d, "after growing the window to 1h")
+				if r := rule(t, d, "win"); r.Remaining != int64(2-i) || r.Reset > 3600 {
+					t.Fatalf("request %d of the 1h window: remaining %d, reset %d s; want %d and at most 3600", i+1, r.Remaining, r.Reset, 2-i)
+				}
+			}
+			d := h.decide("tenant", "acme")
+			if d.Outcome != admission.Deny || d.RetryAfter < 1 || d.RetryAfter > 2*3600 || rule(t, d, "win").Reset > 3600 {
+				t.Fatalf("4th request of the 1h window: %s, retry %d s, reset %d s; want denied within the window's reach",
+					d.Outcome, d.RetryAfter, rule(t, d, "win").Reset)
+			}
+			h.clock.Advance(time.Duration(d.RetryAfter) * time.Second)
+			wantAllowed(t, h.decide("tenant", "acme"), "after the Retry-After")
+
+			if err := h.e.Apply(doc("1m"), 3); err != nil {
+				t.Fatal(err)
+			}
+			d = h.decide("tenant", "acme")
+			wantAllowed(t, d, "after shrinking the window to 1m")
+			if r := rule(t, d, "win"); r.Remaining != 2 || r.Reset > 60 {
+				t.Fatalf("after shrinking: remaining %d, reset %d s; want a fresh 1m window", r.Remaining, r.Reset)
+			}
+		})
+	}
+}
+
+// testRetryPassesNegativeCache: the retry of an admitted request (its
+// request id, descriptors and hits) gets the earlier admission back even
+// while its key is in the negative cache: the cache used to answer it with
+// a 429 before the store could replay it. A request whose id this engine
+// never admitted is still denied from the cache, without a store call, and
+// so is the admitted id on another request.
+func testRetryPassesNegativeCache(t *testing.T, b backend) {
+	h := newHarness(t, b, parse(t, `
+name: retry
+rules:
+  - {name: b, scope: tenant, match: [{key: tenant}], kind: token_bucket, capacity: 2, refill_per_second: 1}
+`), func(c *admission.Config) { c.NegativeCacheTTL = 250 * time.Millisecond })
+	req := func(id string, hits int64) *admission.Request {
+		return &admission.Request{Descriptors: entries("tenant", "acme"), RequestID: id, Hits: hits}
+	}
+	first := h.decideReq(req("req-1", 1))
+	wantAllowed(t, first, "first")
+	wantAllowed(t, h.decide("tenant", "acme"), "second")
+	wantDenied(t, h.decide("tenant", "acme"), "third", "b", policy.ScopeTenant, 1)
+
+	calls := h.e.Stats().StoreCalls
+	retry := h.decideReq(req("req-1", 1))
+	if !retry.Allowed() || retry.Source != admission.SourceReplay || retry.ID != first.ID {
+		t.Fatalf("retry of req-1: %s from %s, id %s; want the earlier admission %s replayed", retry.Outcome, retry.Source, retry.ID, first.ID)
+	}
+	if got := h.e.Stats().StoreCalls; got != calls+1 {
+		t.Fatalf("store calls %d -> %d; want the one that replayed", calls, got)
+	}
+	for _, r := range []*admission.Request{req("req-2", 1), req("req-1", 2), req("", 1)} {
+		d := h.decideReq(r)
+		if d.Outcome != admission.Deny || d.Source != admission.SourceNegativeCache {
+			t.Fatalf("id %q, hits %d: %s from %s; want denied from the negative cache", r.RequestID, r.Hits, d.Outcome, d.Source)
+		}
+	}
+	if got := h.e.Stats().StoreCalls; got != calls+1 {
+		t.Fatalf("store calls %d -> %d: requests not admitted before reached the store", calls+1, got)
+	}
+}
+
+const starvedChunkPolicy = `
+name: starved-chunk
+regions: [eu]
+rules:
+  - name: fleet
+    scope: global
+    match: [{key: route, value: GET /catalog}]
+    kind: global_quota
+    limit: 100000
+    window: 1h
+    lease: {chunk: 1000, ttl: 1h, gateway_chunk: 1}
+  - {name: per-tenant, scope: tenant, match: [{key: tenant}], kind: token_bucket, capacity: 100, refill_per_second: 1}
+`
+
+// testRetryPassesStarvedChunk: a gateway-local chunk whose regional pool
+// was found empty denies without a store call for a while; the retry of a
+// request admitted before is not denied so (it used to be): the tenant's
+// store call replays the earlier admission. A request with a new id still
+// meets the starved chunk, without a store call.
+func testRetryPassesStarvedChunk(t *testing.T, b backend) {
+	h := newHarness(t, b, parse(t, starvedChunkPolicy), func(c *admission.Config) { c.NegativeCacheTTL = 250 * time.Millisecond })
+	h.fund("fleet", 1)
+	req := func(id string) *admission.Request {
+		return &admission.Request{Descriptors: entries("route", "GET /catalog", "tenant", "acme"), RequestID: id}
+	}
+	first := h.decideReq(req("req-1"))
+	wantAllowed(t, first, "the pool's only token")
+	wantDenied(t, h.decideReq(req("req-2")), "pool empty", "fleet", policy.ScopeGlobal, 1)
+
+	calls := h.e.Stats().StoreCalls
+	retry := h.decideReq(req("req-1"))
+	if !retry.Allowed() || retry.Source != admission.SourceReplay || retry.ID != first.ID || !rule(t, retry, "fleet").Allowed {
+		t.Fatalf("retry of req-1: %s by %q from %s, id %s; want the earlier admission %s replayed", retry.Outcome, retry.Rule, retry.Source, retry.ID, first.ID)
+	}
+	if got := h.e.Stats().StoreCalls; got != calls+1 {
+		t.Fatalf("store calls %d -> %d; want the tenant's, which replayed", calls, got)
+	}
+	wantDenied(t, h.decideReq(req("req-3")), "a new id", "fleet", policy.ScopeGlobal, 1)
+	if got := h.e.Stats().StoreCalls; got != calls+1 {
+		t.Fatalf("store calls %d -> %d: a new id passed the starved chunk", calls+1, got)
+	}
+	if s := h.stats("fleet"); s.Consumed != 1 {
+		t.Fatalf("pool %+v: want the one token consumed", s)
+	}
+}
+
+// testRefundKeepsHeldSlot: a retry of a running request (its request id,
+// without idempotency) passes a concurrency rule on the slot the request
+// holds and takes none; when a later tag's rule then denies, the refund
+// must leave that slot to the running request. It used to remove it, and a
+// second request ran beside the first under max_in_flight 1. A slot the
+// decide took is still given back.
+func testRefundKeepsHeldSlot(t *testing.T, b backend) {
+	h := newHarness(t, b, parse(t, `
+name: held-slot
+rules:
+  - {name: c, scope: ip, match: [{key: ip}], kind: concurrency, max_in_flight: 1, slot_ttl: 1m}
+  - {name: b, scope: tenant, match: [{key: tenant}], kind: token_bucket, capacity: 1, refill_per_second: 0.001}
+`), func(c *admission.Config) { c.IdempotencyTTL = 0 })
+	req := func(id, tenant string) *admission.Request {
+		return &admission.Request{Descriptors: entries("ip", "192.0.2.1", "tenant", tenant), RequestID: id}
+	}
+	a := h.decideReq(req("X", "t1"))
+	wantAllowed(t, a, "X")
+	wantDenied(t, h.decideReq(req("X", "t1")), "X retried, t1's bucket empty", "b", policy.ScopeTenant, 1000)
+	if d := h.decideReq(req("Y", "t2")); d.Allowed() || d.Rule != "c" {
+		t.Fatalf("Y while X runs: %s by %q; want denied by c (X holds the only slot)", d.Outcome, d.Rule)
+	}
+	if err := h.e.Release(context.Background(), a); err != nil {
+		t.Fatal(err)
+	}
+	// W takes the free slot, t1's bucket denies: the refund gives it back.
+	wantDenied(t, h.decideReq(req("W", "t1")), "W, t1's bucket empty", "b", policy.ScopeTenant, 1000)
+	wantAllowed(t, h.decideReq(req("Y", "t2")), "Y after X's release and W's refund")
 }

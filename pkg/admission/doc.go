@@ -38,7 +38,15 @@
 //
 //   - Negative cache: after a denial with retry hint R, the same counter is
 //     denied in process for min(R, Config.NegativeCacheTTL) with no store
-//     call, in fixed memory.
+//     call, in fixed memory. The retry of a request this engine admitted
+//     (its request id, descriptors and hits, within Config.IdempotencyTTL)
+//     is not denied so, nor by a gateway-local chunk found empty: it goes
+//     to the store, which replays the admission. The engine knows such
+//     requests from a fixed table of 4096 recent admissions (lossy: a lost
+//     entry means the cached 429, a false match one more store call), so a
+//     client cannot pass the cache with fresh ids. A retry that reaches
+//     ANOTHER gateway while that gateway holds the key's denial (at most
+//     NegativeCacheTTL, 250 ms by default) still gets the cached 429.
 //   - Idempotency: a retry of a request admitted within
 //     Config.IdempotencyTTL (the same request id, descriptors and hits) gets
 //     the earlier decision back and is not charged again.
@@ -52,6 +60,12 @@
 //     also gets the fail modes' decision, but the call is counted as
 //     canceled (allot_admission_store_calls_total{result="canceled"}), not as
 //     a store error or a fail mode's engagement, and the breaker ignores it.
+//     A call whose caller stopped waiting before the batcher sent it is
+//     dropped, never sent: the request answered by its fail mode is not
+//     also charged when the store comes back. One already sent may still
+//     land (a paused Redis runs it when it resumes): the concurrency slots
+//     it takes are released by the engine a second, ten seconds and a
+//     minute later.
 //
 // # Stores
 //

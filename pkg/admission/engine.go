@@ -33,7 +33,8 @@ type Engine struct {
 	applyMu sync.Mutex
 	chunks  map[string]*localChunk // by rule digest; guarded by applyMu
 
-	neg *negCache // nil when disabled
+	neg *negCache    // nil when disabled
+	ids *admittedIDs // ids admitted recently; nil without negative cache or idempotency
 	brk breaker
 	fb  *fallback
 
@@ -86,6 +87,9 @@ func New(cfg Config, store Store, doc *policy.Document, version uint64, opts ...
 	e.brk.cooldown = cfg.BreakerCooldown.Nanoseconds()
 	if cfg.NegativeCacheTTL > 0 {
 		e.neg = newNegCache(cfg.NegativeCacheSize)
+		if cfg.IdempotencyTTL > 0 {
+			e.ids = newAdmittedIDs()
+		}
 	}
 	if err := e.Apply(doc, version); err != nil {
 		return nil, err
@@ -232,7 +236,9 @@ func (e *Engine) DecideInto(ctx context.Context, req *Request, d *Decision) erro
 	now := e.clock.Now()
 	mono := e.mono(now)
 
-	// A key denied a moment ago is denied again without a store call.
+	// A key denied a moment ago is denied again without a store call,
+	// unless the request is the retry of one admitted here: the store
+	// replays that admission.
 	if e.neg != nil {
 		for i := range items {
 			it := &items[i]
@@ -240,6 +246,9 @@ func (e *Engine) DecideInto(ctx context.Context, req *Request, d *Decision) erro
 				continue
 			}
 			if retryAt, ok := e.neg.get(it.hash, mono); ok {
+				if e.admittedHere(req, mono) {
+					break
+				}
 				e.m.negHits.Add(1)
 				d.ID = e.newID()
 				d.Source = SourceNegativeCache
@@ -259,6 +268,14 @@ func (e *Engine) DecideInto(ctx context.Context, req *Request, d *Decision) erro
 	groups := groupItems(gbuf[:0], items)
 	defer e.recycle(groups)
 	d.Source = SourceLocal
+	// deferred is a gateway-local chunk's denial of the retry of a request
+	// admitted here, held back while the store groups are decided: one of
+	// them replays the earlier admission, or the denial stands.
+	deferred := struct {
+		on    bool
+		deny  int
+		retry int64
+	}{}
 	for gi := range groups {
 		g := &groups[gi]
 		var (
@@ -269,15 +286,23 @@ func (e *Engine) DecideInto(ctx context.Context, req *Request, d *Decision) erro
 		if g.local {
 			deny = g.idx[0]
 			outcome, retry = e.runLocal(ctx, g, items, now, mono)
+			if outcome == Deny && !deferred.on && hasStoreGroup(groups) && e.admittedHere(req, mono) {
+				deferred.on, deferred.deny, deferred.retry = true, deny, retry
+				continue
+			}
 		} else {
 			outcome, deny, retry = e.runStore(ctx, g, items, req, d, member, now, mono)
 		}
 		if outcome != Allow {
+			if deferred.on { // the first denial in order
+				outcome, deny, retry = Deny, deferred.deny, deferred.retry
+			}
 			e.compensate(groups[:gi], items, mono)
 			e.finish(d, items, results, deny, outcome, retry)
 			return nil
 		}
 	}
+	replayed := false
 	for gi := range groups {
 		if groups[gi].replay {
 			// The earlier decision already spent the local chunks.
@@ -289,10 +314,23 @@ func (e *Engine) DecideInto(ctx context.Context, req *Request, d *Decision) erro
 			}
 			d.Source = SourceReplay
 			e.m.replays.Add(1)
+			replayed = true
 			break
 		}
 	}
+	if deferred.on {
+		if !replayed { // no earlier admission to replay: the chunk's denial stands
+			e.compensate(groups, items, mono)
+			e.finish(d, items, results, deferred.deny, Deny, deferred.retry)
+			return nil
+		}
+		it := &items[deferred.deny] // admitted by the replayed decision
+		it.res.Allowed, it.res.Remaining, it.res.RetryAfter = true, -1, 0
+	}
 	e.finish(d, items, results, -1, Allow, 0)
+	if e.ids != nil && req.RequestID != "" && (d.Source == SourceStore || d.Source == SourceReplay) {
+		e.ids.put(e.ids.hash(req), mono+e.cfg.IdempotencyTTL.Nanoseconds())
+	}
 	for gi := range groups {
 		g := &groups[gi]
 		if g.local || g.replay {
@@ -316,6 +354,24 @@ func (e *Engine) DecideInto(ctx context.Context, req *Request, d *Decision) erro
 		}
 	}
 	return nil
+}
+
+// admittedHere reports whether req is, as far as this engine knows, the
+// retry of a request it admitted within the idempotency TTL (admittedIDs):
+// its answer is then the store's replay, not a local denial.
+func (e *Engine) admittedHere(req *Request, mono int64) bool {
+	return e.ids != nil && req.RequestID != "" && e.ids.has(e.ids.hash(req), mono)
+}
+
+// hasStoreGroup reports whether a group of groups is decided in the store,
+// where a request's idempotency record lives.
+func hasStoreGroup(groups []group) bool {
+	for i := range groups {
+		if !groups[i].local {
+			return true
+		}
+	}
+	return false
 }
 
 // decision1 holds a one-rule decision and its rule result in one
@@ -538,7 +594,7 @@ func (e *Engine) decideOp(g *group, items []item, req *Request, id, member strin
 // positive. It reports whether the breaker refused the call.
 func (e *Engine) call(ctx context.Context, o *op, mono int64, timeout time.Duration) (refused bool, err error) {
 	if ok, _ := e.brk.allow(mono); !ok {
-		return true, ErrUnavailable
+		return true, errRefused
 	}
 	o.timeout = timeout
 	err = e.store.run(ctx, o)
@@ -579,8 +635,11 @@ func callerLeft(ctx context.Context, err error) bool {
 func (e *Engine) runStore(ctx context.Context, g *group, items []item, req *Request, d *Decision,
 	member string, now time.Time, mono int64) (Outcome, int, int64) {
 	o := e.decideOp(g, items, req, d.ID, member, now)
-	if _, err := e.call(ctx, o, mono, e.cfg.StoreTimeout); err != nil {
-		if !Unsent(err) && member == d.ID {
+	if refused, err := e.call(ctx, o, mono, e.cfg.StoreTimeout); err != nil {
+		// A decide that may still land takes slots nobody holds: release
+		// them later. One the breaker refused, or the batcher dropped
+		// before sending it, takes none.
+		if !refused && !Unsent(err) && member == d.ID {
 			e.releaseLate(g, items, member)
 		}
 		return e.failGroup(g, items, now, mono, !callerLeft(ctx, err))
@@ -634,9 +693,9 @@ func (e *Engine) runStore(ctx context.Context, g *group, items []item, req *Requ
 
 // lateReleaseDelays are when, after a decide holding concurrency rules went
 // unanswered, the engine releases the slots that decide may still take if
-// it lands late (the batcher sends what it queued; a paused Redis runs it
-// when it resumes). The caller has taken the fail mode instead, so such a
-// slot is held by nobody, and would otherwise deny the rule's requests for
+// it lands late (it was sent before its caller gave up, and a paused Redis
+// runs it when it resumes; one still queued then is dropped unsent). The
+// caller has taken the fail mode instead, so such a slot is held by nobody, and would otherwise deny the rule's requests for
 // its whole slot_ttl (ten minutes for P-EXPORT). A release is a no-op
 // where the decide never landed. One that lands after the last attempt
 // keeps its slot until slot_ttl.
@@ -888,10 +947,14 @@ func (e *Engine) compensate(groups []group, items []item, mono int64) {
 			r := *g.op
 			r.code, r.done, r.out = opRefund, nil, nil
 			// Only the rules the decide debited: a shadow rule that denied
-			// was not, and giving it back tokens would undercount it.
+			// was not, and giving it back tokens would undercount it. Nor
+			// a slot the member held before the decide (a retry of a
+			// request still running, under its request id): refunded, it
+			// would free the slot of the request that holds it.
 			r.rules = r.ruleBuf[:0]
 			for j, ra := range g.op.rules {
-				if g.op.out[2+4*j] == 1 {
+				res := g.op.out[2+4*j : 6+4*j] // ok remaining retry reset
+				if res[0] == 1 && !(ra.kind == kindSlots && res[2] == 1) {
 					r.rules = append(r.rules, ra)
 				}
 			}

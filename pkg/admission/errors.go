@@ -2,6 +2,7 @@ package admission
 
 import (
 	"errors"
+	"fmt"
 	"net"
 
 	"github.com/redis/go-redis/v9"
@@ -77,20 +78,30 @@ var ErrStoreFull = errors.New("store full")
 // refused a call without sending it.
 var errBreakerOpen = errors.New("circuit breaker open")
 
+// errRefused is what a store call the circuit breaker refused fails with.
+// It is made once: a refusal allocates nothing.
+var errRefused = fmt.Errorf("%w: %w", ErrUnavailable, errBreakerOpen)
+
+// errDropped is wrapped in the error of a store call whose caller gave up
+// (its timeout or its context) while the call still waited in the batcher:
+// the batcher drops such a call instead of sending it.
+var errDropped = errors.New("dropped before it was sent")
+
 // Unsent reports whether err, returned by a store operation of an Engine
 // (DepositChunk, MarkExhausted, ...), proves the operation never reached the
 // store and so had no effect: bad arguments, an unknown quota, a closed
-// engine, a full queue, an open circuit breaker, a full embedded store, or a
-// connection that could not be made. Any other error leaves the outcome
-// unknown: a call that timed out or whose caller gave up may still be
-// applied later (the engine's batcher sends what it has queued), so a caller
-// must not act as if it had failed (e.g. hand a deposit's tokens back)
-// without first making sure it cannot land.
+// engine, a full queue, an open circuit breaker, a full embedded store, a
+// connection that could not be made, or a call that timed out (or whose
+// caller gave up) while it still waited to be sent, which the batcher then
+// drops. Any other error leaves the outcome unknown: a call that timed out
+// after it was sent may still be applied later (a paused Redis runs it when
+// it resumes), so a caller must not act as if it had failed (e.g. hand a
+// deposit's tokens back) without first making sure it cannot land.
 func Unsent(err error) bool {
 	if err == nil {
 		return false
 	}
-	for _, e := range []error{ErrBadGrant, ErrUnknownQuota, ErrClosed, ErrOverloaded, errBreakerOpen, ErrStoreFull, redis.ErrPoolTimeout} {
+	for _, e := range []error{ErrBadGrant, ErrUnknownQuota, ErrClosed, ErrOverloaded, errBreakerOpen, errDropped, ErrStoreFull, redis.ErrPoolTimeout} {
 		if errors.Is(err, e) {
 			return true
 		}

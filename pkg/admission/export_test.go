@@ -56,3 +56,7 @@ func MetricsOf(e *Engine) prometheus.Collector { return &collector{e: e} }
 // WithResendPause sets the pause before a refused call is sent again (see
 // RedisStore.resend), so that a test can change Redis's state meanwhile.
 func WithResendPause(d time.Duration) RedisOption { return func(s *RedisStore) { s.pause = d } }
+
+// LateReleases returns how many late-slot releases e has scheduled and not
+// yet finished (see Engine.releaseLate).
+func LateReleases(e *Engine) int64 { return e.orphans.Load() }

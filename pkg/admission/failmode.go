@@ -113,16 +113,31 @@ type fallback struct {
 	mu  sync.Mutex
 	m   map[uint64]*fbState
 	max int
+	// lru rings the counters by last use, the least recent first
+	// (lru.next): a counter goes last whenever a decision reads it. A new
+	// key beyond max takes the room of the first idle one (evictLocked),
+	// so it costs a few steps, not a scan of the map.
+	lru fbState
 }
 
 // fbState is one fallback counter. Times are wall milliseconds.
 type fbState struct {
-	tok, ts int64   // bucket: millitokens and last refill
-	frac    int64   // bucket: thousandths of a millitoken earned by ts
-	w, c    int64   // window index and count
-	slots   []int64 // concurrency: the deadlines (wall ms) of the slots held
-	last    int64   // last use, for sweeping
+	tok, ts    int64    // bucket: millitokens and last refill
+	frac       int64    // bucket: thousandths of a millitoken earned by ts
+	w, c       int64    // window index and count
+	slots      []int64  // concurrency: the deadlines (wall ms) of the slots held
+	last       int64    // last use by a decision, for eviction
+	hash       uint64   // its key in fallback.m
+	prev, next *fbState // in fallback.lru
 }
+
+// fbIdle is how long a fallback counter holding no slot must go unused
+// (wall ms) before a new key may take its room.
+const fbIdle = 60_000
+
+// fbEvictScan bounds the counters a new key looks at for an idle one to
+// evict: the least recent ones, passing over those that hold slots.
+const fbEvictScan = 64
 
 // fbItem is one rule of a group decided by the fallback.
 type fbItem struct {
@@ -132,27 +147,62 @@ type fbItem struct {
 }
 
 func newFallback(max int) *fallback {
-	return &fallback{m: make(map[uint64]*fbState), max: max}
+	f := &fallback{m: make(map[uint64]*fbState), max: max}
+	f.lru.prev, f.lru.next = &f.lru, &f.lru
+	return f
 }
 
 // state returns the counter of hash, creating it; nil when full.
 func (f *fallback) state(hash uint64, now int64, sp *spec) *fbState {
 	if s := f.m[hash]; s != nil {
+		// A use, even one the counter then denies: a key that is being
+		// refused is not idle, and evicting it would refill it.
+		s.last = max(s.last, now)
+		f.useLocked(s)
 		return s
 	}
-	if len(f.m) >= f.max {
-		for k, s := range f.m { // drop idle counters (over a minute unused)
-			if s.held(now) == 0 && now-s.last > 60_000 {
-				delete(f.m, k)
-			}
-		}
-		if len(f.m) >= f.max {
-			return nil
-		}
+	if len(f.m) >= f.max && !f.evictLocked(now) {
+		return nil
 	}
-	s := &fbState{tok: sp.fbCap, ts: now, w: -1}
+	s := &fbState{tok: sp.fbCap, ts: now, w: -1, last: now, hash: hash}
 	f.m[hash] = s
+	f.useLocked(s)
 	return s
+}
+
+// evictLocked drops the least recently used counter that is idle (unused
+// for fbIdle and holding no slot), looking at no more than fbEvictScan
+// counters, and reports whether it dropped one. The counters after one used
+// within fbIdle are more recent: the look stops there.
+func (f *fallback) evictLocked(now int64) bool {
+	s := f.lru.next
+	for n := 0; n < fbEvictScan && s != &f.lru; n++ {
+		if now-s.last <= fbIdle {
+			return false
+		}
+		if s.held(now) == 0 {
+			f.unlinkLocked(s)
+			delete(f.m, s.hash)
+			return true
+		}
+		s = s.next
+	}
+	return false
+}
+
+// useLocked moves s to the end of the ring: the most recently used.
+func (f *fallback) useLocked(s *fbState) {
+	if s.next != nil {
+		f.unlinkLocked(s)
+	}
+	s.prev, s.next = f.lru.prev, &f.lru
+	f.lru.prev.next = s
+	f.lru.prev = s
+}
+
+func (f *fallback) unlinkLocked(s *fbState) {
+	s.prev.next, s.next.prev = s.next, s.prev
+	s.prev, s.next = nil, nil
 }
 
 // decide checks items in order and, when all admit, debits them all. It

@@ -707,3 +707,119 @@ func TestLateDecideReleasesItsSlot(t *testing.T) {
 	}
 	t.Logf("the late decide's slot was seen held: %v", sawDeny)
 }
+
+// TestAbandonedCallsAreNotSent: while Redis is paused, decides whose callers
+// got their fail mode's answer (503) and that still waited in the batcher
+// are dropped, not sent when Redis resumes: only the calls already on the
+// wire (at most MaxPipelines x BatchSize) are charged, and only those
+// schedule the release of the slots a late decide may take. The others used
+// to be sent after the pause and charged as well: 20 requests answered 503
+// emptied a window of 20.
+func TestAbandonedCallsAreNotSent(t *testing.T) {
+	srv := redistest.NewServer(t)
+	client := redis.NewClient(&redis.Options{Addr: srv.Addr(), ContextTimeoutEnabled: true, MaxRetries: -1})
+	t.Cleanup(func() { client.Close() })
+	rcfg := admission.DefaultRedisConfig()
+	rcfg.MaxPipelines, rcfg.BatchSize = 2, 4
+	rcfg.PipelineTimeout = 10 * time.Second // the pause ends first: what was sent runs then
+	store, err := admission.NewRedisStore(client, rcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { store.Close() })
+	const limit = 20
+	doc := parse(t, `
+name: abandoned
+rules:
+  - {name: win, scope: tenant, match: [{key: tenant}], kind: fixed_window, limit: 20, window: 1h, fail_mode: closed}
+  - {name: slots, scope: tenant, match: [{key: tenant}], kind: concurrency, max_in_flight: 100, slot_ttl: 1h, fail_mode: closed}
+`)
+	cfg := admission.DefaultConfig()
+	cfg.Namespace = namespace()
+	cfg.NegativeCacheTTL = 0
+	cfg.StoreTimeout = 50 * time.Millisecond
+	cfg.BreakerFailures = 1000 // every decide goes to the store
+	clock := newFakeClock(t0)
+	e, err := admission.New(cfg, store, doc, 1, admission.WithClock(clock), admission.WithLogger(zaptest.NewLogger(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	admission.UseStoreClock(e)
+	t.Cleanup(func() { e.Close() })
+	if err := store.Load(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	h := &harness{t: t, e: e, clock: clock, ns: cfg.Namespace, doc: doc, client: client}
+
+	if err := srv.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	resumed := false
+	defer func() {
+		if !resumed {
+			_ = srv.Resume()
+		}
+	}()
+	for i := 0; i < limit; i++ {
+		if d := h.decide("tenant", "acme"); d.Outcome != admission.Unavailable {
+			t.Fatalf("decide %d with Redis paused: %s, want unavailable (fail closed)", i, d.Outcome)
+		}
+	}
+	onWire := rcfg.MaxPipelines * rcfg.BatchSize
+	if n := admission.LateReleases(e); n > int64(onWire) {
+		t.Errorf("%d late-slot releases scheduled; want at most %d (the calls that were sent)", n, onWire)
+	}
+	if err := srv.Resume(); err != nil {
+		t.Fatal(err)
+	}
+	resumed = true
+
+	// The calls that were sent run first (one connection each, in order).
+	var d *admission.Decision
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if d = h.decide("tenant", "acme"); d.Source == admission.SourceStore || time.Now().After(deadline) {
+			break
+		}
+	}
+	wantAllowed(t, d, "the first request after the pause")
+	charged := limit - 1 - rule(t, d, "win").Remaining
+	t.Logf("%d of %d requests answered 503 were charged (%d late-slot releases)", charged, limit, admission.LateReleases(e))
+	if charged > int64(onWire) {
+		t.Fatalf("%d requests answered 503 were charged; want at most the %d that can have been on the wire", charged, onWire)
+	}
+}
+
+// TestBreakerRefusalSchedulesNoLateRelease: a decide the open breaker
+// refused was never sent, so it can take no slot: no late release is
+// scheduled for it (each used to start a goroutine making three useless
+// store calls over a minute, and the 1,024 allowed at once then left no
+// room for a decide that really was sent).
+func TestBreakerRefusalSchedulesNoLateRelease(t *testing.T) {
+	addr, err := redistest.ClosedAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, _ := failHarness(t, addr, parse(t, `
+name: refused
+rules:
+  - {name: c, scope: tenant, match: [{key: tenant}], kind: concurrency, max_in_flight: 5, slot_ttl: 10m, fail_mode: open}
+`), func(c *admission.Config) { c.BreakerCooldown = time.Hour })
+	for i := 0; i < 5; i++ { // connection refused (unsent): opens the breaker
+		h.decide("tenant", "acme")
+	}
+	if !h.e.BreakerOpen() {
+		t.Fatal("the breaker did not open")
+	}
+	calls := h.e.Stats().StoreCalls
+	for i := 0; i < 500; i++ {
+		if d := h.decide("tenant", "acme"); d.Source != admission.SourceFailMode {
+			t.Fatalf("breaker open: source %s, want the fail mode", d.Source)
+		}
+	}
+	if n := admission.LateReleases(h.e); n != 0 {
+		t.Fatalf("%d late-slot releases scheduled for decides the breaker refused; want none", n)
+	}
+	if got := h.e.Stats().StoreCalls; got != calls {
+		t.Fatalf("store calls %d -> %d with the breaker open", calls, got)
+	}
+}

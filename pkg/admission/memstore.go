@@ -561,8 +561,8 @@ func (x *memExec) decide(o *op) {
 			cnt, _ := x.hget(key, "c")
 			prev, _ := x.hget(key, "p")
 			switch {
-			case !has:
-				w, cnt, prev = idx, 0, 0
+			case !has, w > idx+1: // w far ahead: the window's length grew (see the script)
+				w, cnt, prev, has = idx, 0, 0, false
 			case w > idx:
 				idx = w
 			case w == idx-1 && r.kind == kindSliding:
@@ -615,8 +615,8 @@ func (x *memExec) decide(o *op) {
 			}
 			if held || used < a {
 				p.member, p.dl, p.ttl = o.member, now+b, b+scriptSlack
-				if held {
-					remaining = a - used
+				if held { // retry 1: held before this call (see the script)
+					remaining, retry = a-used, 1
 				} else {
 					remaining = a - used - 1
 				}

@@ -10,6 +10,7 @@ import (
 	"math"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -258,11 +259,15 @@ func (s *RedisStore) pipelineCtx() context.Context {
 }
 
 func (s *RedisStore) run(ctx context.Context, o *op) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("redis store: %w: %w", err, errDropped)
+	}
 	done, _ := s.dones.Get().(chan struct{})
 	if done == nil {
 		done = make(chan struct{}, 1)
 	}
 	o.done = done
+	atomic.StoreInt32(&o.state, opQueued) // a refund is a copy of its decide, taken
 	if err := s.b.submit(o); err != nil {
 		s.dones.Put(done) // never queued, so never signalled: still empty
 		return err
@@ -277,16 +282,23 @@ func (s *RedisStore) run(ctx context.Context, o *op) error {
 		}()
 		expired = t.C
 	}
-	// When the caller stops waiting, the batcher still owns o and will
+	// When the caller stops waiting, the batcher still holds o and will
 	// finish it (into done, which is then dropped); the caller must not read
-	// it.
+	// it. A call the batcher has not taken yet is abandoned: it is dropped
+	// unsent, and the error says so (Unsent).
 	select {
 	case <-done:
 		s.dones.Put(done)
 		return o.err
 	case <-ctx.Done():
+		if o.abandon() {
+			return fmt.Errorf("redis store: %w: %w", ctx.Err(), errDropped)
+		}
 		return ctx.Err()
 	case <-expired:
+		if o.abandon() {
+			return fmt.Errorf("redis store: no answer within %s: %w: %w", o.timeout, context.DeadlineExceeded, errDropped)
+		}
 		return fmt.Errorf("redis store: no answer within %s: %w", o.timeout, context.DeadlineExceeded)
 	}
 }

@@ -24,10 +24,14 @@
 --               none. Returns ONE string (see decision_reply):
 --               {replay, firstDeny, then per rule: ok remaining retry reset}
 --               packed after the earlier decision's id on a replay (empty
---               otherwise: the caller knows its own).
+--               otherwise: the caller knows its own). A concurrency rule
+--               that admits has retry 1 when the member held its slot
+--               before this call (a retry of a running request), 0 when
+--               the call took the slot.
 --   r  refund   same layout as d: gives back what a decide debited (the
---               caller sends only the rules it debited) and deletes the
---               decide's idempotency record (idemTTL > 0, the record id's)
+--               caller sends only the rules it debited, not a slot its
+--               member held before) and deletes the decide's idempotency
+--               record (idemTTL > 0, the record id's)
 --   D, R        d and r writing state in the text form (see below)
 --   t  take     KEYS: pool z, pool h   ARGV: op now want -> {taken, ttl, retry}
 --   p  deposit  KEYS: pool z, pool h   ARGV: op now grant tokens ttl start
@@ -302,7 +306,11 @@ if op == 'd' or op == 'r' then
         if not cnt then return redis.error_reply('allot: corrupt window at ' .. key) end
       end
       local stored = w
-      if not w then
+      if not w or w > idx + 1 then
+        -- No state, or an index too far ahead to be a clock step: the
+        -- window's length grew (a rule's digest leaves its numbers out, so
+        -- its counter outlives a retune), and the index counts windows of
+        -- the old length. A fresh window, as when a length shrinks.
         w, cnt, prev = idx, 0, 0
       elseif w > idx then
         idx = w -- the clock went back: keep counting in the newest window
@@ -358,7 +366,9 @@ if op == 'd' or op == 'r' then
         local used = redis.call('ZCARD', key)
         if held or used < a then
           write = true
-          if held then remaining = a - used else remaining = a - used - 1 end
+          -- retry (unused when a rule admits) says the member held the slot
+          -- already: a refund must leave such a slot to its holder.
+          if held then remaining, retry = a - used, 1 else remaining = a - used - 1 end
         else
           ok, retry, remaining = 0, EMPTY_RETRY, 0
         end

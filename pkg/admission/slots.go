@@ -128,7 +128,7 @@ func (e *Engine) run(ctx context.Context, o *op) error {
 	refused, err := e.call(ctx, o, e.mono(e.clock.Now()), 0)
 	switch {
 	case refused:
-		return fmt.Errorf("%w: %w", ErrUnavailable, errBreakerOpen)
+		return err // ErrUnavailable and errBreakerOpen
 	case err != nil:
 		return fmt.Errorf("%w: %w", ErrUnavailable, err)
 	}

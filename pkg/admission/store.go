@@ -6,6 +6,7 @@ import (
 	"math"
 	"slices"
 	"strconv"
+	"sync/atomic"
 	"time"
 )
 
@@ -117,6 +118,10 @@ type op struct {
 	outID string  // decide: the decision id (the earlier one on a replay)
 	err   error
 	done  chan struct{} // room for one signal: see finish
+	// state says who owns a call queued in a RedisStore's batcher (opQueued,
+	// opTaken, opAbandoned); changed only by CAS (claim, abandon), so that
+	// of a caller giving up and the batcher sending, exactly one wins.
+	state int32
 
 	// keys and rules of a small decide use these: with ops reused (see
 	// Engine.recycle), a decision of up to four rules allocates neither.
@@ -129,6 +134,30 @@ type op struct {
 // room for the one signal, so finish never blocks, even when the caller has
 // stopped waiting.
 func (o *op) finish() { o.done <- struct{}{} }
+
+// Who owns a call queued in a RedisStore's batcher (op.state).
+const (
+	opQueued    int32 = iota // waiting to be sent: the caller may still abandon it
+	opTaken                  // taken by the batcher to be sent: it may reach Redis
+	opAbandoned              // its caller gave up first: it is never sent
+)
+
+// claim takes o for sending. It fails when o's caller has abandoned it.
+func (o *op) claim() bool { return atomic.CompareAndSwapInt32(&o.state, opQueued, opTaken) }
+
+// abandon gives up on o before it is sent. It fails when the batcher has
+// taken o already: o may then reach Redis, and its outcome is unknown.
+func (o *op) abandon() bool { return atomic.CompareAndSwapInt32(&o.state, opQueued, opAbandoned) }
+
+// abandoned reports whether o's caller has given up on it before it was
+// taken; once set, that never changes.
+func (o *op) abandoned() bool { return atomic.LoadInt32(&o.state) == opAbandoned }
+
+// drop finishes an abandoned o without sending it.
+func (o *op) drop() {
+	o.err = errDropped
+	o.finish()
+}
 
 // args encodes o's ARGV for the script.
 func (o *op) args(text bool) []any { return o.appendArgs(nil, text, false) }

@@ -14,8 +14,9 @@ import (
 )
 
 // TestUnsent: only errors that prove a store call never left the engine
-// count as unsent; a timeout or a caller giving up leaves the outcome
-// unknown (the batcher may still send the call).
+// count as unsent; a timeout leaves the outcome unknown (the call may have
+// been sent). A caller that gave up before its call was sent is unsent: the
+// batcher drops such a call (TestAbandonedCallsAreNotSent).
 func TestUnsent(t *testing.T) {
 	// A port nobody listens on: the connection is refused.
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -56,7 +57,7 @@ func TestUnsent(t *testing.T) {
 		{"bad grant", badGrant, true},
 		{"unknown quota", unknown, true},
 		{"closed engine", fmt.Errorf("deposit: %w", admission.ErrClosed), true},
-		{"caller gave up", canceled, false},
+		{"caller gave up before the call", canceled, true},
 		{"timeout", fmt.Errorf("%w: %w", admission.ErrUnavailable, context.DeadlineExceeded), false},
 		{"reply error", errors.New("ERR something"), false},
 		{"no error", nil, false},

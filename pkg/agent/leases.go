@@ -1266,8 +1266,9 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 			storeOpens time.Time // by when, at the latest, the store opens a pre-grant
 		)
 		// A second attempt follows only one that certainly never reached
-		// the store (admission.Unsent). One that may have (a timeout: the
-		// engine's batcher still sends what it queued) is never followed by
+		// the store (admission.Unsent: the batcher drops a call whose
+		// caller gave up before it was taken). One that may have (a timeout
+		// after the batcher took it for the wire) is never followed by
 		// another: the store keeps whichever copy lands first and counts
 		// its TTL from that copy's arrival, and a late copy arrives after
 		// the bound its TTL allowed for, so it would outlive the lease.
