@@ -108,7 +108,7 @@ func run(ctx context.Context, args []string) error {
 	fs.DurationVar(&cfg.StarveWait, "starve-wait", cfg.StarveWait, "longest wait of a request for a lease renewal")
 	fs.IntVar(&cfg.MaxRequestBytes, "max-request-bytes", cfg.MaxRequestBytes, "largest request message")
 	fs.Float64Var(&cfg.DecisionLogSample, "log-sample", cfg.DecisionLogSample, "fraction of decisions logged")
-	fs.StringVar(&cfg.LogSalt, "log-salt", "", "salt of principal hashes in decision logs")
+	fs.StringVar(&cfg.LogSalt, "log-salt", "", "secret salt of principal hashes in decision logs; empty: a random one per process, so hashes do not correlate across restarts or agents")
 	fs.StringVar(&clearKeys, "log-clear-keys", strings.Join(cfg.LogClearKeys, ","), "descriptor keys logged in clear")
 	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", cfg.ShutdownTimeout, "bound on handing unspent tokens back")
 	fs.StringVar(&journalPath, "lease-journal", "", "append every Acquire, grant, deposit and Release to this file as JSON lines (audits, the chaos suite)")

@@ -78,6 +78,16 @@ func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) 
 		return nil, fmt.Errorf("agent: instance id: %w", err)
 	}
 	log := o.logger.Named("agent").With(zap.String("region", cfg.Region))
+	salt := cfg.LogSalt
+	if salt == "" {
+		// A key anyone knows (none) would make the hashes public, and an
+		// IPv4 address found again by hashing all 2^32. The salt is a
+		// secret, so it comes from crypto/rand, not WithRand's source.
+		salt = rand.Text()
+		if cfg.DecisionLogSample > 0 {
+			log.Info("decision logs hash principals with a random salt of this process: the hashes do not correlate across restarts or agents (set LogSalt, regionagent -log-salt, for that)")
+		}
+	}
 	var (
 		store  = o.store
 		rstore *admission.RedisStore
@@ -105,7 +115,7 @@ func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) 
 	}
 	a := &Agent{
 		cfg: cfg, clock: o.clock, log: log, m: newMetrics(), store: store, rstore: rstore, rdb: rdb, client: client, owned: owned,
-		dlog:  newDecisionLog(log.Named("decisions"), cfg.DecisionLogSample, cfg.LogSalt, cfg.LogClearKeys),
+		dlog:  newDecisionLog(log.Named("decisions"), cfg.DecisionLogSample, salt, cfg.LogClearKeys),
 		slots: newSlotTable(cfg.MaxTrackedSlots),
 		items: gopool.New(idleWorker),
 	}

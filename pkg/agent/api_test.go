@@ -144,6 +144,12 @@ func badInput(t *testing.T, c allotv1connect.AdmissionServiceClient) {
 		!strings.Contains(err.Error(), "request_id") {
 		t.Fatalf("ReleaseSlot without request_id: %v, want InvalidArgument naming request_id", err)
 	}
+	// Without entries no slot can be found: "0 released" would leave the
+	// caller's slots held until their slot_ttl.
+	if _, err := c.ReleaseSlot(ctx, connect.NewRequest(&allotv1.ReleaseSlotRequest{RequestId: "r1"})); connect.CodeOf(err) != connect.CodeInvalidArgument ||
+		!strings.Contains(err.Error(), "entries: must not be empty") {
+		t.Fatalf("ReleaseSlot without entries: %v, want InvalidArgument naming entries", err)
+	}
 }
 
 func TestNotReadyWithoutPolicy(t *testing.T) {
@@ -431,7 +437,8 @@ func TestEnvoyHitsAddendPerDescriptor(t *testing.T) {
 // with that key is the request id, not an entry: a retry with the same id
 // is the earlier admission, not charged again; any other key (request_id
 // included) is an ordinary entry. Errors about the id name the entry it came
-// from, as Envoy sent it.
+// from, as Envoy sent it. A request whose only entry is the id has nothing
+// to decide by: InvalidArgument, as one without descriptors.
 func TestEnvoyRequestIDKeyOptIn(t *testing.T) {
 	_, s := standalone(t, func(cfg *agent.Config) {
 		cfg.EnvoyRequestIDKey = "edge_id"
@@ -466,6 +473,15 @@ func TestEnvoyRequestIDKeyOptIn(t *testing.T) {
 	_, err := s.rls.ShouldRateLimit(ctx, rlsReq(0, user, []string{"edge_id", "e-2"}, []string{"edge_id", "e-3"}))
 	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "descriptors[2].entries[0].value") {
 		t.Fatalf("two request ids: %v, want InvalidArgument naming the second", err)
+	}
+	// A request id alone is nothing to decide by, as no descriptor at all.
+	for name, req := range map[string]*rlsv3.RateLimitRequest{
+		"no descriptors":      rlsReq(0),
+		"the request id only": rlsReq(0, []string{"edge_id", "e-4"}),
+	} {
+		if _, err := s.rls.ShouldRateLimit(ctx, req); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "descriptors: must not be empty") {
+			t.Fatalf("%s: %v, want InvalidArgument: descriptors must not be empty", name, err)
+		}
 	}
 	if resp, err := s.rls.ShouldRateLimit(ctx, rlsReq(0, user)); err != nil || resp.GetStatuses()[0].GetLimitRemaining() != 96 {
 		t.Fatalf("after the bad requests: %v %v, want 96 left (nothing debited by them)", resp, err)

@@ -43,11 +43,12 @@ func (s *AdmissionService) checkBatch(ctx context.Context, api string, m *allotv
 			t0 := a.now()
 			o := &allotv1.CheckOutcome{Index: uint32(i)}
 			v, err := s.check(ctx, c)
-			if errors.Is(err, errNoEntries) {
-				err = fmt.Errorf("checks[%d].%w", i, err)
-			}
 			if err != nil {
 				code := codeOf(err)
+				if code == connect.CodeInvalidArgument {
+					// The message names the check's field: name the check.
+					err = fmt.Errorf("checks[%d].%w", i, err)
+				}
 				a.m.badRequests.WithLabelValues(api, code.String()).Inc()
 				o.Error = &allotv1.CheckError{Code: code.String(), Message: publicMessage(a, err)}
 			} else {

@@ -48,8 +48,9 @@ func collectBatch(t *testing.T, c allotv1connect.AdmissionServiceClient, checks 
 
 // TestCheckBatchDecidesEachCheckOnItsOwn: on the Connect API and on the gRPC
 // listener, every check of a batch gets its own outcome: decisions as Check
-// gives them, and each bad check its own error naming the field, debiting
-// nothing. A batch over the limit fails as a whole and debits nothing.
+// gives them, and each bad check its own error naming the check and the
+// field (checks[i].cost), debiting nothing. A batch over the limit fails as
+// a whole and debits nothing.
 func TestCheckBatchDecidesEachCheckOnItsOwn(t *testing.T) {
 	onBothListeners(t, func(t *testing.T, c allotv1connect.AdmissionServiceClient) {
 		u1 := entries("tenant", "acme", "user", "u1")
@@ -73,7 +74,7 @@ func TestCheckBatchDecidesEachCheckOnItsOwn(t *testing.T) {
 		if r := got[2].GetResponse(); r.Remaining != 95 {
 			t.Fatalf("u2 remaining %d, want 95", r.Remaining)
 		}
-		for i, want := range map[uint32]string{1: "cost: must not be negative", 3: "entries[1].key"} {
+		for i, want := range map[uint32]string{1: "checks[1].cost: must not be negative", 3: "checks[3].entries[1].key"} {
 			e := got[i].GetError()
 			if got[i].GetResponse() != nil || e.GetCode() != connect.CodeInvalidArgument.String() || !strings.Contains(e.GetMessage(), want) {
 				t.Fatalf("check %d: %v, want invalid_argument naming %q", i, got[i], want)

@@ -134,10 +134,14 @@ func (a *Agent) Check(ctx context.Context, in *Input) (*Verdict, error) {
 				a.m.starveWaits.WithLabelValues("exhausted").Inc()
 			}
 			return a.finish(d, v, in), nil
-		case poolCutOff:
-			a.m.failMode.WithLabelValues(rule, "cut_off").Inc()
+		case poolCutOff, poolRefused:
+			why := "cut_off"
+			if state == poolRefused {
+				why = "refused"
+			}
+			a.m.failMode.WithLabelValues(rule, why).Inc()
 			if !start.IsZero() {
-				a.m.starveWaits.WithLabelValues("cut_off").Inc()
+				a.m.starveWaits.WithLabelValues(why).Inc()
 			}
 			return a.finish(d, a.unavailable(d, ceilSeconds(wait)), in), nil
 		}

@@ -82,7 +82,10 @@ type Config struct {
 	// DecisionLogSample is the fraction of decisions logged, in [0, 1],
 	// chosen by a hash of the decision id.
 	DecisionLogSample float64
-	// LogSalt keys the hash of descriptor values in decision logs.
+	// LogSalt keys the hash (HMAC-SHA-256) of descriptor values in decision
+	// logs. Empty, each agent draws a random salt when it starts: its hashes
+	// then match no other agent's, nor its own after a restart. Set it,
+	// and keep it secret, to follow a principal across agents and restarts.
 	LogSalt string
 	// LogClearKeys are the descriptor keys logged in clear; every other
 	// value (users, addresses, keys) is logged as a salted hash.
@@ -156,7 +159,9 @@ type LeaseConfig struct {
 	// manager runs at once.
 	StoreParallelism int
 	// QuarantineTime is how long a quota the allocator refuses (unknown,
-	// region not declared) is left out of Acquire calls.
+	// region not declared) is left out of Acquire calls. Meanwhile a request
+	// its pool cannot serve is answered unavailable at once, with a retry
+	// after the rest of the quarantine, instead of waiting StarveWait.
 	QuarantineTime time.Duration
 }
 

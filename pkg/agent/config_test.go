@@ -2,6 +2,9 @@ package agent_test
 
 import (
 	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"strings"
 	"testing"
@@ -166,6 +169,63 @@ func TestMetricsAndDecisionLogs(t *testing.T) {
 		if ctx["decision_id"] == "" || ctx["policy_version"] == nil {
 			t.Fatalf("decision log %v: want the decision id and policy version", ctx)
 		}
+	}
+}
+
+// TestDecisionLogSalt: without LogSalt each agent hashes the principals in
+// its decision logs with a random salt of its own, and says so once at
+// start. (The salt used to be empty: a key everyone knows, so anyone could
+// hash a suspected user, or every IPv4 address, and match the logs.) Agents
+// given one salt hash alike.
+func TestDecisionLogSalt(t *testing.T) {
+	const ip = "203.0.113.7"
+	// logged is the hash an agent with salt logs for ip, and how many times
+	// it said at start that its salt is random.
+	logged := func(t *testing.T, salt string) (string, int) {
+		t.Helper()
+		ms, err := admission.NewMemoryStore(admission.DefaultMemoryConfig(), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg := testConfig("eu")
+		cfg.DecisionLogSample = 1
+		cfg.LogSalt = salt
+		core, logs := observer.New(zap.InfoLevel)
+		a := newAgent(t, cfg, nil, agent.WithStore(ms), agent.WithPolicy(mustParse(t, apiPolicy), 0), agent.WithLogger(zap.New(core)))
+		closeAtEnd(t, a)
+		if v, err := a.Check(context.Background(), &agent.Input{Descriptors: []policy.Entry{{Key: "ip", Value: ip}}}); err != nil || !v.Allowed {
+			t.Fatalf("check: %+v %v, want allowed", v, err)
+		}
+		decisions := logs.FilterMessage("decision").All()
+		if len(decisions) != 1 {
+			t.Fatalf("%d decision log entries, want 1", len(decisions))
+		}
+		d, _ := decisions[0].ContextMap()["descriptors"].(map[string]any)
+		h, _ := d["ip"].(string)
+		if !strings.HasPrefix(h, "#") {
+			t.Fatalf("decision log descriptors %v: want the ip hashed", d)
+		}
+		return h, logs.FilterMessageSnippet("random salt").Len()
+	}
+	m := hmac.New(sha256.New, nil)
+	m.Write([]byte("ip\x00" + ip))
+	public := "#" + hex.EncodeToString(m.Sum(nil)[:8])
+
+	a, na := logged(t, "")
+	b, nb := logged(t, "")
+	if a == b || a == public || b == public {
+		t.Fatalf("hashes without a salt: %s and %s (empty key: %s), want two different ones, neither the empty key's", a, b, public)
+	}
+	if na != 1 || nb != 1 {
+		t.Fatalf("random salt noted %d and %d times at start, want once each", na, nb)
+	}
+	c, nc := logged(t, "pepper")
+	d, _ := logged(t, "pepper")
+	if c != d || c == a || c == public {
+		t.Fatalf("hashes with one salt: %s and %s, want the same, not the unsalted ones", c, d)
+	}
+	if nc != 0 {
+		t.Fatalf("random salt noted %d times with LogSalt set, want never", nc)
 	}
 }
 

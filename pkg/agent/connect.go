@@ -74,9 +74,10 @@ func checkResponse(v *Verdict) *allotv1.CheckResponse {
 	}
 }
 
-// errNoEntries is the answer to a check without entries: a gateway's bug
-// (it sent nothing to decide by), not a request that no rule matches.
-// Entries with empty values are a request (an empty value counts as absent).
+// errNoEntries is the answer to a check (or a ReleaseSlot) without entries:
+// a gateway's bug (it sent nothing to decide by), not a request that no rule
+// matches. Entries with empty values are a request (an empty value counts as
+// absent).
 var errNoEntries = fmt.Errorf("entries: must not be empty: %w", ErrInvalidRequest)
 
 // check decides one CheckRequest, for Check and for each check of a batch.
@@ -105,7 +106,14 @@ func (s *AdmissionService) ReleaseSlot(ctx context.Context, req *connect.Request
 	return connect.NewResponse(&allotv1.ReleaseSlotResponse{Released: n}), nil
 }
 
+// releaseSlot frees one request's slots, for the Connect and gRPC
+// handlers. Entries are required as in check: without them no slot can be
+// found, and answering "0 released" would leave the caller's slots held
+// until their slot_ttl.
 func (s *AdmissionService) releaseSlot(ctx context.Context, m *allotv1.ReleaseSlotRequest) (int64, error) {
+	if len(m.GetEntries()) == 0 {
+		return 0, errNoEntries
+	}
 	es, err := entriesOf(m.GetEntries())
 	if err != nil {
 		return 0, err

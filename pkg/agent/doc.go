@@ -82,7 +82,9 @@
 //     oversized messages are ResourceExhausted.
 //   - Telemetry. Prometheus metrics (allot_agent_* and the engine's
 //     allot_admission_*), and sampled decision logs whose principals are
-//     salted hashes.
+//     salted hashes (HMAC-SHA-256 keyed by Config.LogSalt; without one, by
+//     a random salt of the process, so they do not correlate across
+//     restarts or agents).
 //   - Lease journal. With WithLeaseObserver (regionagent -lease-journal),
 //     every Acquire attempt with its answer, every deposit with the deadline
 //     and the store TTL it used, and every Release is reported as a

@@ -41,7 +41,8 @@ const RequestIDKey = "request_id"
 // request has one cost in allot, every descriptor's hits must then be equal
 // (else InvalidArgument); a descriptor hits_addend of 0 (check without
 // consuming) is not supported. An entry keyed Config.EnvoyRequestIDKey, when
-// that is set, is the request id instead of an entry.
+// that is set, is the request id instead of an entry (a request with no
+// other entry is InvalidArgument, as one without descriptors).
 //
 // The domain selects nothing: limits and counters come from the allot
 // policy, so with Config.EnvoyDomain empty every domain is served and all
@@ -337,6 +338,10 @@ func (s *RateLimitService) input(req *rlsv3.RateLimitRequest) (in *Input, paths 
 			in.Descriptors = append(in.Descriptors, policy.Entry{Key: e.GetKey(), Value: e.GetValue()})
 			paths = append(paths, fmt.Sprintf("descriptors[%d].entries[%d]", i, j))
 		}
+	}
+	if len(in.Descriptors) == 0 {
+		// Nothing to decide by, as with no descriptors at all.
+		return nil, nil, "", bad("descriptors: must not be empty (the only entries are the request id, %s)", truncate(idKey))
 	}
 	in.Cost = int64(hits)
 	return in, paths, idPath, nil

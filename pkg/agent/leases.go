@@ -63,6 +63,9 @@ const (
 	poolExhausted
 	// poolCutOff: the allocator is unreachable (or absent): 503.
 	poolCutOff
+	// poolRefused: the allocator refused the pool (it is quarantined, see
+	// LeaseConfig.QuarantineTime): 503 until the quarantine ends.
+	poolRefused
 )
 
 // held is one grant this agent deposited.
@@ -430,6 +433,14 @@ func (l *leases) starved(name string, seen uint64) (poolState, time.Duration, <-
 	q.kicked, q.starving = true, true
 	if q.changedAt > seen {
 		return poolRenewing, 0, closedChan
+	}
+	if !l.cutOff && now.Before(q.quarantine) {
+		// No renewal is asked for before the quarantine ends: waiting
+		// would only end in a 503 after the starve wait. (The pool is
+		// marked starving, so the first round after it asks at once.)
+		// Cut off, a fallback allowance due is deposited quarantined or
+		// not (see plan): the request waits for it as above.
+		return poolRefused, q.quarantine.Sub(now), nil
 	}
 	return poolRenewing, 0, q.notify
 }
@@ -1077,6 +1088,7 @@ func (l *leases) failed(ctx context.Context, c *acquireCall, err error, now time
 			if i, perr := strconv.Atoi(m[1]); perr == nil && i < len(c.req.Wants) {
 				if q := l.quotas[c.req.Wants[i].Quota]; q != nil {
 					q.quarantine = quarantine
+					q.changed() // its waiting requests are answered at once
 				}
 				quarantine = time.Time{}
 			}
@@ -1086,6 +1098,7 @@ func (l *leases) failed(ctx context.Context, c *acquireCall, err error, now time
 				q.inflight = false
 				if !quarantine.IsZero() {
 					q.quarantine = quarantine
+					q.changed()
 				}
 			}
 		}

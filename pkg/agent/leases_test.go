@@ -278,6 +278,50 @@ func TestCutOffSpendsHeldTokensThenAnswersUnavailable(t *testing.T) {
 	})
 }
 
+// TestRefusedQuotaIsAnsweredAtOnce: a quota the allocator refused is left
+// out of renewals for QuarantineTime; meanwhile its requests are answered
+// 503 at once, with a Retry-After covering the rest of the quarantine, not
+// after waiting StarveWait for a renewal that cannot come. Once the
+// quarantine ends it is renewed again.
+func TestRefusedQuotaIsAnsweredAtOnce(t *testing.T) {
+	rdb, fa, doc, cfg := threeQuotasAgent(t)
+	cfg.StarveWait = 5 * time.Second // a wait, were there one, would be plain
+	cfg.Lease.QuarantineTime = 3 * time.Second
+	var refuse atomic.Bool
+	refuse.Store(true)
+	var refusedAt atomic.Int64 // unix ns of the first refusal
+	fa.setHook(func(_ context.Context, _ *allotv1.AcquireRequest, commit func() (*allotv1.AcquireResponse, error)) (*allotv1.AcquireResponse, error) {
+		if !refuse.Load() {
+			return commit()
+		}
+		refusedAt.CompareAndSwap(0, time.Now().UnixNano())
+		return nil, connect.NewError(connect.CodeFailedPrecondition, errors.New("wants[0]: region eu is not declared for this quota"))
+	})
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
+	for i := range 3 {
+		t0 := time.Now()
+		v := mustCheck(t, a.Agent, tenant("a"))
+		took := time.Since(t0)
+		// The first check waits for the round that is refused; none waits
+		// the starve wait.
+		if took > cfg.StarveWait/2 {
+			t.Fatalf("check %d took %s, want an answer well within the starve wait (%s)", i, took, cfg.StarveWait)
+		}
+		left := time.Unix(0, refusedAt.Load()).Add(cfg.Lease.QuarantineTime).Sub(time.Now())
+		if v.Allowed || !v.Unavailable || v.Rule != "q-a" || float64(v.RetryAfter) < left.Seconds() ||
+			time.Duration(v.RetryAfter)*time.Second > cfg.Lease.QuarantineTime+time.Second {
+			t.Fatalf("check %d: %+v, want unavailable by q-a with a retry after the quarantine's %s left", i, v, left)
+		}
+	}
+	if n := len(fa.acquireLog()); n != 1 {
+		t.Fatalf("%d Acquire calls during the quarantine, want the one refused", n)
+	}
+	refuse.Store(false)
+	waitFor(t, cfg.Lease.QuarantineTime+10*time.Second, "a renewal after the quarantine", func() bool {
+		return mustCheck(t, a.Agent, tenant("a")).Allowed
+	})
+}
+
 // TestCutOffFallbackAllowance: a fallback quota admits its
 // fallback_per_region once per window while cut off, then answers 503.
 func TestCutOffFallbackAllowance(t *testing.T) {

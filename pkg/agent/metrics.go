@@ -43,11 +43,11 @@ func newMetrics() *metrics {
 		}, []string{"api", "code"}),
 		failMode: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "allot_agent_fail_mode_total",
-			Help: "Rules decided by their fail mode (the store could not answer), by rule and mode; cut_off counts leased pools answered unavailable because the allocator was unreachable.",
+			Help: "Rules decided by their fail mode (the store could not answer), by rule and mode; cut_off counts leased pools answered unavailable because the allocator was unreachable, refused those answered unavailable while quarantined after the allocator refused them.",
 		}, []string{"rule", "mode"}),
 		starveWaits: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "allot_agent_starve_waits_total",
-			Help: "Requests denied only for lack of leased tokens that waited for a renewal, by result (served, timeout, exhausted, cut_off).",
+			Help: "Requests denied only for lack of leased tokens that waited for a renewal, by result (served, timeout, exhausted, cut_off, refused).",
 		}, []string{"result"}),
 		storeErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "allot_agent_store_errors_total",

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -9,6 +10,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"connectrpc.com/connect"
@@ -24,6 +26,13 @@ const lkgFile = "policy.json"
 
 // lkg is the persisted last-known-good policy: the allocator's record as
 // received, so that it is checked again (digest, parse) when loaded.
+//
+// Document is the document's bytes in base64 (a JSON string), so that they
+// come back exactly as published whatever they hold: the digest is over
+// those bytes. Earlier builds wrote the document's JSON itself there, which
+// encoding/json re-escaped (<, > and & as \u003c, \u003e and \u0026), so a
+// document with those characters failed its own digest when loaded; such a
+// file still loads (see decodeLKG).
 type lkg struct {
 	Version  uint64          `json:"version"`
 	Digest   string          `json:"digest"`
@@ -69,16 +78,43 @@ func loadLKG(dir string) (*record, error) {
 	if err != nil {
 		return nil, fmt.Errorf("last-known-good policy: %w", err)
 	}
-	var f lkg
-	if err := json.Unmarshal(b, &f); err != nil {
-		return nil, fmt.Errorf("last-known-good policy %s: %w", filepath.Join(dir, lkgFile), err)
-	}
-	rec, err := checkRecord(f.Version, f.Digest, f.Document)
+	rec, err := decodeLKG(b)
 	if err != nil {
 		return nil, fmt.Errorf("last-known-good policy %s: %w", filepath.Join(dir, lkgFile), err)
 	}
 	return rec, nil
 }
+
+// decodeLKG checks and parses the contents of a last-known-good file: the
+// document in base64, or in the earlier form, its JSON itself. The earlier
+// form was written re-escaped (see lkg): when its bytes do not match the
+// digest, they are tried with <, > and & restored, which the digest then
+// confirms or refutes.
+func decodeLKG(b []byte) (*record, error) {
+	var f lkg
+	if err := json.Unmarshal(b, &f); err != nil {
+		return nil, err
+	}
+	doc := []byte(f.Document)
+	if len(doc) > 0 && doc[0] == '"' {
+		var raw []byte
+		if err := json.Unmarshal(doc, &raw); err != nil {
+			return nil, fmt.Errorf("document: %w", err)
+		}
+		return checkRecord(f.Version, f.Digest, raw)
+	}
+	rec, err := checkRecord(f.Version, f.Digest, doc)
+	if err != nil && bytes.Contains(doc, []byte(`\u00`)) {
+		if r, rerr := checkRecord(f.Version, f.Digest, []byte(htmlUnescaper.Replace(string(doc)))); rerr == nil {
+			return r, nil
+		}
+	}
+	return rec, err
+}
+
+// htmlUnescaper undoes encoding/json's HTML escaping of a document it
+// re-encoded.
+var htmlUnescaper = strings.NewReplacer(`\u003c`, "<", `\u003e`, ">", `\u0026`, "&")
 
 // saveLKG writes rec to dir atomically: a temporary file, fsync, rename,
 // fsync of the directory. A crash leaves the old file or the new one.
@@ -89,9 +125,18 @@ func saveLKG(dir string, rec *record, now time.Time) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
-	b, err := json.Marshal(lkg{Version: rec.version, Digest: rec.digest, Document: rec.raw, SavedMs: now.UnixMilli()})
+	doc, err := json.Marshal(rec.raw) // base64
 	if err != nil {
 		return err
+	}
+	b, err := json.Marshal(lkg{Version: rec.version, Digest: rec.digest, Document: doc, SavedMs: now.UnixMilli()})
+	if err != nil {
+		return err
+	}
+	// What is renamed into place must load: a file that fails its own
+	// digest would leave a restarted agent without a policy.
+	if _, err := decodeLKG(b); err != nil {
+		return fmt.Errorf("last-known-good policy would not load back: %w", err)
 	}
 	tmp, err := os.CreateTemp(dir, lkgFile+".*")
 	if err != nil {

@@ -13,7 +13,11 @@
 //     waits (for a renewal, say) holds back no other caller.
 //
 // Answers and errors are those of Check: a decision is a response; bad input
-// is a *connect.Error with the code and message Check would have given.
+// is a *connect.Error with the code and message Check would have given. A
+// read limit on api's client (connect.WithReadMaxBytes) must let the agent's
+// answers through: the calls of a batch whose answer it refuses fail with
+// ResourceExhausted and are not sent again, as the agent may have decided
+// (and charged) them already.
 package checkclient
 
 import (
@@ -277,6 +281,7 @@ func (c *Client) exchange(batch []*call, answered func()) {
 	}
 	got := false // an answer came
 	stream, err := c.api.CheckBatch(ctx, connect.NewRequest(&allotv1.CheckBatchRequest{Checks: reqs}))
+	unsent := err != nil // refused before the stream opened: nothing went out
 	if err == nil {
 		defer stream.Close()
 		for left > 0 && stream.Receive() {
@@ -301,10 +306,14 @@ func (c *Client) exchange(batch []*call, answered func()) {
 		fail(errClosed())
 		return
 	}
-	if !got && len(live) > 1 && connect.CodeOf(err) == connect.CodeResourceExhausted {
-		// The agent refused the batch's body before deciding any of it:
-		// send each half on its own, so that one oversized check fails
-		// alone.
+	if !got && len(live) > 1 && connect.CodeOf(err) == connect.CodeResourceExhausted && (connect.IsWireError(err) || unsent) {
+		// The agent refused the batch's body before deciding any of it
+		// (or the client's own send limit kept it from going): send each
+		// half on its own, so that one oversized check fails alone. A
+		// ResourceExhausted of the client's own making once the batch went
+		// out is its read limit refusing an answer: the agent may have
+		// decided (and debited) every check already, so the calls fail and
+		// are not sent again.
 		half := len(live) / 2
 		c.exchange(live[:half], answered)
 		c.exchange(live[half:], answered)

@@ -59,8 +59,14 @@ func allowAll(_ context.Context, checks []*allotv1.CheckRequest, send func(...*a
 // start serves f over cleartext HTTP/2 and returns a client of it.
 func start(t *testing.T, f *fakeAgent, cfg Config, opts ...connect.HandlerOption) *Client {
 	t.Helper()
+	return startWith(t, f, cfg, opts, nil)
+}
+
+// startWith is start with the options of f's handler and of the client.
+func startWith(t *testing.T, f *fakeAgent, cfg Config, hopts []connect.HandlerOption, copts []connect.ClientOption) *Client {
+	t.Helper()
 	mux := http.NewServeMux()
-	mux.Handle(allotv1connect.NewAdmissionServiceHandler(f, opts...))
+	mux.Handle(allotv1connect.NewAdmissionServiceHandler(f, hopts...))
 	srv := httptest.NewUnstartedServer(mux)
 	srv.Config.Protocols = new(http.Protocols)
 	srv.Config.Protocols.SetUnencryptedHTTP2(true)
@@ -68,7 +74,7 @@ func start(t *testing.T, f *fakeAgent, cfg Config, opts ...connect.HandlerOption
 	var p http.Protocols
 	p.SetUnencryptedHTTP2(true)
 	hc := &http.Client{Transport: &http.Transport{Protocols: &p}}
-	c, err := New(allotv1connect.NewAdmissionServiceClient(hc, srv.URL), cfg)
+	c, err := New(allotv1connect.NewAdmissionServiceClient(hc, srv.URL, copts...), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -120,8 +126,9 @@ func waitPending(t *testing.T, c *Client, n int) {
 // SlotHold, and maxBatch) against f: its first call, "first", is held by
 // the agent until ids have all queued behind it, then answered by
 // allowAll, and the queued calls are answered by f.answer. It returns the
-// channel every call's result arrives on, "first" included.
-func queueBehindFirst(t *testing.T, f *fakeAgent, maxBatch int, opts []connect.HandlerOption, ids ...string) <-chan result {
+// channel every call's result arrives on, "first" included. hopts and
+// copts are the options of f's handler and of the client.
+func queueBehindFirst(t *testing.T, f *fakeAgent, maxBatch int, hopts []connect.HandlerOption, copts []connect.ClientOption, ids ...string) <-chan result {
 	t.Helper()
 	gate := make(chan struct{})
 	rest := f.answer
@@ -132,7 +139,7 @@ func queueBehindFirst(t *testing.T, f *fakeAgent, maxBatch int, opts []connect.H
 		}
 		return rest(ctx, checks, send)
 	}
-	c := start(t, f, Config{MaxInFlight: 1, MaxBatch: maxBatch, SlotHold: time.Minute}, opts...)
+	c := startWith(t, f, Config{MaxInFlight: 1, MaxBatch: maxBatch, SlotHold: time.Minute}, hopts, copts)
 	out := make(chan result, 1+len(ids))
 	checkAsync(context.Background(), c, "first", out)
 	for len(f.seen()) == 0 {
@@ -160,7 +167,7 @@ func letters(n int) []string {
 // each caller gets its own answer.
 func TestCallsThatWaitGoTogether(t *testing.T) {
 	f := &fakeAgent{answer: allowAll}
-	out := queueBehindFirst(t, f, 0, nil, letters(10)...)
+	out := queueBehindFirst(t, f, 0, nil, nil, letters(10)...)
 	for range 11 {
 		r := <-out
 		if r.err != nil || !r.resp.GetAllowed() || r.resp.GetRule() != r.id {
@@ -175,7 +182,7 @@ func TestCallsThatWaitGoTogether(t *testing.T) {
 // TestMaxBatchSplitsWaitingCalls: at most MaxBatch checks go per call.
 func TestMaxBatchSplitsWaitingCalls(t *testing.T) {
 	f := &fakeAgent{answer: allowAll}
-	out := queueBehindFirst(t, f, 4, nil, letters(10)...)
+	out := queueBehindFirst(t, f, 4, nil, nil, letters(10)...)
 	for range 11 {
 		if r := <-out; r.err != nil || r.resp.GetRule() != r.id {
 			t.Fatalf("call %s: %v %v", r.id, r.resp, r.err)
@@ -253,7 +260,7 @@ func TestOutcomesBecomeCheckErrors(t *testing.T) {
 		os = append(os, &allotv1.CheckOutcome{Index: 99, Response: &allotv1.CheckResponse{}})
 		return send(os...)
 	}}
-	out := queueBehindFirst(t, f, 0, nil, "bad", "odd", "twice", "empty", "unanswered")
+	out := queueBehindFirst(t, f, 0, nil, nil, "bad", "odd", "twice", "empty", "unanswered")
 	got := map[string]result{}
 	for range 6 {
 		r := <-out
@@ -278,24 +285,66 @@ func TestOutcomesBecomeCheckErrors(t *testing.T) {
 	}
 }
 
-// TestOversizedCheckFailsAlone: when the agent refuses a batch's body, the
-// client sends each half on its own, so only the oversized check fails
-// (ResourceExhausted) and its neighbours are decided.
+// TestOversizedCheckFailsAlone: when the agent refuses a batch's body (or
+// the client's own send limit keeps it from going), the client sends each
+// half on its own, so only the oversized check fails (ResourceExhausted)
+// and its neighbours are decided.
 func TestOversizedCheckFailsAlone(t *testing.T) {
-	f := &fakeAgent{answer: allowAll}
-	out := queueBehindFirst(t, f, 0, []connect.HandlerOption{connect.WithReadMaxBytes(4096)},
-		"a", "b", strings.Repeat("x", 8192), "c", "d")
-	for range 6 {
-		r := <-out
-		if len(r.id) > 100 {
-			if connect.CodeOf(r.err) != connect.CodeResourceExhausted {
-				t.Errorf("oversized check: %v, want ResourceExhausted", r.err)
+	tests := []struct {
+		name  string
+		hopts []connect.HandlerOption
+		copts []connect.ClientOption
+	}{
+		{"the agent's read limit", []connect.HandlerOption{connect.WithReadMaxBytes(4096)}, nil},
+		{"the client's send limit", nil, []connect.ClientOption{connect.WithSendMaxBytes(4096)}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := &fakeAgent{answer: allowAll}
+			out := queueBehindFirst(t, f, 0, tt.hopts, tt.copts, "a", "b", strings.Repeat("x", 8192), "c", "d")
+			for range 6 {
+				r := <-out
+				if len(r.id) > 100 {
+					if connect.CodeOf(r.err) != connect.CodeResourceExhausted {
+						t.Errorf("oversized check: %v, want ResourceExhausted", r.err)
+					}
+					continue
+				}
+				if r.err != nil || r.resp.GetRule() != r.id {
+					t.Errorf("call %s beside the oversized one: %v %v, want decided", r.id, r.resp, r.err)
+				}
 			}
-			continue
+		})
+	}
+}
+
+// TestAnswerOverTheClientsReadLimitIsNotResent: an answer the client's own
+// read limit refuses (connect.WithReadMaxBytes) fails the batch's calls:
+// the agent decided (and debited) its checks before answering, so sending
+// them again, split or not, would charge them again. Only the agent's
+// refusal of a batch's body is split and resent (TestOversizedCheckFailsAlone).
+func TestAnswerOverTheClientsReadLimitIsNotResent(t *testing.T) {
+	f := &fakeAgent{answer: allowAll}
+	ids := letters(11)
+	// One outcome fits in 64 bytes; the answer to the queued batch does not.
+	out := queueBehindFirst(t, f, 0, nil, []connect.ClientOption{connect.WithReadMaxBytes(64)}, ids...)
+	for range 1 + len(ids) {
+		r := <-out
+		switch {
+		case r.id == "first":
+			if r.err != nil {
+				t.Errorf("first: %v, want its answer (under the read limit)", r.err)
+			}
+		case connect.CodeOf(r.err) != connect.CodeResourceExhausted:
+			t.Errorf("call %s: %v %v, want ResourceExhausted (its answer was over the read limit)", r.id, r.resp, r.err)
 		}
-		if r.err != nil || r.resp.GetRule() != r.id {
-			t.Errorf("call %s beside the oversized one: %v %v, want decided", r.id, r.resp, r.err)
-		}
+	}
+	decided := 0
+	for _, b := range f.seen() {
+		decided += len(b)
+	}
+	if callers := 1 + len(ids); decided > callers {
+		t.Fatalf("the agent decided %d checks for %d callers (batches %v), want each at most once", decided, callers, f.seen())
 	}
 }
 

@@ -269,7 +269,8 @@ func (x *CheckResponse) GetUnavailable() bool {
 // ReleaseSlotRequest names the request whose slots to free.
 type ReleaseSlotRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// entries of the descriptor the request was checked with.
+	// entries of the descriptor the request was checked with (required:
+	// InvalidArgument when empty, as for Check).
 	Entries []*DescriptorEntry `protobuf:"bytes,1,rep,name=entries,proto3" json:"entries,omitempty"`
 	// request_id given to Check.
 	RequestId     string `protobuf:"bytes,2,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
