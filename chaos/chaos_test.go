@@ -4,14 +4,15 @@ import (
 	"context"
 	"flag"
 	"fmt"
-	"math/rand/v2"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/allot-dev/allot/chaos/check"
+	"github.com/allot-dev/allot/chaos/history"
 	"github.com/allot-dev/allot/pkg/topology"
 )
 
@@ -23,13 +24,46 @@ var (
 	kindFlag = flag.String("chaos.regions", RegionAgent, "what runs each region of TestChaos: agent (regionagent + redis-server + load generator) or driver (the chaosregion driver)")
 )
 
-func runSeed(t *testing.T) int64 {
+// shapingFlags are the flags that shape a TestChaos run, all of which a
+// replay needs (-chaos.history only adds output).
+var shapingFlags = []string{"chaos.seed", "chaos.soak", "chaos.scenarios", "chaos.regions"}
+
+// runSeed returns the run's seed and logs it with the command that replays
+// the run: the seed and the value of every flag in shaping.
+func runSeed(t *testing.T, shaping ...string) (int64, string) {
 	seed := *seedFlag
 	if seed == 0 {
 		seed = time.Now().UnixNano() % 1_000_000_000
 	}
-	t.Logf("seed %d (replay: go test ./chaos -run '%s$' -chaos.seed=%d)", seed, t.Name(), seed)
-	return seed
+	replay := replayCommand(t.Name(), seed, shaping)
+	t.Logf("seed %d (replay: %s)", seed, replay)
+	return seed, replay
+}
+
+// replayCommand is the go test command that runs test as this run did:
+// with seed, and every flag of names at its value in this run (a soak also
+// gets a -timeout that fits it).
+func replayCommand(test string, seed int64, names []string) string {
+	args := []string{"go test ./chaos -run '" + test + "$'", "-chaos.seed=" + strconv.FormatInt(seed, 10)}
+	for _, n := range names {
+		f := flag.Lookup(n)
+		if n == "chaos.seed" || f == nil {
+			continue
+		}
+		args = append(args, "-"+n+"="+shellQuote(f.Value.String()))
+	}
+	if slices.Contains(names, "chaos.soak") && *soakFlag > 0 {
+		args = append(args, "-timeout="+(*soakFlag+15*time.Minute).String())
+	}
+	return strings.Join(args, " ")
+}
+
+// shellQuote quotes v for a POSIX shell when it needs it.
+func shellQuote(v string) string {
+	if v != "" && strings.Trim(v, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.,:/=+") == "" {
+		return v
+	}
+	return "'" + strings.ReplaceAll(v, "'", `'\''`) + "'"
 }
 
 // newSuite starts a suite or, where network namespaces cannot be made,
@@ -61,7 +95,7 @@ func newSuite(t *testing.T, cfg Config) *Suite {
 // schedules for that long) against a live topology and checks the whole
 // history. The report goes to chaos/out/report.txt.
 func TestChaos(t *testing.T) {
-	seed := runSeed(t)
+	seed, replay := runSeed(t, shapingFlags...)
 	began := time.Now()
 	cfg := DefaultConfig(seed)
 	cfg.RegionKind = *kindFlag
@@ -76,28 +110,28 @@ func TestChaos(t *testing.T) {
 	}
 	s := newSuite(t, cfg)
 	ctx := context.Background()
-	rng := rand.New(rand.NewPCG(uint64(seed), 2))
-	steps, until := ShortSchedule(), time.Now().Add(time.Hour)
+	steps, until := ShortSchedule(seed), time.Now().Add(time.Hour)
 	if *onlyFlag != "" {
-		steps = nil
+		var scs []Scenario
 		for _, name := range strings.Split(*onlyFlag, ",") {
 			i := slices.IndexFunc(Scenarios(), func(sc Scenario) bool { return sc.Name == name })
 			if i < 0 {
 				t.Fatalf("-chaos.scenarios: no scenario %q", name)
 			}
-			steps = append(steps, Step{Scenarios()[i]})
+			scs = append(scs, Scenarios()[i])
 		}
+		steps = FixedSchedule(seed, scs)
 	}
 	if *soakFlag > 0 {
 		// A step takes at least two windows: this many always fill the soak.
-		steps = RandomSchedule(rng, int(*soakFlag/(2*s.cfg.Window))+1, s.cfg.RegionKind == RegionAgent)
+		steps = RandomSchedule(seed, int(*soakFlag/(2*s.cfg.Window))+1, s.cfg.RegionKind == RegionAgent)
 		until = time.Now().Add(*soakFlag)
 	}
 	// One calm window first.
 	if err := s.waitUntil(ctx, s.nextBoundary(s.cfg.Window)); err != nil {
 		t.Fatal(err)
 	}
-	runErr := s.RunSchedule(ctx, rng, steps, until)
+	runErr := s.RunSchedule(ctx, steps, until)
 	h, finErr := s.Finish(ctx)
 	defer func() {
 		// Last, so every failure below is known.
@@ -108,7 +142,7 @@ func TestChaos(t *testing.T) {
 		}
 	}()
 	res := check.Run(h, s.CheckParams())
-	report, err := s.Report("report.txt", "allot chaos: "+scheduleName(steps), h, res, time.Since(began))
+	report, err := s.Report("report.txt", "allot chaos: "+scheduleName(steps)+"\nreplay: "+replay, h, res, time.Since(began))
 	t.Log("\n" + report)
 	if err != nil {
 		t.Errorf("report: %v", err)
@@ -119,25 +153,31 @@ func TestChaos(t *testing.T) {
 	if finErr != nil {
 		t.Fatalf("finish: %v", finErr)
 	}
-	if d := s.WallClockStep(); !res.OK() && (d > maxWallStep || d < -maxWallStep) {
+	if d := s.WallClockStep(); d.Abs() > maxWallStep {
 		// The processes stamp leases and ledgers with the wall clock, the
 		// checkers judge them on CLOCK_MONOTONIC: a step of the machine's
 		// clock (NTP, the hypervisor) beyond the lease margins shifts one
 		// against the other, so the verdict of the checks that compare the
-		// two is void, not a failure (outside CI: see standing).
+		// two is void, whether they found violations (a step can make
+		// one) or not (a step can hide one): see wallStepVerdict.
 		msg := fmt.Sprintf("the machine's wall clock stepped %s against CLOCK_MONOTONIC during the run (more than %s)", d, maxWallStep)
-		n := standing(res.Violations, os.Getenv("CI") != "")
-		if n == 0 {
-			t.Skipf("%s: %d violations are void; replay with -chaos.seed=%d", msg, len(res.Violations), seed)
+		ci := os.Getenv("CI") != ""
+		switch wallStepVerdict(d, res.Violations, ci) {
+		case wallVoid:
+			t.Skipf("%s: the verdict of the checks that compare wall-clock stamps is void (%d violations); replay: %s", msg, len(res.Violations), replay)
+		case wallFail:
+			t.Errorf("%s: under CI a run whose clock checks are void fails, with %d violations or none", msg, len(res.Violations))
+		default:
+			t.Logf("%s, but %d of %d violations stand (checks that compare no wall-clock stamp)", msg, standing(res.Violations, ci), len(res.Violations))
 		}
-		t.Logf("%s, but %d of %d violations stand (CI, or checks that compare no wall-clock stamp)", msg, n, len(res.Violations))
 	}
 	if s.cfg.RegionKind == RegionAgent && s.cfg.NewRegion == nil && s.GRPCChunks() == 0 {
 		t.Errorf("the agents' leases never crossed the allocators' gRPC listeners")
 	}
 	// The checkers must have had something to check.
-	if res.Grants == 0 || res.LedgerReads == 0 || res.Replays == 0 {
-		t.Fatalf("vacuous history: %d grants, %d ledger reads, %d replays", res.Grants, res.LedgerReads, res.Replays)
+	if v := res.Vacuous(); len(v) > 0 {
+		t.Fatalf("vacuous history: %s (%d grants, %d ledger reads, %d replays, %d deposit deadlines checked)",
+			strings.Join(v, "; "), res.Grants, res.LedgerReads, res.Replays, res.DepositsChecked)
 	}
 	for _, q := range s.Quotas() {
 		if l := res.Linearizability[q.Name]; l.Windows == 0 || len(l.Unknown) > 0 {
@@ -168,8 +208,9 @@ func TestChaos(t *testing.T) {
 // while the allocator opens each window's pool by its wall clock, so a step
 // lets one true window see the admissions of two pools; the lease checks
 // hold admissions and deposits (true clock) to the allocator's expiries
-// (wall clock); window_reopened and birch_denied follow the allocator's and
-// agents' windows.
+// (wall clock); deposit_unknown holds a deposit's times (the agent's wall
+// clock) to the store faults' spans (true clock); window_reopened and
+// birch_denied follow the allocator's and agents' windows.
 var clockFree = map[string]bool{
 	check.CheckDoubleGrant: true, check.CheckLostGrant: true, check.CheckUnverified: true,
 	check.CheckOverspent: true, check.CheckLinearizable: true,
@@ -191,6 +232,36 @@ func standing(vs []check.Violation, ci bool) int {
 	return n
 }
 
+// The verdicts of wallStepVerdict.
+const (
+	// wallStands: no step beyond maxWallStep, or violations of clockFree
+	// checks fail the run whatever the clock did.
+	wallStands = iota
+	// wallVoid: the run is skipped (outside CI): the checks that compare
+	// wall-clock stamps with the true clock judged nothing.
+	wallVoid
+	// wallFail: the run fails (under CI), violations or none.
+	wallFail
+)
+
+// wallStepVerdict says what a wall-clock step of d, the largest sampled
+// during a run with violations vs, does to the run. A step voids the
+// checks that compare wall-clock stamps with the true clock whether they
+// found violations or not (it can make one as easily as hide one), so a
+// run with such a step: under CI (ci) fails; outside CI is skipped, unless
+// violations of the clockFree checks stand, which fail it anyway.
+func wallStepVerdict(d time.Duration, vs []check.Violation, ci bool) int {
+	switch {
+	case d.Abs() <= maxWallStep:
+		return wallStands
+	case ci:
+		return wallFail
+	case standing(vs, false) > 0:
+		return wallStands
+	}
+	return wallVoid
+}
+
 // TestWallStepVoidsOnlyClockChecks: after a wall-clock step, a run skips
 // (outside CI) only when every violation is of a check that compares
 // wall-clock stamps with the true clock; under CI it fails.
@@ -207,6 +278,48 @@ func TestWallStepVoidsOnlyClockChecks(t *testing.T) {
 			t.Errorf("a %s violation beside them, outside CI: %d stand, want 1", c, n)
 		}
 	}
+	// The verdict on the whole run: a step voids a passing run too (it can
+	// hide a violation as easily as make one).
+	step := maxWallStep + time.Millisecond
+	free := []check.Violation{{Check: check.CheckDoubleGrant}}
+	tests := []struct {
+		name string
+		d    time.Duration
+		vs   []check.Violation
+		ci   bool
+		want int
+	}{
+		{name: "no step, passing", d: maxWallStep, want: wallStands},
+		{name: "no step, failing", d: -maxWallStep, vs: clocky, want: wallStands},
+		{name: "step, passing, outside CI", d: step, want: wallVoid},
+		{name: "step back, passing, outside CI", d: -step, want: wallVoid},
+		{name: "step, passing, under CI", d: step, ci: true, want: wallFail},
+		{name: "step, clock violations only, outside CI", d: step, vs: clocky, want: wallVoid},
+		{name: "step, clock violations only, under CI", d: step, vs: clocky, ci: true, want: wallFail},
+		{name: "step, a clock-free violation, outside CI", d: step, vs: append(clocky, free...), want: wallStands},
+	}
+	for _, tt := range tests {
+		if got := wallStepVerdict(tt.d, tt.vs, tt.ci); got != tt.want {
+			t.Errorf("%s: verdict %d, want %d", tt.name, got, tt.want)
+		}
+	}
+	// The step is the largest sampled during the run, not what is left of
+	// it at the end: a step undone before the end still counts.
+	var ds driftSamples
+	for _, v := range []time.Duration{2 * time.Microsecond, -30 * time.Millisecond, 5 * time.Millisecond, time.Microsecond} {
+		ds.add(v)
+	}
+	if worst, n := ds.max(); worst != -30*time.Millisecond || n != 4 {
+		t.Errorf("largest drift sampled = %s of %d samples, want -30ms of 4", worst, n)
+	}
+	if got := wallStepVerdict(mustWorst(&ds), nil, false); got != wallVoid {
+		t.Errorf("a passing run whose clock stepped 30 ms and back: verdict %d, want void (%d)", got, wallVoid)
+	}
+}
+
+func mustWorst(d *driftSamples) time.Duration {
+	w, _ := d.max()
+	return w
 }
 
 // maxWallStep is how far the wall clock may move against CLOCK_MONOTONIC
@@ -241,7 +354,7 @@ func scheduleName(steps []Step) string {
 // The regions are drivers: the broken modes are the driver's (the agent
 // has none).
 func TestCheckerCatchesBrokenConfig(t *testing.T) {
-	seed := runSeed(t)
+	seed, _ := runSeed(t, "chaos.seed")
 	began := time.Now()
 	zero := int64(0)
 	cfg := DefaultConfig(seed)
@@ -298,5 +411,49 @@ func TestCheckerCatchesBrokenConfig(t *testing.T) {
 		if w.check == check.CheckBound && !(strings.Contains(found.Detail, "admitted") && strings.Contains(found.Detail, "eu") && strings.Contains(found.Detail, "fault timeline")) {
 			t.Errorf("bound violation lacks the window's ledgers or timeline:\n%s", found.Detail)
 		}
+	}
+}
+
+// TestReplayCommandNamesEveryFlag: the replay command a run prints sets
+// every flag that shapes the run, at the value this run had.
+func TestReplayCommandNamesEveryFlag(t *testing.T) {
+	flag.VisitAll(func(f *flag.Flag) {
+		if strings.HasPrefix(f.Name, "chaos.") && f.Name != "chaos.history" && !slices.Contains(shapingFlags, f.Name) {
+			t.Errorf("flag -%s is neither in shapingFlags nor known to only add output", f.Name)
+		}
+	})
+	set := map[string]string{"chaos.soak": "12m0s", "chaos.scenarios": "stop-leader,membership", "chaos.regions": "driver"}
+	for n, v := range set {
+		old := flag.Lookup(n).Value.String()
+		if err := flag.Set(n, v); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = flag.Set(n, old) })
+	}
+	got := replayCommand("TestChaos", 1234, shapingFlags)
+	for _, want := range []string{"-run 'TestChaos$'", "-chaos.seed=1234", "-chaos.soak=12m0s", "-chaos.scenarios=stop-leader,membership",
+		"-chaos.regions=driver", "-timeout=27m0s"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("replay command %q lacks %q", got, want)
+		}
+	}
+	if got := replayCommand("TestCheckerCatchesBrokenConfig", 7, []string{"chaos.seed"}); got != "go test ./chaos -run 'TestCheckerCatchesBrokenConfig$' -chaos.seed=7" {
+		t.Errorf("broken-config replay %q", got)
+	}
+	if got := shellQuote(""); got != "''" {
+		t.Errorf("an empty value quoted %q, want ''", got)
+	}
+}
+
+// TestSampleDrift: on a machine whose wall clock does not step, a drift
+// sample is within a millisecond of 0.
+func TestSampleDrift(t *testing.T) {
+	c := history.NewTrueClock()
+	d, ok := sampleDrift(c)
+	if !ok {
+		t.Skip("no sample within the bracket (a loaded machine)")
+	}
+	if d.Abs() > time.Millisecond {
+		t.Errorf("drift sampled right after the offset was measured: %s, want within 1ms", d)
 	}
 }

@@ -29,7 +29,12 @@ import (
 //     the store's expiry becomes the event's Deadline (true clock): the
 //     deposit returned at At and gave Redis a relative TTL, so Redis (whose
 //     clock is the machine's, the true clock) expires the chunk at most
-//     At + TTL. A grant handed back without a deposit keeps Deadline 0;
+//     At + TTL. A failed deposit that sent an attempt bounds it by its At
+//     (nothing of the grant is spendable in the store after it); one that
+//     sent none, and a grant handed back or left with no deposit journaled,
+//     keep Deadline 0 (never deposited); an unknown one also keeps 0 (a late
+//     copy may outlive the lease: the deposit event says so);
+//   - a deposit also becomes a history.KindDeposit (see deposit);
 //   - a Release becomes a history.KindRelease.
 //
 // Agent times are the agent's clock, which a skew scenario sets off the
@@ -99,16 +104,7 @@ func (j *journalConv) handle(ev agent.LeaseEvent) {
 	case agent.LeaseEventAcquire:
 		j.acquire(ev)
 	case agent.LeaseEventDeposit:
-		e, ok := j.pending[ev.GrantID]
-		if !ok || ev.Outcome != agent.LeaseOK {
-			// A failed deposit is followed by the grant's Release (of what
-			// is certainly out of the store), or by nothing when the agent
-			// could not settle it: the grant is then emitted at finish.
-			return
-		}
-		delete(j.pending, ev.GrantID)
-		e.Deadline = j.trueNs(ev.At) + ev.TTLMs*int64(time.Millisecond)
-		j.emit(e)
+		j.deposit(ev)
 	case agent.LeaseEventRelease:
 		if e, ok := j.pending[ev.GrantID]; ok { // handed back, never deposited
 			delete(j.pending, ev.GrantID)
@@ -132,6 +128,44 @@ func (j *journalConv) handle(ev agent.LeaseEvent) {
 		}
 		j.emit(out)
 	}
+}
+
+// deposit emits a grant's deposit and the grant's acquire event, whose
+// Deadline is what the deposit tells of the grant in the store (see
+// agent.LeaseEvent.TTLMs): made (ok), the chunk expires at most TTL after
+// the deposit returned; failed after an attempt was sent, nothing of the
+// grant is spendable in the store after At; failed with no attempt sent,
+// the grant was never deposited (Deadline 0); unknown, a copy may still
+// land and outlive the lease by as long as it was late (Deadline 0, and
+// the deposit event says unknown: check.CheckDepositUnknown).
+func (j *journalConv) deposit(ev agent.LeaseEvent) {
+	dep := history.Event{Kind: history.KindDeposit, Region: j.region, Quota: ev.Quota, GrantID: ev.GrantID, Tokens: ev.Tokens,
+		Call: j.trueNs(ev.Sent), At: j.trueNs(ev.At), ExpiresMs: ev.ExpiresMs, Outcome: history.OK, Err: ev.Err}
+	switch ev.Outcome {
+	case agent.LeaseOK:
+		dep.Deadline = j.trueNs(ev.At) + ev.TTLMs*int64(time.Millisecond)
+	case agent.LeaseFailed:
+		dep.Outcome = history.Failed
+		if ev.Sent != 0 {
+			dep.Deadline = j.trueNs(ev.At)
+		}
+	default:
+		dep.Outcome = history.Unknown
+	}
+	if g, ok := j.grants[ev.GrantID]; ok {
+		dep.Window = g.window
+		if dep.Quota == "" {
+			dep.Quota = g.quota
+		}
+	}
+	j.emit(dep)
+	e, ok := j.pending[ev.GrantID]
+	if !ok {
+		return
+	}
+	delete(j.pending, ev.GrantID)
+	e.Deadline = dep.Deadline
+	j.emit(e)
 }
 
 func (j *journalConv) acquire(ev agent.LeaseEvent) {

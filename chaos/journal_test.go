@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -38,7 +39,11 @@ const (
 // journalLines is an agent's journal: a process whose clock runs 500 ms
 // ahead answers r1 on its second attempt (atlas 100 tokens deposited,
 // birch none), never hears back on r2, hands back an undeposited grant of
-// r3, and at shutdown withdraws and releases 30 tokens of r1's grant.
+// r3 (a journal without deposit lines for it), fails to deposit r4's grant
+// after sending an attempt (withdrawn: nothing spendable after the
+// deposit's At) and hands it back, cannot tell whether r5's landed
+// (unknown), gives up r6's before sending any attempt (too late) and hands
+// it back, and at shutdown withdraws and releases 30 tokens of r1's grant.
 func journalLines() []agent.LeaseEvent {
 	const skew = 500 * tms
 	at := func(ns int64) int64 { return ns + skew } // the agent's clock
@@ -60,6 +65,23 @@ func journalLines() []agent.LeaseEvent {
 			Grants: []agent.JournalGrant{{Quota: "atlas", GrantID: "g3", Tokens: 10, ExpiresMs: 15_050, Window: 5}}},
 		{Kind: agent.LeaseEventRelease, RequestID: "release-g3", Quota: "atlas", GrantID: "g3", Tokens: 10, Sent: at(15*tsec + 81*tms), At: at(15*tsec + 90*tms), Outcome: agent.LeaseOK, Returned: 10},
 		{Kind: agent.LeaseEventRelease, RequestID: "release-g1", Quota: "atlas", GrantID: "g1", Tokens: 30, Sent: at(16 * tsec), At: at(16*tsec + 50*tms), Outcome: agent.LeaseFailed, Code: "not_found", Err: "window gone"},
+		{Kind: agent.LeaseEventAcquire, RequestID: "r4", FirstSent: at(17 * tsec), Sent: at(17 * tsec), At: at(17*tsec + 80*tms), Outcome: agent.LeaseOK,
+			Wants: []agent.JournalWant{{Quota: "atlas", Tokens: 40}}, LeaderNowMs: 17_040,
+			Grants: []agent.JournalGrant{{Quota: "atlas", GrantID: "g4", Tokens: 40, ExpiresMs: 18_500, Window: 5}}},
+		{Kind: agent.LeaseEventDeposit, Quota: "atlas", GrantID: "g4", Tokens: 40, Sent: at(17*tsec + 100*tms), At: at(17*tsec + 700*tms),
+			Outcome: agent.LeaseFailed, Err: "deposit timed out; withdrawn", ExpiresMs: 18_500, Deadline: at(18*tsec + 250*tms)},
+		{Kind: agent.LeaseEventRelease, RequestID: "release-g4", Quota: "atlas", GrantID: "g4", Tokens: 40, Sent: at(17*tsec + 710*tms), At: at(17*tsec + 760*tms), Outcome: agent.LeaseOK, Returned: 40},
+		{Kind: agent.LeaseEventAcquire, RequestID: "r5", FirstSent: at(19 * tsec), Sent: at(19 * tsec), At: at(19*tsec + 80*tms), Outcome: agent.LeaseOK,
+			Wants: []agent.JournalWant{{Quota: "atlas", Tokens: 50}}, LeaderNowMs: 19_040,
+			Grants: []agent.JournalGrant{{Quota: "atlas", GrantID: "g5", Tokens: 50, ExpiresMs: 20_500, Window: 6}}},
+		{Kind: agent.LeaseEventDeposit, Quota: "atlas", GrantID: "g5", Tokens: 50, Sent: at(19*tsec + 100*tms), At: at(19*tsec + 600*tms),
+			Outcome: agent.LeaseUnknown, Err: "i/o timeout", TTLMs: 900, ExpiresMs: 20_500, Deadline: at(20*tsec + 250*tms)},
+		{Kind: agent.LeaseEventAcquire, RequestID: "r6", FirstSent: at(21 * tsec), Sent: at(21 * tsec), At: at(21*tsec + 80*tms), Outcome: agent.LeaseOK,
+			Wants: []agent.JournalWant{{Quota: "atlas", Tokens: 20}}, LeaderNowMs: 21_040,
+			Grants: []agent.JournalGrant{{Quota: "atlas", GrantID: "g6", Tokens: 20, ExpiresMs: 22_500, Window: 7}}},
+		{Kind: agent.LeaseEventDeposit, Quota: "atlas", GrantID: "g6", Tokens: 20, At: at(21*tsec + 200*tms),
+			Outcome: agent.LeaseFailed, Err: "too late", ExpiresMs: 22_500, Deadline: at(21*tsec + 210*tms)},
+		{Kind: agent.LeaseEventRelease, RequestID: "release-g6", Quota: "atlas", GrantID: "g6", Tokens: 20, Sent: at(21*tsec + 210*tms), At: at(21*tsec + 260*tms), Outcome: agent.LeaseOK, Returned: 20},
 	}
 }
 
@@ -101,6 +123,29 @@ func TestJournalConv(t *testing.T) {
 			Call: 15*tsec + 81*tms, At: 15*tsec + 90*tms, Outcome: history.OK}},
 		{"release//atlas/g1", history.Event{Kind: history.KindRelease, Region: "eu", Quota: "atlas", GrantID: "g1", Tokens: 30, Window: 3,
 			Call: 16 * tsec, At: 16*tsec + 50*tms, Outcome: history.Failed, Err: "window gone", Reason: "not_found"}},
+		{"deposit//atlas/g1", history.Event{Kind: history.KindDeposit, Region: "eu", Quota: "atlas", GrantID: "g1", Tokens: 100, Window: 3, ExpiresMs: 11_600,
+			Call: 10*tsec + 151*tms, At: 10*tsec + 152*tms, Outcome: history.OK, Deadline: 10*tsec + 152*tms + 1000*tms}},
+		// A failed deposit that sent an attempt: nothing of the grant is
+		// spendable in the store after its At, the grant's deadline.
+		{"acquire/r4/atlas/g4", history.Event{Kind: history.KindAcquire, Region: "eu", Quota: "atlas", RequestID: "r4", Outcome: history.OK, Asked: 40,
+			Call: 17 * tsec, At: 17*tsec + 80*tms, GrantID: "g4", Tokens: 40, Window: 5, ExpiresMs: 18_500, LeaderNowMs: 17_040, Deadline: 17*tsec + 700*tms}},
+		{"deposit//atlas/g4", history.Event{Kind: history.KindDeposit, Region: "eu", Quota: "atlas", GrantID: "g4", Tokens: 40, Window: 5, ExpiresMs: 18_500,
+			Call: 17*tsec + 100*tms, At: 17*tsec + 700*tms, Outcome: history.Failed, Err: "deposit timed out; withdrawn", Deadline: 17*tsec + 700*tms}},
+		{"release//atlas/g4", history.Event{Kind: history.KindRelease, Region: "eu", Quota: "atlas", GrantID: "g4", Tokens: 40, Returned: 40, Window: 5,
+			Call: 17*tsec + 710*tms, At: 17*tsec + 760*tms, Outcome: history.OK}},
+		// An unknown deposit bounds nothing: the grant has no deadline and
+		// the deposit says unknown (check.CheckDepositUnknown).
+		{"acquire/r5/atlas/g5", history.Event{Kind: history.KindAcquire, Region: "eu", Quota: "atlas", RequestID: "r5", Outcome: history.OK, Asked: 50,
+			Call: 19 * tsec, At: 19*tsec + 80*tms, GrantID: "g5", Tokens: 50, Window: 6, ExpiresMs: 20_500, LeaderNowMs: 19_040}},
+		{"deposit//atlas/g5", history.Event{Kind: history.KindDeposit, Region: "eu", Quota: "atlas", GrantID: "g5", Tokens: 50, Window: 6, ExpiresMs: 20_500,
+			Call: 19*tsec + 100*tms, At: 19*tsec + 600*tms, Outcome: history.Unknown, Err: "i/o timeout"}},
+		// A failed deposit that sent nothing: never deposited.
+		{"acquire/r6/atlas/g6", history.Event{Kind: history.KindAcquire, Region: "eu", Quota: "atlas", RequestID: "r6", Outcome: history.OK, Asked: 20,
+			Call: 21 * tsec, At: 21*tsec + 80*tms, GrantID: "g6", Tokens: 20, Window: 7, ExpiresMs: 22_500, LeaderNowMs: 21_040}},
+		{"deposit//atlas/g6", history.Event{Kind: history.KindDeposit, Region: "eu", Quota: "atlas", GrantID: "g6", Tokens: 20, Window: 7, ExpiresMs: 22_500,
+			At: 21*tsec + 200*tms, Outcome: history.Failed, Err: "too late"}},
+		{"release//atlas/g6", history.Event{Kind: history.KindRelease, Region: "eu", Quota: "atlas", GrantID: "g6", Tokens: 20, Returned: 20, Window: 7,
+			Call: 21*tsec + 210*tms, At: 21*tsec + 260*tms, Outcome: history.OK}},
 	}
 	for _, tt := range tests {
 		got, ok := byKey[tt.key]
@@ -115,8 +160,20 @@ func TestJournalConv(t *testing.T) {
 	if len(byKey) != len(tests) {
 		t.Errorf("%d distinct events, want %d: %v", len(byKey), len(tests), byKey)
 	}
-	if len(probed) != 2 || probed[0] != "r1" || probed[1] != "r3" {
-		t.Errorf("probes offered for %v, want the answered r1 and r3", probed)
+	if want := []string{"r1", "r3", "r4", "r5", "r6"}; !slices.Equal(probed, want) {
+		t.Errorf("probes offered for %v, want the answered %v", probed, want)
+	}
+	// Every granted chunk is emitted once.
+	grants := map[string]int{}
+	for _, e := range sink.all() {
+		if e.Kind == history.KindAcquire && e.GrantID != "" {
+			grants[e.GrantID]++
+		}
+	}
+	for id, n := range grants {
+		if n != 1 {
+			t.Errorf("grant %s emitted %d times", id, n)
+		}
 	}
 }
 
@@ -158,7 +215,7 @@ func TestJournalTail(t *testing.T) {
 	for _, e := range sink.all() {
 		kinds[e.Kind]++
 	}
-	if kinds[history.KindAcquire] != 4 || kinds[history.KindRelease] != 2 {
-		t.Fatalf("events by kind %v, want 4 acquires and 2 releases", kinds)
+	if kinds[history.KindAcquire] != 7 || kinds[history.KindRelease] != 4 || kinds[history.KindDeposit] != 4 {
+		t.Fatalf("events by kind %v, want 7 acquires, 4 releases and 4 deposits", kinds)
 	}
 }

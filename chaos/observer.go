@@ -3,6 +3,7 @@ package chaos
 import (
 	"context"
 	"fmt"
+	"sync"
 	"time"
 
 	"connectrpc.com/connect"
@@ -18,13 +19,63 @@ import (
 // which no fault cuts: the current window of every quota every 300 ms (the
 // reads join the linearizability history) and every window once more just
 // after it ended (the lost-grants check needs a read after its last grant).
-// The suite also reads every ledger after each scenario (readAll).
+// The suite also reads every ledger after each scenario (readAll). On
+// every tick it also samples how far the wall clock has moved against the
+// true clock (drift), so that a step that came and went during the run is
+// seen, not only what is left of it at the end.
 type observer struct {
 	client *allocator.Client
 	clock  history.TrueClock
 	record func(...history.Event)
 	quotas []check.Quota
+	drift  driftSamples
 }
+
+// driftSamples keeps the largest wall-clock drift sampled (by magnitude,
+// with its sign). It is safe for concurrent use.
+type driftSamples struct {
+	mu    sync.Mutex
+	worst time.Duration
+	n     int
+}
+
+// add records one sample.
+func (d *driftSamples) add(v time.Duration) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.n++
+	if v.Abs() > d.worst.Abs() {
+		d.worst = v
+	}
+}
+
+// max returns the sample of the largest magnitude (0 when none) and how
+// many were taken.
+func (d *driftSamples) max() (time.Duration, int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.worst, d.n
+}
+
+// sampleDrift reads how far the wall clock is from the true clock, between
+// two true-clock readings at most driftBracket apart (a goroutine
+// preempted between the two clocks' readings would otherwise show its
+// pause as a step); it tries three times, and says false when no reading
+// was tight enough.
+func sampleDrift(c history.TrueClock) (time.Duration, bool) {
+	for range 3 {
+		before := c.Now()
+		wall := time.Now().UnixNano()
+		after := c.Now()
+		if after-before <= int64(driftBracket) {
+			return time.Duration(wall - before/2 - after/2), true
+		}
+	}
+	return 0, false
+}
+
+// driftBracket bounds the true-clock interval a drift sample is read in.
+const driftBracket = time.Millisecond
 
 // Run reads until ctx ends.
 func (o *observer) Run(ctx context.Context) {
@@ -36,6 +87,9 @@ func (o *observer) Run(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
+		}
+		if d, ok := sampleDrift(o.clock); ok {
+			o.drift.add(d)
 		}
 		for _, q := range o.quotas {
 			_ = o.read(ctx, q.Name, 0)

@@ -45,23 +45,54 @@ func Scenarios() []Scenario {
 	}
 }
 
-// Step is one step of a schedule: one scenario, or two run at once.
-type Step []Scenario
+// Step is one step of a schedule: one scenario, or two run at once, each
+// with the seed of its random parameters.
+type Step struct {
+	// Scenarios run at once.
+	Scenarios []Scenario
+	// Seeds seed the scenarios' parameters, one per scenario.
+	Seeds []uint64
+}
 
-// ShortSchedule runs every scenario once, one at a time.
-func ShortSchedule() []Step {
+// stepRand is the random source of step i of a run seeded with seed: what
+// the step runs and with which parameters depend on (seed, i) alone, so a
+// step is the same in a soak of any length, and in the short schedule or
+// a -chaos.scenarios list the same scenario at the same place gets the
+// same parameters.
+func stepRand(seed int64, i int) *rand.Rand {
+	return rand.New(rand.NewPCG(uint64(seed), 1<<32|uint64(i)))
+}
+
+// stepOf makes step i of a run seeded with seed from scs, drawing each
+// scenario's seed from rng (the step's stepRand, after what it drew to
+// choose scs).
+func stepOf(rng *rand.Rand, scs ...Scenario) Step {
+	st := Step{Scenarios: scs}
+	for range scs {
+		st.Seeds = append(st.Seeds, rng.Uint64())
+	}
+	return st
+}
+
+// FixedSchedule runs the given scenarios in order, one at a time, with
+// parameters drawn from seed and each step's place.
+func FixedSchedule(seed int64, scs []Scenario) []Step {
 	var out []Step
-	for _, sc := range Scenarios() {
-		out = append(out, Step{sc})
+	for i, sc := range scs {
+		out = append(out, stepOf(stepRand(seed, i), sc))
 	}
 	return out
 }
 
-// RandomSchedule draws n steps from rng: each a random scenario, and with
+// ShortSchedule runs every scenario once, one at a time.
+func ShortSchedule(seed int64) []Step { return FixedSchedule(seed, Scenarios()) }
+
+// RandomSchedule draws n steps from seed: each a random scenario, and with
 // probability 1/3 a second one that touches nothing the first touches.
 // restart-store is drawn only when the regions have a store (withStore:
-// agent regions).
-func RandomSchedule(rng *rand.Rand, n int, withStore bool) []Step {
+// agent regions). Step i depends on (seed, i) only: a longer soak with the
+// same seed starts with the same steps.
+func RandomSchedule(seed int64, n int, withStore bool) []Step {
 	var pool []Scenario
 	for _, sc := range Scenarios() {
 		if withStore || sc.Name != "restart-store" {
@@ -69,9 +100,10 @@ func RandomSchedule(rng *rand.Rand, n int, withStore bool) []Step {
 		}
 	}
 	var out []Step
-	for range n {
+	for i := range n {
+		rng := stepRand(seed, i)
 		a := pool[rng.IntN(len(pool))]
-		step := Step{a}
+		scs := []Scenario{a}
 		if rng.IntN(3) == 0 {
 			var ok []Scenario
 			for _, b := range pool {
@@ -80,10 +112,10 @@ func RandomSchedule(rng *rand.Rand, n int, withStore bool) []Step {
 				}
 			}
 			if len(ok) > 0 {
-				step = append(step, ok[rng.IntN(len(ok))])
+				scs = append(scs, ok[rng.IntN(len(ok))])
 			}
 		}
-		out = append(out, step)
+		out = append(out, stepOf(rng, scs...))
 	}
 	return out
 }
@@ -91,7 +123,7 @@ func RandomSchedule(rng *rand.Rand, n int, withStore bool) []Step {
 // String names the step's scenarios.
 func (st Step) String() string {
 	var names []string
-	for _, sc := range st {
+	for _, sc := range st.Scenarios {
 		names = append(names, sc.Name)
 	}
 	return strings.Join(names, "+")
@@ -100,7 +132,7 @@ func (st Step) String() string {
 // RunSchedule runs the steps in order, each starting 500 ms into a fresh
 // window and followed by a ledger read of every quota (after every
 // failover) and one calm window, and stops early when until passes.
-func (s *Suite) RunSchedule(ctx context.Context, rng *rand.Rand, steps []Step, until time.Time) error {
+func (s *Suite) RunSchedule(ctx context.Context, steps []Step, until time.Time) error {
 	for i, st := range steps {
 		if time.Now().After(until) {
 			s.logf("schedule: stopping after %d of %d steps (time is up)", i, len(steps))
@@ -115,8 +147,8 @@ func (s *Suite) RunSchedule(ctx context.Context, rng *rand.Rand, steps []Step, u
 			mu   sync.Mutex
 			errs []error
 		)
-		for _, sc := range st {
-			seed := rng.Uint64()
+		for k, sc := range st.Scenarios {
+			seed := st.Seeds[k]
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
@@ -444,6 +476,8 @@ func killLeaderStorm(ctx context.Context, s *Suite, rng *rand.Rand) (history.Spa
 		err = s.allocs.WaitUp(wctx, l)
 		cancel()
 	}
+	// The span ends, like restart-all's, once the restarted node is up and
+	// a leader is known (nl, elected before the restart).
 	end := s.fault("kill-leader-storm", "heal", "%s restarted from its data dir", l.ID)
 	return history.Span{Start: start, End: end, RecoverFrom: killed}, errors.Join(stormErr, err)
 }
@@ -481,36 +515,89 @@ func stopLeader(ctx context.Context, s *Suite, rng *rand.Rand) (history.Span, er
 // restartAll kills every allocator with SIGKILL and starts them all again
 // from their data dirs: every acknowledged grant must come back.
 func restartAll(ctx context.Context, s *Suite, _ *rand.Rand) (history.Span, error) {
-	var nodes []*topology.AllocatorNode
-	for _, n := range s.allocs.Nodes {
-		if n.Proc != nil && !n.Proc.Exited() {
-			nodes = append(nodes, n)
-		}
-	}
-	start := s.fault("restart-all", "inject", "kill -9 every allocator (%d)", len(nodes))
-	for _, n := range nodes {
-		n.Proc.Kill()
-	}
+	return s.restartAll(ctx, &clusterRestart{allocs: s.allocs})
+}
+
+// restarter is what restart-all does to the allocators (the lab's
+// processes, or a test's stand-in).
+type restarter interface {
+	// kill kills every running allocator with SIGKILL and says how many.
+	kill() int
+	// start starts the killed allocators again from their data dirs.
+	start() error
+	// waitUp waits until every restarted allocator answers.
+	waitUp(ctx context.Context) error
+	// waitLeader waits for a leader and names it.
+	waitLeader(ctx context.Context) (string, error)
+}
+
+// restartAll runs restart-all on c. Its span ends, like kill-leader-storm's,
+// only when the restarted allocators are up and a leader is known (or
+// waiting for them failed): Birch is excused until the cluster serves
+// again, not merely until its processes were started. Recovery is measured
+// from the restart.
+func (s *Suite) restartAll(ctx context.Context, c restarter) (history.Span, error) {
+	start := s.fault("restart-all", "inject", "kill -9 every allocator (%d)", c.kill())
 	_ = sleepCtx(ctx, 500*time.Millisecond)
-	var err error
-	for _, n := range nodes {
-		err = errors.Join(err, s.allocs.Start(n))
-	}
-	restarted := s.fault("restart-all", "heal", "every allocator restarted from its data dir")
+	err := c.start()
+	restarted := s.fault("restart-all", "note", "every allocator restarted from its data dir")
 	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	for _, n := range nodes {
-		if err == nil {
-			err = s.allocs.WaitUp(wctx, n)
-		}
-	}
 	if err == nil {
-		var l *topology.AllocatorNode
-		if l, err = s.allocs.WaitLeader(wctx); err == nil {
-			s.fault("restart-all", "note", "leader %s after %s", l.ID, time.Duration(s.clock.Now()-restarted).Round(time.Millisecond))
+		err = c.waitUp(wctx)
+	}
+	what := "not back"
+	if err == nil {
+		var l string
+		if l, err = c.waitLeader(wctx); err == nil {
+			what = fmt.Sprintf("up, leader %s after %s", l, time.Duration(s.clock.Now()-restarted).Round(time.Millisecond))
 		}
 	}
-	return history.Span{Start: start, End: restarted, RecoverFrom: restarted}, err
+	end := s.fault("restart-all", "heal", "every allocator restarted: %s", what)
+	return history.Span{Start: start, End: end, RecoverFrom: restarted}, err
+}
+
+// clusterRestart is the lab's restarter.
+type clusterRestart struct {
+	allocs *topology.Allocators
+	nodes  []*topology.AllocatorNode // the killed ones
+}
+
+func (c *clusterRestart) kill() int {
+	for _, n := range c.allocs.Nodes {
+		if n.Proc != nil && !n.Proc.Exited() {
+			c.nodes = append(c.nodes, n)
+		}
+	}
+	for _, n := range c.nodes {
+		n.Proc.Kill()
+	}
+	return len(c.nodes)
+}
+
+func (c *clusterRestart) start() error {
+	var err error
+	for _, n := range c.nodes {
+		err = errors.Join(err, c.allocs.Start(n))
+	}
+	return err
+}
+
+func (c *clusterRestart) waitUp(ctx context.Context) error {
+	for _, n := range c.nodes {
+		if err := c.allocs.WaitUp(ctx, n); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (c *clusterRestart) waitLeader(ctx context.Context) (string, error) {
+	l, err := c.allocs.WaitLeader(ctx)
+	if err != nil {
+		return "", err
+	}
+	return l.ID, nil
 }
 
 // skewRegion moves one region's wall clock 500 ms ahead and another's 500
@@ -744,5 +831,5 @@ func restartStore(ctx context.Context, s *Suite, rng *rand.Rand) (history.Span, 
 		return history.Span{Start: start, End: start, RecoverFrom: start, Regions: []string{r.Name()}, Skipped: "skipped: needs the region agent"}, nil
 	}
 	end := s.fault("restart-store", "inject", "region %s: store restarted (its tokens are lost)", r.Name())
-	return history.Span{Start: start, End: end, RecoverFrom: end, Regions: []string{r.Name()}}, err
+	return history.Span{Start: start, End: end, RecoverFrom: end, Regions: []string{r.Name()}, Store: true}, err
 }

@@ -44,6 +44,9 @@ type QuotaPlan struct {
 	Limit, Chunk int64
 	// Clamp ends leases at the window end.
 	Clamp bool
+	// MaxHeldPerRegion is the policy's lease.max_held_per_region (0: no
+	// cap); the pool model of the linearizability check is told it.
+	MaxHeldPerRegion int64
 	// Birch marks the well-behaved tenant: no denials outside fault windows.
 	Birch bool
 	// Demand is the offered requests per second per region; Flood, when
@@ -324,8 +327,11 @@ func (s *Suite) policyDoc() []byte {
       ttl: %s
       clamp: %t
       strategy: demand
-    fail_mode: closed
 `, q.Name, q.Name, q.Name, q.Limit, s.cfg.Window, q.Chunk, s.cfg.TTL, q.Clamp)
+		if q.MaxHeldPerRegion > 0 {
+			fmt.Fprintf(&b, "      max_held_per_region: %d\n", q.MaxHeldPerRegion)
+		}
+		b.WriteString("    fail_mode: closed\n")
 	}
 	return []byte(b.String())
 }
@@ -349,7 +355,7 @@ func (s *Suite) publish(ctx context.Context) error {
 		if b == nil {
 			return fmt.Errorf("GetBound states nothing for %s", q.Name)
 		}
-		cq := check.Quota{Name: q.Name, Limit: q.Limit, WindowMs: s.cfg.Window.Milliseconds(), Bound: b.GetOvershoot(), Birch: q.Birch}
+		cq := check.Quota{Name: q.Name, Limit: q.Limit, WindowMs: s.cfg.Window.Milliseconds(), Bound: b.GetOvershoot(), Birch: q.Birch, MaxHeldPerRegion: q.MaxHeldPerRegion}
 		if q.ClaimBound != nil {
 			cq.Bound = *q.ClaimBound
 		}

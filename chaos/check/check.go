@@ -11,7 +11,8 @@
 //   - Leases: no admission after its lease's deadline or the allocator's
 //     expiry, no admission without a lease, no grant overspent, no grant
 //     spendable in the region (its deadline, or its chunk's Redis expiry)
-//     past the allocator's expiry.
+//     past the allocator's expiry, no deposit of unknown outcome outside a
+//     fault of its region's store.
 //   - Linearizable: the Acquire/Release/GetWindow history of every quota and
 //     window is linearizable against a model of the pool (porcupine), and
 //     windows never reopen.
@@ -23,6 +24,7 @@ package check
 
 import (
 	"fmt"
+	"math"
 	"sort"
 	"strings"
 	"time"
@@ -44,10 +46,20 @@ type Quota struct {
 	Bound int64
 	// Birch marks a well-behaved quota: no denials outside fault windows.
 	Birch bool
+	// MaxHeldPerRegion is the policy's lease.max_held_per_region (0: no
+	// cap): the allocator grants a region at most the cap less what it
+	// holds, so a grant may be smaller than min(asked, remaining).
+	MaxHeldPerRegion int64
 }
 
-// Ceiling is G plus the bound.
-func (q Quota) Ceiling() int64 { return q.Limit + q.Bound }
+// Ceiling is G plus the bound, saturating at math.MaxInt64 (as the bound's
+// own Ceiling does) rather than wrapping to a negative ceiling.
+func (q Quota) Ceiling() int64 {
+	if q.Bound > 0 && q.Limit > math.MaxInt64-q.Bound {
+		return math.MaxInt64
+	}
+	return q.Limit + q.Bound
+}
 
 // Params configure a check.
 type Params struct {
@@ -69,6 +81,12 @@ type Params struct {
 	// the network may hold the request (after a partition heals, TCP's
 	// backed-off retransmissions deliver what was sent during it).
 	ApplyTimeout time.Duration
+	// AnswerDelay is how long after the store decided an agent's admission
+	// its answer may be stamped (default 250 ms, the lease margin, which
+	// absorbs the same delay for grants the store holds to their expiry):
+	// a grant whose deposit failed covers admissions stamped up to this
+	// long after the deposit returned.
+	AnswerDelay time.Duration
 }
 
 // Check names.
@@ -85,7 +103,15 @@ const (
 	CheckBirch        = "birch_denied"
 	CheckRelease      = "release_rejected"
 	CheckDepositLate  = "deposit_outlives_lease"
+	// CheckDepositUnknown: a deposit whose outcome is unknown (a late copy
+	// may outlive its lease, unboundedly) outside every fault of its
+	// region's store.
+	CheckDepositUnknown = "deposit_unknown"
 )
+
+// Checks lists every check, in the report's order.
+var Checks = []string{CheckBound, CheckLostGrant, CheckDoubleGrant, CheckUnverified, CheckLateSpend, CheckUnleased, CheckOverspent,
+	CheckLinearizable, CheckReopened, CheckBirch, CheckRelease, CheckDepositLate, CheckDepositUnknown}
 
 // Violation is one broken invariant.
 type Violation struct {
@@ -164,6 +190,11 @@ type Result struct {
 	// Unresolved counts Acquires never answered (their effect is unknown)
 	// and ledger grants no region knows of.
 	Unresolved, Unclaimed int
+	// DepositsChecked counts the grants whose Deadline (an agent's store
+	// expiry bound, a driver's own deadline) was held to the allocator's
+	// expiry; DepositsUnknown the deposits whose outcome was unknown, and
+	// DepositsExcused those of them a fault of their region's store covers.
+	DepositsChecked, DepositsUnknown, DepositsExcused int
 	// Recovery per span (same order as the history's spans); negative when
 	// not every affected region was served again before the end.
 	Recovery []time.Duration
@@ -171,6 +202,26 @@ type Result struct {
 
 // OK says no check failed.
 func (r *Result) OK() bool { return len(r.Violations) == 0 }
+
+// Vacuous lists what the checkers had nothing of to check (empty when
+// every check had something): a run that lists anything proved nothing of
+// it.
+func (r *Result) Vacuous() []string {
+	var out []string
+	if r.Grants == 0 {
+		out = append(out, "no grant received")
+	}
+	if r.LedgerReads == 0 {
+		out = append(out, "no ledger read")
+	}
+	if r.Replays == 0 {
+		out = append(out, "no replay checked")
+	}
+	if r.Grants > 0 && r.DepositsChecked == 0 {
+		out = append(out, fmt.Sprintf("no grant's deposit deadline checked against its expiry (of %d grants received)", r.Grants))
+	}
+	return out
+}
 
 // Count returns how many violations of check there are (all if check is "").
 func (r *Result) Count(check string) int {
@@ -194,6 +245,9 @@ func Run(h history.History, p Params) *Result {
 	if p.StartupGrace <= 0 {
 		p.StartupGrace = 5 * time.Second
 	}
+	if p.AnswerDelay <= 0 {
+		p.AnswerDelay = 250 * time.Millisecond
+	}
 	r := &Result{Windows: map[string][]*Window{}, Linearizability: map[string]LinResult{}}
 	quotas := map[string]Quota{}
 	for _, q := range p.Quotas {
@@ -205,8 +259,9 @@ func Run(h history.History, p Params) *Result {
 	}
 	r.Violations = append(r.Violations, checkBound(h, quotas, windows)...)
 	r.Violations = append(r.Violations, checkGrants(h, quotas, windows, r)...)
-	lv, strands := checkLeases(h)
+	lv, strands := checkLeases(h, p.AnswerDelay, r)
 	r.Violations = append(r.Violations, lv...)
+	r.Violations = append(r.Violations, checkDeposits(h, p.FaultGrace, r)...)
 	addStrands(windows, quotas, strands)
 	r.Violations = append(r.Violations, checkBirch(h, quotas, p.FaultGrace, p.StartupGrace)...)
 	for _, q := range p.Quotas {

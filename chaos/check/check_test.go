@@ -1,6 +1,8 @@
 package check
 
 import (
+	"fmt"
+	"math"
 	"strings"
 	"testing"
 	"time"
@@ -647,5 +649,212 @@ func TestLedgerFallbackKeepsReleases(t *testing.T) {
 		read(10, 11*sec, 11*sec+ms, 60, 60, 20, part)}})
 	if n := ok.Count(CheckUnleased); n != 0 {
 		t.Errorf("40 spent of a ledger grant of 60 with 20 released: %d flagged, want none (%v)", n, ok.Violations)
+	}
+}
+
+// deposit is a region agent's deposit of grant g, sent at sent and
+// returned at at, with outcome o (its Deadline: see history.KindDeposit).
+func deposit(g history.Event, o history.Outcome, sent, at int64) history.Event {
+	d := history.Event{Kind: history.KindDeposit, Region: g.Region, Quota: g.Quota, GrantID: g.GrantID, Tokens: g.Tokens, Window: g.Window,
+		ExpiresMs: g.ExpiresMs, Call: sent, At: at, Outcome: o}
+	if o == history.Failed && sent != 0 {
+		d.Deadline = at
+	}
+	return d
+}
+
+// TestFailedDepositEndsTheGrant: nothing of a grant whose deposit failed
+// is spendable in the store after the deposit returned (At, its Deadline),
+// so the earliest-deadline-first matching lets it cover only admissions
+// stamped up to Params.AnswerDelay (250 ms) later. Admissions after that
+// are a violation exactly when the region's other live grants cannot
+// cover them: the matching gives each admission to the live grant that
+// ends first and has tokens left, and the failed grant is not live.
+func TestFailedDepositEndsTheGrant(t *testing.T) {
+	g1 := acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1") // deposit failed at 10.2 s
+	g1.Deadline = 10*sec + 200*ms
+	g2 := acquire("eu", "r2", 30, 30, 10, 10*sec+60*ms, 10*sec+100*ms, 10_950, "g2")
+	base := []history.Event{g1, deposit(g1, history.Failed, 10*sec+60*ms, 10*sec+200*ms), g2, deposit(g2, history.OK, 10*sec+110*ms, 10*sec+120*ms),
+		read(10, 11*sec, 11*sec+ms, 910, 90, 0, history.LedgerGrant{GrantID: "g1", Region: "eu", Tokens: 60}, history.LedgerGrant{GrantID: "g2", Region: "eu", Tokens: 30})}
+	anon := func(n, at int64) history.Event {
+		return history.Event{Kind: history.KindAdmit, Region: "eu", Quota: "atlas", Tokens: n, At: at}
+	}
+	q := atlas
+	q.Limit = 1000 // the bound is not what this tests
+	tests := []struct {
+		name string
+		adm  []history.Event
+		want int64 // admissions no grant covers
+	}{
+		{name: "300 ms past its At, more than the live grant holds", adm: []history.Event{anon(60, 10*sec+500*ms)}, want: 30},
+		{name: "300 ms past its At, within what the live grant holds", adm: []history.Event{anon(30, 10*sec+500*ms)}},
+		{name: "answered within the answer delay of its At", adm: []history.Event{anon(60, 10*sec+440*ms), anon(30, 10*sec+500*ms)}},
+		{name: "before its At, then the live grant", adm: []history.Event{anon(60, 10*sec+150*ms), anon(30, 10*sec+800*ms)}},
+		{name: "before its At, more than both", adm: []history.Event{anon(60, 10*sec+150*ms), anon(31, 10*sec+800*ms)}, want: 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := run(t, history.History{Events: append(append([]history.Event(nil), base...), tt.adm...)}, q)
+			var got int64
+			for _, v := range r.Violations {
+				if v.Check != CheckUnleased {
+					t.Errorf("unexpected violation %v", v)
+					continue
+				}
+				var n int64
+				fmt.Sscan(v.Detail, &n)
+				got += n
+			}
+			if got != tt.want {
+				t.Fatalf("admissions without a lease = %d, want %d: %v", got, tt.want, r.Violations)
+			}
+		})
+	}
+	// Its deadline is held to the allocator's expiry like any other.
+	late := g1
+	late.Deadline = 10*sec + 901*ms
+	r := run(t, history.History{Events: []history.Event{late, deposit(late, history.Failed, 10*sec+60*ms, 10*sec+901*ms),
+		read(10, 11*sec, 11*sec+ms, 40, 60, 0, history.LedgerGrant{GrantID: "g1", Region: "eu", Tokens: 60})}})
+	if r.Count(CheckDepositLate) != 1 || r.DepositsChecked != 1 {
+		t.Errorf("a failed deposit returning after the allocator's expiry: %d %s, %d deadlines checked; want 1 and 1: %v",
+			r.Count(CheckDepositLate), CheckDepositLate, r.DepositsChecked, r.Violations)
+	}
+}
+
+// TestDepositUnknown: a deposit whose outcome is unknown may land late and
+// outlive its lease by any amount: a violation, unless a fault that stops
+// or kills its region's store (Span.Store) comes within FaultGrace of it.
+func TestDepositUnknown(t *testing.T) {
+	g := acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1")
+	g.Deadline = 0 // what the journal gives a grant whose deposit is unknown
+	dep := deposit(g, history.Unknown, 10*sec+60*ms, 10*sec+560*ms)
+	events := []history.Event{g, dep, read(10, 11*sec, 11*sec+ms, 40, 60, 0, history.LedgerGrant{GrantID: "g1", Region: "eu", Tokens: 60})}
+	store := func(region string, start, end int64) history.Span {
+		return history.Span{Scenario: "restart-store", Start: start, End: end, RecoverFrom: end, Regions: []string{region}, Store: true}
+	}
+	tests := []struct {
+		name  string
+		spans []history.Span
+		want  int
+	}{
+		{name: "no fault", want: 1},
+		{name: "its region's store restarted meanwhile", spans: []history.Span{store("eu", 10*sec+300*ms, 10*sec+400*ms)}},
+		{name: "its region's store restarted just after (the withdrawal met it)", spans: []history.Span{store("eu", 11*sec, 11*sec+100*ms)}},
+		{name: "another region's store restarted", spans: []history.Span{store("us", 10*sec+300*ms, 10*sec+400*ms)}, want: 1},
+		{name: "its region's store restarted long before", spans: []history.Span{store("eu", 5*sec, 5*sec+100*ms)}, want: 1},
+		{name: "a fault that leaves the store alone", spans: []history.Span{{Scenario: "partition-region", Start: 10 * sec, End: 11 * sec, Regions: []string{"eu"}}}, want: 1},
+		{name: "a store fault that was skipped", spans: []history.Span{{Scenario: "restart-store", Start: 10 * sec, End: 11 * sec, Store: true, Skipped: "skipped"}}, want: 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := run(t, history.History{Events: events, Spans: tt.spans})
+			if got := r.Count(CheckDepositUnknown); got != tt.want {
+				t.Fatalf("%s violations = %d, want %d: %v", CheckDepositUnknown, got, tt.want, r.Violations)
+			}
+			if r.DepositsUnknown != 1 || r.DepositsExcused != 1-tt.want {
+				t.Errorf("deposits unknown %d, excused %d; want 1, %d", r.DepositsUnknown, r.DepositsExcused, 1-tt.want)
+			}
+			if r.OK() != (tt.want == 0) {
+				t.Errorf("Result.OK() = %v with %d violations", r.OK(), len(r.Violations))
+			}
+			var b strings.Builder
+			if err := Render(&b, "test", history.History{Events: events, Spans: tt.spans}, r, []Quota{atlas}, 500*time.Millisecond); err != nil {
+				t.Fatal(err)
+			}
+			if want := fmt.Sprintf("%s %d", CheckDepositUnknown, tt.want); !strings.Contains(b.String(), want) {
+				t.Errorf("report lacks %q:\n%s", want, b.String())
+			}
+		})
+	}
+}
+
+// TestVacuousDeposits: a run whose grants all have Deadline 0 (never
+// deposited, or deposits the history does not bound) checked no deposit:
+// Result.Vacuous says so.
+func TestVacuousDeposits(t *testing.T) {
+	g1 := acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1")
+	g2 := acquire("us", "r2", 40, 40, 10, 10*sec, 10*sec+60*ms, 10_900, "g2")
+	events := func(deadline int64) []history.Event {
+		a, b := g1, g2
+		a.Deadline, b.Deadline = 0, deadline
+		return []history.Event{a, b,
+			{Kind: history.KindProbe, Region: "eu", Quota: "atlas", RequestID: "r1", Outcome: history.OK, Replayed: true, GrantID: "g1", Tokens: 60, Window: 10, Call: 10*sec + 100*ms, At: 10*sec + 150*ms},
+			read(10, 10*sec+500*ms, 10*sec+510*ms, 0, 100, 0,
+				history.LedgerGrant{GrantID: "g1", Region: "eu", Tokens: 60}, history.LedgerGrant{GrantID: "g2", Region: "us", Tokens: 40})}
+	}
+	r := run(t, history.History{Events: events(0)})
+	if r.DepositsChecked != 0 || len(r.Vacuous()) != 1 || !strings.Contains(r.Vacuous()[0], "deposit") {
+		t.Errorf("no grant with a deadline: %d checked, vacuous %q; want 0 and the deposit check named", r.DepositsChecked, r.Vacuous())
+	}
+	r = run(t, history.History{Events: events(10*sec + 600*ms)})
+	if r.DepositsChecked != 1 || len(r.Vacuous()) != 0 {
+		t.Errorf("one grant with a deadline: %d checked, vacuous %q; want 1 and nothing", r.DepositsChecked, r.Vacuous())
+	}
+	if v := (&Result{}).Vacuous(); len(v) != 3 {
+		t.Errorf("an empty result: vacuous %q, want no grant, no ledger read, no replay", v)
+	}
+}
+
+// TestMaxHeldPerRegion: a quota whose policy caps what a region holds
+// (lease.max_held_per_region) may grant less than min(asked, remaining):
+// the pool model allows it, up to the cap, only for such a quota; an
+// unanswered Acquire of it may have taken any amount up to the cap.
+func TestMaxHeldPerRegion(t *testing.T) {
+	capped := atlas
+	capped.MaxHeldPerRegion = 50
+	lost := history.Event{Kind: history.KindAcquire, Region: "eu", Quota: "atlas", RequestID: "r9", Asked: 40, Call: 10 * sec, At: 10*sec + 100*ms, Outcome: history.Unknown}
+	tests := []struct {
+		name   string
+		q      Quota
+		events []history.Event
+		want   int
+	}{
+		{name: "cut short by the cap", q: capped, events: []history.Event{
+			acquire("eu", "r1", 60, 50, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			acquire("eu", "r2", 60, 10, 10, 10*sec+100*ms, 10*sec+150*ms, 10_900, "g2"), // the region holds 40 of another window
+			read(10, 10*sec+200*ms, 10*sec+210*ms, 40, 60, 0),
+		}},
+		{name: "cut short without a cap", q: atlas, want: 1, events: []history.Event{
+			acquire("eu", "r1", 60, 50, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			read(10, 10*sec+200*ms, 10*sec+210*ms, 50, 50, 0),
+		}},
+		{name: "more than the cap", q: capped, want: 1, events: []history.Event{
+			acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+		}},
+		{name: "more than the pool", q: capped, want: 1, events: []history.Event{
+			acquire("eu", "r1", 50, 50, 10, 10*sec, 10*sec+50*ms, 10_900, "g1"),
+			acquire("us", "r2", 50, 50, 10, 10*sec, 10*sec+50*ms, 10_900, "g2"),
+			acquire("ap", "r3", 50, 1, 10, 10*sec+100*ms, 10*sec+150*ms, 10_900, "g3"),
+		}},
+		{name: "an unanswered capped Acquire took part of its ask", q: capped, events: []history.Event{
+			lost, read(10, 10*sec+200*ms, 10*sec+210*ms, 83, 17, 0),
+		}},
+		{name: "an unanswered uncapped Acquire took part of its ask", q: atlas, want: 1, events: []history.Event{
+			lost, read(10, 10*sec+200*ms, 10*sec+210*ms, 83, 17, 0),
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := run(t, history.History{Events: tt.events}, tt.q)
+			if got := r.Count(CheckLinearizable); got != tt.want {
+				t.Fatalf("%s violations = %d, want %d: %v", CheckLinearizable, got, tt.want, r.Violations)
+			}
+		})
+	}
+}
+
+// TestCeilingSaturates: G plus a bound near the int64 range saturates
+// (as pkg/bound's Ceiling does) instead of wrapping below G.
+func TestCeilingSaturates(t *testing.T) {
+	huge := Quota{Name: "atlas", Limit: math.MaxInt64 - 5, WindowMs: 1000, Bound: 10}
+	if got := huge.Ceiling(); got != math.MaxInt64 {
+		t.Fatalf("Ceiling = %d, want math.MaxInt64", got)
+	}
+	if got := (Quota{Limit: 1000, Bound: 250}).Ceiling(); got != 1250 {
+		t.Fatalf("Ceiling = %d, want 1250", got)
+	}
+	r := run(t, history.History{Events: []history.Event{{Kind: history.KindAdmit, Region: "eu", Quota: "atlas", Tokens: 1000, At: 10 * sec}}}, huge)
+	if n := r.Count(CheckBound); n != 0 {
+		t.Fatalf("1,000 admitted against a ceiling of math.MaxInt64: %d bound violations, want 0: %v", n, r.Violations)
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"container/heap"
 	"fmt"
 	"sort"
+	"time"
 
 	"github.com/allot-dev/allot/chaos/history"
 )
@@ -48,11 +49,23 @@ type leaseAgg struct {
 // the matching leaves them (expired unspent, per grant): an estimate,
 // exact when the store spends earliest-expiring chunks first, as the
 // agent's script does.
-func checkLeases(h history.History) ([]Violation, []history.Event) {
+//
+// A grant whose deposit failed after sending an attempt (a region agent's
+// deposit event, Outcome Failed) has nothing spendable in the store after
+// the deposit returned, its Deadline: the matching lets it cover
+// admissions stamped up to answerDelay later (decided by the store before
+// the deposit returned, answered after), never after. Counted in r:
+// DepositsChecked, the grants whose Deadline was held to the allocator's
+// expiry.
+func checkLeases(h history.History, answerDelay time.Duration, r *Result) ([]Violation, []history.Event) {
 	received := map[string]history.Event{}
+	failed := map[string]bool{} // grant id -> its deposit failed after an attempt was sent
 	for _, e := range h.Events {
-		if e.Kind == history.KindAcquire && e.Outcome == history.OK && e.Tokens > 0 {
+		switch {
+		case e.Kind == history.KindAcquire && e.Outcome == history.OK && e.Tokens > 0:
 			received[e.GrantID] = e
+		case e.Kind == history.KindDeposit && e.Outcome == history.Failed && e.Deadline != 0:
+			failed[e.GrantID] = true
 		}
 	}
 	released := map[string]int64{} // grant id -> tokens handed back
@@ -78,6 +91,9 @@ func checkLeases(h history.History) ([]Violation, []history.Event) {
 		a.tokens += tokens
 	}
 	for _, g := range received {
+		if g.Deadline != 0 && g.ExpiresMs != 0 {
+			r.DepositsChecked++
+		}
 		if g.Deadline != 0 && g.ExpiresMs != 0 && g.Deadline > g.ExpiresMs*1e6 {
 			add(CheckDepositLate, g, g.Tokens, fmt.Sprintf("grant %s x%d spendable until %s, %.1f ms after the allocator's expiry %s",
 				g.GrantID, g.Tokens, fmtTime(g.Deadline), float64(g.Deadline-g.ExpiresMs*1e6)/1e6, fmtTime(g.ExpiresMs*1e6)))
@@ -132,6 +148,13 @@ func checkLeases(h history.History) ([]Violation, []history.Event) {
 				g.Tokens -= released[g.GrantID]
 				// A pre-grant covers nothing before its window starts.
 				g.At = max(g.At, g.NotBeforeMs*1e6)
+				if failed[g.GrantID] && g.Deadline != 0 {
+					// Nothing of it is spendable after its deposit
+					// returned: it covers answers up to answerDelay
+					// later (rounded up to the millisecond).
+					end := g.Deadline + int64(answerDelay)
+					g.ExpiresMs = min(g.ExpiresMs, (end+1e6-1)/1e6)
+				}
 				if g.Tokens > 0 {
 					gs = append(gs, g)
 				}
@@ -253,4 +276,50 @@ func (b *byExpiry) Pop() any {
 	x := old[len(old)-1]
 	*b = old[:len(old)-1]
 	return x
+}
+
+// checkDeposits: a region agent's deposit whose outcome is unknown (an
+// attempt may have reached the store, and the agent could not withdraw it)
+// may land late and count its TTL from its arrival: the chunk then stays
+// spendable past the allocator's expiry, by as long as it was late, and
+// nothing bounds that. Each is a violation, unless a fault span that stops
+// or kills its region's store (Span.Store) comes within grace of the
+// deposit, from its send to its return: the attempt, or the withdrawal that
+// follows the return (bounded by the agent's Acquire timeout, 2 s), may
+// then have met a dead store, and a copy the store had is lost with it.
+// Counted in r: DepositsUnknown, and DepositsExcused of them.
+func checkDeposits(h history.History, grace time.Duration, r *Result) []Violation {
+	var out []Violation
+	for _, e := range h.Events {
+		if e.Kind != history.KindDeposit || e.Outcome != history.Unknown {
+			continue
+		}
+		r.DepositsUnknown++
+		from := e.Call
+		if from == 0 {
+			from = e.At
+		}
+		if storeFault(h.Spans, e.Region, from, e.At, grace) {
+			r.DepositsExcused++
+			continue
+		}
+		detail := fmt.Sprintf("deposit of grant %s x%d (sent %s, returned %s) has an unknown outcome: a copy may land late and stay spendable "+
+			"past the allocator's expiry %s, and no fault of the region's store covers it", e.GrantID, e.Tokens, fmtTime(from), fmtTime(e.At), fmtTime(e.ExpiresMs*1e6))
+		if e.Err != "" {
+			detail += " (" + e.Err + ")"
+		}
+		out = append(out, Violation{Check: CheckDepositUnknown, Quota: e.Quota, Window: e.Window, Region: e.Region, At: e.At, Detail: detail})
+	}
+	return out
+}
+
+// storeFault reports whether a span that stops or kills region's store
+// comes within grace of [from, to].
+func storeFault(spans []history.Span, region string, from, to int64, grace time.Duration) bool {
+	for _, s := range spans {
+		if s.Store && s.Skipped == "" && s.Affects(region) && from <= s.End+int64(grace) && to >= s.Start-int64(grace) {
+			return true
+		}
+	}
+	return false
 }

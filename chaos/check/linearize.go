@@ -115,7 +115,30 @@ func (s poolState) with(id string, tokens int64) poolState {
 // at most what its grant has not released yet (when the window's history
 // holds the grant), and never lifts remaining above G; a read sees the
 // totals. Unanswered operations may or may not have applied.
-func poolModel(limit int64) porcupine.Model {
+//
+// With a per-region cap (maxHeld > 0, the policy's
+// lease.max_held_per_region) the allocator grants min(asked, remaining,
+// cap - what the region holds), and what a region holds counts unexpired
+// grants of the previous, current and next windows, which a model of one
+// window without time cannot know: an Acquire may then be granted anything
+// up to min(asked, remaining, cap), and an unanswered one may have taken
+// any such amount (one branch per amount: correct, but a capped quota's
+// windows with many unanswered Acquires may exhaust porcupine's time).
+//
+// Out of the model's scope: a pool reset, when a published policy changes a
+// window and the allocator opens the pool less the tokens the old one still
+// has out (fsm WindowView.Carried), so that remaining starts below G. The
+// suite publishes its policy once, before any grant; a run that republished
+// would need the carried tokens in the model's initial state.
+func poolModel(limit, maxHeld int64) porcupine.Model {
+	// most is the most a new Acquire could be granted.
+	most := func(s poolState, in poolInput) int64 {
+		n := min(in.asked, s.remaining)
+		if maxHeld > 0 {
+			n = min(n, maxHeld)
+		}
+		return n
+	}
 	grant := func(s poolState, in poolInput) poolState {
 		n := min(in.asked, s.remaining)
 		s.remaining -= n
@@ -137,6 +160,16 @@ func poolModel(limit int64) porcupine.Model {
 					}
 					return nil // a second grant for one request id
 				}
+				if out.unknown && maxHeld > 0 {
+					// Cut short by the region's cap, it may have taken
+					// any amount up to the most (none: recorded empty).
+					next := []any{s}
+					for n := range most(s, in) + 1 {
+						in.asked = n
+						next = append(next, grant(s, in))
+					}
+					return next
+				}
 				if out.unknown {
 					if in.pre {
 						// Applied in the first half of the window before
@@ -146,7 +179,13 @@ func poolModel(limit int64) porcupine.Model {
 					}
 					return []any{s, grant(s, in)}
 				}
-				if in.pre && out.tokens <= min(in.asked, s.remaining) {
+				if in.pre || maxHeld > 0 {
+					// A pre-grant is also capped at a chunk less what the
+					// region holds of its window, and a capped quota's
+					// grant at the cap less what the region holds.
+					if out.tokens < 0 || out.tokens > most(s, in) {
+						return nil
+					}
 					in.asked = out.tokens
 					return []any{grant(s, in)}
 				}
@@ -308,7 +347,7 @@ func checkLinearizable(h history.History, q Quota, p Params) (LinResult, []Viola
 	}
 	var res LinResult
 	var out []Violation
-	model := poolModel(q.Limit)
+	model := poolModel(q.Limit, q.MaxHeldPerRegion)
 	idx := make([]int64, 0, len(parts))
 	for w := range parts {
 		idx = append(idx, w)

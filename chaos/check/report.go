@@ -122,6 +122,8 @@ func Render(w io.Writer, title string, h history.History, r *Result, quotas []Qu
 	}
 	fmt.Fprintf(&b, "\ngrants received %d, replays checked %d, ledger reads %d, acquires never answered %d, ledger grants no region knows %d\n",
 		r.Grants, r.Replays, r.LedgerReads, r.Unresolved, r.Unclaimed)
+	fmt.Fprintf(&b, "deposit deadlines checked %d, deposits of unknown outcome %d (%d of them in a fault of their store)\n",
+		r.DepositsChecked, r.DepositsUnknown, r.DepositsExcused)
 	names := make([]string, 0, len(r.Linearizability))
 	for n := range r.Linearizability {
 		names = append(names, n)
@@ -138,9 +140,8 @@ func Render(w io.Writer, title string, h history.History, r *Result, quotas []Qu
 		}
 		fmt.Fprintf(&b, "porcupine %s: %d windows, %d operations, slowest window %s: %s\n", n, l.Windows, l.Ops, l.Longest.Round(time.Millisecond), verdict)
 	}
-	checks := []string{CheckBound, CheckLostGrant, CheckDoubleGrant, CheckUnverified, CheckLateSpend, CheckUnleased, CheckOverspent, CheckLinearizable, CheckReopened, CheckBirch, CheckRelease, CheckDepositLate}
 	var counts []string
-	for _, c := range checks {
+	for _, c := range Checks {
 		counts = append(counts, fmt.Sprintf("%s %d", c, r.Count(c)))
 	}
 	fmt.Fprintf(&b, "violations: %s\n", strings.Join(counts, ", "))

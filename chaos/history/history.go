@@ -36,6 +36,13 @@ const (
 	KindProbe Kind = "probe"
 	// KindRelease is one Release of the unspent rest of a grant.
 	KindRelease Kind = "release"
+	// KindDeposit is a region agent's deposit of one grant (GrantID, Tokens)
+	// into its store: Call is when it was sent (0 when no attempt was made),
+	// At when it returned, Outcome whether the chunk is in the store (OK),
+	// certainly not spendable there after At (Failed), or may land late and
+	// outlive its lease (Unknown), and Deadline the bound it gives the
+	// grant's acquire event (0 when it bounds nothing).
+	KindDeposit Kind = "deposit"
 	// KindGetWindow is one read of a window's ledger (by the suite's observer).
 	KindGetWindow Kind = "getwindow"
 	// KindAdmit is Tokens admissions at At, spent from GrantID whose deadline
@@ -181,6 +188,9 @@ type Span struct {
 	Regions []string
 	// Skipped says the scenario could not run here, and why.
 	Skipped string
+	// Store says the fault stops or kills the store (Redis) of the regions
+	// it touches: what was deposited into it, or on its way, may be lost.
+	Store bool
 }
 
 // Affects reports whether the span touches region.
