@@ -304,6 +304,14 @@ func (s *state) carried(q *quota, now int64) int64 {
 	return min(n, MaxLimit)
 }
 
+// carriedInto is carried for window idx of q opened at now: only the
+// carries still live when the window starts count (a window opened early,
+// for a pre-grant, must not leave room for clamped leases that end at its
+// start).
+func (s *state) carriedInto(q *quota, idx, now int64) int64 {
+	return s.carried(q, max(now, lease.WindowStart(idx, q.spec.WindowMs)))
+}
+
 // addCarry merges tokens expiring by expires into the entry of name and
 // keys, replacing it if it is no longer live at now.
 func (s *state) addCarry(name string, keys int, tokens, expires, now int64) {
@@ -599,7 +607,8 @@ func (s *state) acquire(index uint64, base int, now int64, a *Acquire) (*Acquire
 			if early = start-now > q.spec.WindowMs/2; !early {
 				w = s.openWindow(q, w.index+1, now)
 			} else if w = q.window(w.index + 1); w == nil {
-				w = &window{index: lease.WindowIndex(start, q.spec.WindowMs), limit: q.spec.Limit, carried: s.carried(q, now)}
+				idx := lease.WindowIndex(start, q.spec.WindowMs)
+				w = &window{index: idx, limit: q.spec.Limit, carried: s.carriedInto(q, idx, now)}
 			}
 		}
 		if q.demand == nil {
@@ -714,7 +723,7 @@ func (s *state) openWindow(q *quota, idx, now int64) *window {
 		}
 		at--
 	}
-	w := &window{index: idx, limit: q.spec.Limit, carried: s.carried(q, now)}
+	w := &window{index: idx, limit: q.spec.Limit, carried: s.carriedInto(q, idx, now)}
 	q.windows = slices.Insert(q.windows, at, w)
 	s.windows++
 	return w

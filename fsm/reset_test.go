@@ -398,3 +398,32 @@ func TestRestoreRejectsBadCarries(t *testing.T) {
 		})
 	}
 }
+
+// TestPregrantedWindowCarriesOnlyLiveLeases: a pre-grant opens the next
+// window during the current one, while a reset's carried leases still live;
+// clamped, they all end when the next window starts, so that window leaves
+// no room for them (before, its whole pool was withheld for the window).
+func TestPregrantedWindowCarriesOnlyLiveLeases(t *testing.T) {
+	g := QuotaSpec{Name: "g", Limit: 1000, WindowMs: minute, ChunkTokens: 100, TTLMs: minute, Clamp: true}
+	other := QuotaSpec{Name: "other", Limit: 10, WindowMs: minute, ChunkTokens: 1, TTLMs: minute}
+	for _, pre := range []bool{false, true} {
+		h := newHarness(t)
+		h.publish(t0, g, other)
+		h.acquire(t0+1000, "eu", "eu-1", Want{Quota: "g", Tokens: 1000})
+		h.publish(t0+2000, other)    // g removed: its 1000 live tokens are carried
+		h.publish(t0+2500, g, other) // and added back
+		if got := h.acquireAt(t0+3000, "us", "g", 100); got != 0 {
+			t.Fatalf("pre=%v: us got %d in the window whose 1000 are still leased", pre, got)
+		}
+		if pre {
+			// An agent's usual pre-grant ask in the second half of the window.
+			h.acquire(t0+45_000, "us", "us-pre", Want{Quota: "g", Tokens: 100, Next: true})
+		}
+		if w := h.f.CurrentWindow("g", t0+minute); w.Carried != 0 {
+			t.Errorf("pre=%v: next window carries %d, but every carried lease ended at its start", pre, w.Carried)
+		}
+		if got := h.acquireAt(t0+minute, "us", "g", 1000); got < 900 {
+			t.Errorf("pre=%v: us got %d of the next window's pool (at most its own 100 pre-granted are out)", pre, got)
+		}
+	}
+}
