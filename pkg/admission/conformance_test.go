@@ -46,6 +46,7 @@ var conformance = []struct {
 	{"key layout: tags and hashed principals", testKeyLayout},
 	{"numbers beyond 32 bits", testLargeNumbers},
 	{"windows: a retuned length starts a fresh window", testWindowRetune},
+	{"windows: a clock two windows back keeps counting", testWindowClockBack},
 	{"idempotency: a retry passes the negative cache", testRetryPassesNegativeCache},
 	{"idempotency: a retry passes a starved gateway-local chunk", testRetryPassesStarvedChunk},
 	{"refund: a slot the request held before stays held", testRefundKeepsHeldSlot},
@@ -1207,4 +1208,33 @@ rules:
 	// W takes the free slot, t1's bucket denies: the refund gives it back.
 	wantDenied(t, h.decideReq(req("W", "t1")), "W, t1's bucket empty", "b", policy.ScopeTenant, 1000)
 	wantAllowed(t, h.decideReq(req("Y", "t2")), "Y after X's release and W's refund")
+}
+
+// testWindowClockBack: the store's clock stepping back by a few windows (a
+// failover to a replica whose clock is behind) keeps counting in the newest
+// window, as it does for one window back; only an index further ahead than
+// any clock step (a retuned length, testWindowRetune) starts afresh.
+func testWindowClockBack(t *testing.T, b backend) {
+	for _, kind := range []string{"fixed_window", "sliding_window"} {
+		t.Run(kind, func(t *testing.T) {
+			h := newHarness(t, b, parse(t, `
+name: clockback
+rules:
+  - {name: win, scope: tenant, match: [{key: tenant}], kind: `+kind+`, limit: 3, window: 1s}
+`), nil)
+			for i := 0; i < 3; i++ {
+				wantAllowed(t, h.decide("tenant", "acme"), "the newest window")
+			}
+			for _, back := range []time.Duration{-time.Second, -time.Second} {
+				h.clock.Advance(back)
+				d := h.decide("tenant", "acme")
+				if d.Allowed() {
+					t.Fatalf("the clock %s back: a 4th request allowed (the counter restarted)", -back)
+				}
+				if r := rule(t, d, "win"); r.RetryAfter < 1 || r.RetryAfter > 4 {
+					t.Fatalf("the clock %s back: retry after %d s, want 1-4 (the newest window's end)", -back, r.RetryAfter)
+				}
+			}
+		})
+	}
 }

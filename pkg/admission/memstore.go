@@ -326,6 +326,9 @@ const (
 	scriptSlack      = 1000
 	scriptPoolTTL    = 86400000
 	scriptEmptyRetry = 1000
+	// clockStepMs is the largest step back of the store's clock a window
+	// keeps counting through; an index further ahead is a retuned length.
+	clockStepMs = 3600000
 )
 
 type poolView struct {
@@ -561,7 +564,7 @@ func (x *memExec) decide(o *op) {
 			cnt, _ := x.hget(key, "c")
 			prev, _ := x.hget(key, "p")
 			switch {
-			case !has, w > idx+1: // w far ahead: the window's length grew (see the script)
+			case !has, w > idx+1 && (w-idx)*b > clockStepMs: // w far ahead: the window's length grew (see the script)
 				w, cnt, prev, has = idx, 0, 0, false
 			case w > idx:
 				idx = w

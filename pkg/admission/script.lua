@@ -84,6 +84,7 @@ end
 local SLACK = 1000          -- ms added to every idle TTL
 local POOL_TTL = 86400000   -- ms a pool's counters outlive its last write
 local EMPTY_RETRY = 1000    -- ms hint when a pool is empty but not exhausted
+local CLOCK_STEP = 3600000  -- ms: the largest step back of the clock a window counts through
 
 local function fmt(v) return string.format('%d', v) end
 
@@ -306,11 +307,12 @@ if op == 'd' or op == 'r' then
         if not cnt then return redis.error_reply('allot: corrupt window at ' .. key) end
       end
       local stored = w
-      if not w or w > idx + 1 then
-        -- No state, or an index too far ahead to be a clock step: the
-        -- window's length grew (a rule's digest leaves its numbers out, so
-        -- its counter outlives a retune), and the index counts windows of
-        -- the old length. A fresh window, as when a length shrinks.
+      if not w or (w > idx + 1 and (w - idx) * bb > CLOCK_STEP) then
+        -- No state, or an index further ahead than any step back of the
+        -- store's clock: the window's length grew (a rule's digest leaves
+        -- its numbers out, so its counter outlives a retune), and the index
+        -- counts windows of the old length. A fresh window, as when a
+        -- length shrinks.
         w, cnt, prev = idx, 0, 0
       elseif w > idx then
         idx = w -- the clock went back: keep counting in the newest window
