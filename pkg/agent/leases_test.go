@@ -307,7 +307,7 @@ func TestRefusedQuotaIsAnsweredAtOnce(t *testing.T) {
 		if took > cfg.StarveWait/2 {
 			t.Fatalf("check %d took %s, want an answer well within the starve wait (%s)", i, took, cfg.StarveWait)
 		}
-		left := time.Unix(0, refusedAt.Load()).Add(cfg.Lease.QuarantineTime).Sub(time.Now())
+		left := time.Until(time.Unix(0, refusedAt.Load()).Add(cfg.Lease.QuarantineTime))
 		if v.Allowed || !v.Unavailable || v.Rule != "q-a" || float64(v.RetryAfter) < left.Seconds() ||
 			time.Duration(v.RetryAfter)*time.Second > cfg.Lease.QuarantineTime+time.Second {
 			t.Fatalf("check %d: %+v, want unavailable by q-a with a retry after the quarantine's %s left", i, v, left)
