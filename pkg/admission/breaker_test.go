@@ -168,3 +168,80 @@ func TestFallbackEvictsLeastRecentlyUsed(t *testing.T) {
 		t.Fatal("key 61 (idle, among the least recently used) was kept")
 	}
 }
+
+// TestFallbackEvictionPassesSlotHolders: idle counters that still hold a
+// (long) slot sit at the least recent end of the ring, with idle bucket
+// counters behind them. New keys must take the room of the idle bucket
+// counters, the least recent first, the look moving the slot holders out of
+// its way (fbEvictScan of them per new key at most); the slot holders stay.
+// They used to stay at the head: with fbEvictScan of them, every new key was
+// denied for as long as their slots lived (slot_ttl), with a thousand
+// evictable counters behind them.
+func TestFallbackEvictionPassesSlotHolders(t *testing.T) {
+	for _, holders := range []int{fbEvictScan, 3 * fbEvictScan} {
+		const keys = 1_100
+		bucket := &spec{kind: kindBucket, fbCap: 10_000, fbRefill: 1}
+		slots := &spec{kind: kindSlots, fbLimit: 1, b: 10 * 60_000}
+		f := newFallback(keys)
+		decide := func(sp *spec, hash uint64, now int64) bool {
+			deny, _, _ := f.decide([]fbItem{{sp: sp, hash: hash, cost: 1000}}, now)
+			return deny < 0
+		}
+		for h := uint64(1); h <= uint64(holders); h++ { // long exports, each holding a slot
+			if !decide(slots, h, 0) {
+				t.Fatalf("slot of key %d denied", h)
+			}
+		}
+		for h := uint64(holders + 1); h <= keys; h++ {
+			if !decide(bucket, h, 0) {
+				t.Fatalf("key %d denied below the cap", h)
+			}
+		}
+		// Two minutes on, every counter is idle and the first ones still
+		// hold their slots. A new key passes over fbEvictScan of them at
+		// most: with fbEvictScan, the first new key is admitted, with more
+		// the first few are denied. Then each idle bucket counter makes room
+		// for a new key, and then new keys are denied.
+		const now = 120_000
+		wantDenied := (holders+fbEvictScan-1)/fbEvictScan - 1
+		idle := keys - holders
+		h := uint64(keys)
+		for denied := 0; ; denied++ {
+			h++
+			if decide(bucket, h, now) {
+				if denied != wantDenied {
+					t.Fatalf("%d slot holders at the head: %d new keys denied before one was admitted, want %d", holders, denied, wantDenied)
+				}
+				break
+			}
+			if denied == wantDenied {
+				t.Fatalf("%d slot holders at the head: new keys denied with %d idle counters to evict", holders, idle)
+			}
+		}
+		if f.m[uint64(holders+1)] != nil {
+			t.Fatalf("key %d (idle, the least recently used without a slot) was kept", holders+1)
+		}
+		for i := 2; i <= idle; i++ {
+			h++
+			if !decide(bucket, h, now) {
+				t.Fatalf("new key %d (%d of %d) denied with idle counters to evict", h, i, idle)
+			}
+		}
+		if h++; decide(bucket, h, now) {
+			t.Fatal("new key admitted with every counter in use or holding a slot")
+		}
+		if len(f.m) != keys {
+			t.Fatalf("%d counters, want the cap %d", len(f.m), keys)
+		}
+		for h := uint64(1); h <= uint64(holders); h++ {
+			if s := f.m[h]; s == nil || s.held(now) != 1 {
+				t.Fatalf("key %d was evicted or lost its slot although it holds one", h)
+			}
+		}
+		for h := uint64(holders + 1); h <= keys; h++ {
+			if f.m[h] != nil {
+				t.Fatalf("idle key %d was kept", h)
+			}
+		}
+	}
+}

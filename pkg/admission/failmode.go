@@ -114,9 +114,10 @@ type fallback struct {
 	m   map[uint64]*fbState
 	max int
 	// lru rings the counters by last use, the least recent first
-	// (lru.next): a counter goes last whenever a decision reads it. A new
-	// key beyond max takes the room of the first idle one (evictLocked),
-	// so it costs a few steps, not a scan of the map.
+	// (lru.next): a counter goes last whenever a decision reads it, or an
+	// eviction look passes over it because it holds a slot. A new key
+	// beyond max takes the room of the first idle one (evictLocked), so it
+	// costs a few steps, not a scan of the map.
 	lru fbState
 }
 
@@ -135,8 +136,8 @@ type fbState struct {
 // (wall ms) before a new key may take its room.
 const fbIdle = 60_000
 
-// fbEvictScan bounds the counters a new key looks at for an idle one to
-// evict: the least recent ones, passing over those that hold slots.
+// fbEvictScan bounds the idle counters that hold slots a new key passes
+// over (moving them to the most recent end) in its look for one to evict.
 const fbEvictScan = 64
 
 // fbItem is one rule of a group decided by the fallback.
@@ -171,13 +172,22 @@ func (f *fallback) state(hash uint64, now int64, sp *spec) *fbState {
 }
 
 // evictLocked drops the least recently used counter that is idle (unused
-// for fbIdle and holding no slot), looking at no more than fbEvictScan
-// counters, and reports whether it dropped one. The counters after one used
-// within fbIdle are more recent: the look stops there.
+// for fbIdle and holding no slot) and reports whether it dropped one. The
+// counters after one used within fbIdle are more recent: the look stops
+// there. An idle counter that still holds a slot cannot go: the look passes
+// over it, moving it to the most recent end so that the next look does not
+// meet it again (its last use is unchanged), and passes over no more than
+// fbEvictScan of them. Without the move, fbEvictScan such counters at the
+// least recent end denied every new key for as long as their slots lived,
+// with any number of evictable counters behind them; with it, each is passed
+// over once per trip round the ring, and a new key costs a few steps
+// (amortized). A counter so moved can sit behind more recent ones: when its
+// slots end, it is evicted once the look comes round to it again.
 func (f *fallback) evictLocked(now int64) bool {
-	s := f.lru.next
-	for n := 0; n < fbEvictScan && s != &f.lru; n++ {
-		if now-s.last <= fbIdle {
+	pass := min(fbEvictScan, len(f.m))
+	for passed := 0; ; passed++ {
+		s := f.lru.next
+		if s == &f.lru || now-s.last <= fbIdle {
 			return false
 		}
 		if s.held(now) == 0 {
@@ -185,9 +195,11 @@ func (f *fallback) evictLocked(now int64) bool {
 			delete(f.m, s.hash)
 			return true
 		}
-		s = s.next
+		if passed == pass {
+			return false
+		}
+		f.useLocked(s)
 	}
-	return false
 }
 
 // useLocked moves s to the end of the ring: the most recently used.

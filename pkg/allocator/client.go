@@ -349,23 +349,35 @@ func (o *OperatorClient) AddMember(ctx context.Context, req *allotv1.AddMemberRe
 //
 // The client retries a call whose answer was lost, and a removal whose
 // first attempt committed is then answered NotFound although it took
-// effect. When a retried removal is answered NotFound and the cluster
-// (GetCluster) does not list the member, RemoveMember reports the success
-// it was, with that membership. A NotFound at the first attempt stays one.
+// effect. RemoveMember reads the membership (GetCluster) before the first
+// attempt; when a retried removal is answered NotFound, the id was a member
+// at that read and the cluster no longer lists it, RemoveMember reports the
+// success it was, with that membership. A NotFound stays one at the first
+// attempt, for an id that was no member at the first read, and when that
+// read failed: an earlier attempt may have reached no server (an endpoint
+// down, a hop to the leader), so a retry alone does not make a NotFound the
+// answer to a removal of ours.
 func (o *OperatorClient) RemoveMember(ctx context.Context, req *allotv1.RemoveMemberRequest) (*allotv1.RemoveMemberResponse, error) {
+	before, berr := o.GetCluster(ctx, &allotv1.GetClusterRequest{})
+	wasMember := berr == nil && isMember(before.GetMembers(), req.GetId())
 	var attempts atomic.Int32
 	resp, err := opCall(ctx, o.c, req, func(s allotv1connect.OperatorServiceClient) func(context.Context, *connect.Request[allotv1.RemoveMemberRequest]) (*connect.Response[allotv1.RemoveMemberResponse], error) {
 		attempts.Add(1)
 		return s.RemoveMember
 	})
-	if err == nil || attempts.Load() < 2 || connect.CodeOf(err) != connect.CodeNotFound {
+	if err == nil || !wasMember || attempts.Load() < 2 || connect.CodeOf(err) != connect.CodeNotFound {
 		return resp, err
 	}
 	cl, cerr := o.GetCluster(ctx, &allotv1.GetClusterRequest{})
-	if cerr != nil || slices.ContainsFunc(cl.GetMembers(), func(m *allotv1.Member) bool { return m.GetId() == req.GetId() }) {
+	if cerr != nil || isMember(cl.GetMembers(), req.GetId()) {
 		return resp, err
 	}
 	return &allotv1.RemoveMemberResponse{Members: cl.GetMembers()}, nil
+}
+
+// isMember reports whether members lists id.
+func isMember(members []*allotv1.Member, id string) bool {
+	return slices.ContainsFunc(members, func(m *allotv1.Member) bool { return m.GetId() == id })
 }
 
 // WatchPolicy opens a policy watch stream on the preferred endpoint. Callers

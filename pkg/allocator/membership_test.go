@@ -2,10 +2,12 @@ package allocator
 
 import (
 	"context"
+	"errors"
 	"net"
 	"net/http"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -248,4 +250,60 @@ func TestRemoveMemberRetryAfterLostAnswer(t *testing.T) {
 	if _, err := c.Operator().RemoveMember(ctx, &allotv1.RemoveMemberRequest{Id: "nobody"}); connect.CodeOf(err) != connect.CodeNotFound {
 		t.Errorf("RemoveMember(nobody): %v, want NotFound", err)
 	}
+}
+
+// undeliveredTransport fails the first request whose path ends in suffix
+// without sending it, as an endpoint that refuses the connection: the client
+// tries again, and the server never saw the first attempt.
+type undeliveredTransport struct {
+	suffix  string
+	refused atomic.Bool
+}
+
+func (u *undeliveredTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	if strings.HasSuffix(r.URL.Path, u.suffix) && u.refused.CompareAndSwap(false, true) {
+		if r.Body != nil {
+			r.Body.Close()
+		}
+		return nil, errors.New("connection refused before the request was sent")
+	}
+	return http.DefaultTransport.RoundTrip(r)
+}
+
+// TestRemoveMemberNeverMemberStaysNotFound: removing an id that never was a
+// member (a typo) is NotFound even when an earlier attempt reached no
+// server: the first endpoint down, or the first attempt refused before it
+// was sent. A retried NotFound used to be taken for the answer to an
+// earlier attempt that committed, and the removal reported done.
+func TestRemoveMemberNeverMemberStaysNotFound(t *testing.T) {
+	tc := newTestCluster(t, 1)
+	leader := tc.addrs[tc.index(tc.leader())]
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	remove := func(t *testing.T, c *Client) {
+		t.Helper()
+		defer c.Close()
+		resp, err := c.Operator().RemoveMember(ctx, &allotv1.RemoveMemberRequest{Id: "n1-typo"})
+		if connect.CodeOf(err) != connect.CodeNotFound {
+			t.Errorf("RemoveMember(never a member): err %v, members %v; want NotFound", err, resp.GetMembers())
+		}
+	}
+	t.Run("first endpoint down", func(t *testing.T) {
+		c, err := NewClient([]string{closedAddr(t), leader}, WithBackoff(10*time.Millisecond))
+		if err != nil {
+			t.Fatal(err)
+		}
+		remove(t, c)
+	})
+	t.Run("first attempt undelivered", func(t *testing.T) {
+		u := &undeliveredTransport{suffix: "/RemoveMember"}
+		c, err := NewClient([]string{leader}, WithHTTPClient(&http.Client{Transport: u}), WithBackoff(10*time.Millisecond))
+		if err != nil {
+			t.Fatal(err)
+		}
+		remove(t, c)
+		if !u.refused.Load() {
+			t.Fatal("the transport refused no attempt: the test proved nothing")
+		}
+	})
 }
