@@ -424,15 +424,20 @@ func (l *leases) starved(name string, seen uint64) (poolState, time.Duration, <-
 	}
 	q.lastActive = now
 	l.waiting(q)
+	q.kicked, q.starving = true, true
+	if q.changedAt > seen {
+		// The pool changed after the decision read it (a deposit, a
+		// fallback allowance, an exhausted mark): decide again before any
+		// verdict from this state, which may already count that change
+		// (cut off with the allowance deposited is no reason for a 503
+		// when the allowance is what the decision missed).
+		return poolRenewing, 0, closedChan
+	}
 	if now.Before(q.exhaustedUntil) {
 		return poolExhausted, q.exhaustedUntil.Sub(now), nil
 	}
 	if l.cutOff && !l.fallbackDue(q, now) && !l.fallbackNext(q, now) {
 		return poolCutOff, l.cfg.Tick, nil
-	}
-	q.kicked, q.starving = true, true
-	if q.changedAt > seen {
-		return poolRenewing, 0, closedChan
 	}
 	if !l.cutOff && now.Before(q.quarantine) {
 		// No renewal is asked for before the quarantine ends: waiting

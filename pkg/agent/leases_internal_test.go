@@ -138,6 +138,36 @@ func TestStarvedSeesChangesSinceTheDecision(t *testing.T) {
 	}
 }
 
+// TestStarvedCutOffSeesTheAllowance: cut off from the allocator, a request
+// whose decision found the pool empty just before the fallback allowance
+// landed must decide again, not get a 503 because the allowance is no longer
+// due (TestFallbackDoesNotWaitForARetry failed so on a loaded CI machine).
+func TestStarvedCutOffSeesTheAllowance(t *testing.T) {
+	l := newLeases(LeaseConfig{}, "eu", nil, admission.SystemClock{}, zap.NewNop(), newMetrics(), "test", nil, time.Second)
+	l.mu.Lock()
+	q := l.newQuota("q", "", time.Now())
+	l.mu.Unlock()
+	if !l.cutOff {
+		t.Fatal("a manager without an allocator client is not cut off")
+	}
+	seen := l.Generation()
+	l.mu.Lock()
+	q.changed() // the allowance lands after the decision read seen
+	l.mu.Unlock()
+	state, _, ch := l.starved("q", seen)
+	if state != poolRenewing {
+		t.Fatalf("state %v, want a new decision (poolRenewing)", state)
+	}
+	select {
+	case <-ch:
+	default:
+		t.Fatal("the request waits although the pool changed after its decision")
+	}
+	if state, _, _ := l.starved("q", l.Generation()); state != poolCutOff {
+		t.Fatalf("no change since the decision and no allowance due: state %v, want poolCutOff", state)
+	}
+}
+
 // TestSlotTableBound: the fallback slot table holds at most max decisions,
 // evicting the oldest keys whole; a key taken and stored again is not
 // evicted by its earlier place in the fifo.
