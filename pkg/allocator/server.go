@@ -677,16 +677,11 @@ func (s *Server) awaitCaughtUp(ctx context.Context, p Peer, target uint64) error
 // caughtUp returns nil when p reports, at its API address, that it has
 // applied the log up to index target, and else why not.
 func (s *Server) caughtUp(ctx context.Context, p Peer, target uint64) error {
-	pctx, cancel := context.WithTimeout(ctx, probeTimeout)
-	defer cancel()
-	resp, err := s.peers.get(p.APIAddr).op.GetCluster(pctx, connect.NewRequest(&allotv1.GetClusterRequest{}))
+	c, err := s.probe(ctx, p.ID, p.APIAddr)
 	if err != nil {
-		return fmt.Errorf("its api_address %s does not answer: %w", p.APIAddr, err)
+		return fmt.Errorf("its api_address %w", err)
 	}
-	switch c := resp.Msg; {
-	case c.GetNodeId() != p.ID:
-		return fmt.Errorf("its api_address %s answers as node %q", p.APIAddr, c.GetNodeId())
-	case c.GetAppliedIndex() < target:
+	if c.GetAppliedIndex() < target {
 		return fmt.Errorf("it has applied the log up to index %d of %d", c.GetAppliedIndex(), target)
 	}
 	return nil
@@ -787,19 +782,29 @@ func (s *Server) follows(ctx context.Context, m MemberInfo, leader string, term 
 	if m.APIAddr == "" {
 		return errors.New("no API address recorded")
 	}
-	pctx, cancel := context.WithTimeout(ctx, probeTimeout)
-	defer cancel()
-	resp, err := s.peers.get(m.APIAddr).op.GetCluster(pctx, connect.NewRequest(&allotv1.GetClusterRequest{}))
+	c, err := s.probe(ctx, m.ID, m.APIAddr)
 	if err != nil {
-		return fmt.Errorf("%s does not answer: %w", m.APIAddr, err)
+		return err
 	}
-	switch c := resp.Msg; {
-	case c.GetNodeId() != m.ID:
-		return fmt.Errorf("%s answers as node %q", m.APIAddr, c.GetNodeId())
-	case c.GetLeaderId() != leader || c.GetTerm() != term:
+	if c.GetLeaderId() != leader || c.GetTerm() != term {
 		return fmt.Errorf("its leader is %q in term %d, not %q in term %d", c.GetLeaderId(), c.GetTerm(), leader, term)
 	}
 	return nil
+}
+
+// probe asks the node id at its API address addr for its view of the
+// cluster, within probeTimeout, and checks that it answers as id.
+func (s *Server) probe(ctx context.Context, id, addr string) (*allotv1.GetClusterResponse, error) {
+	pctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
+	resp, err := s.peers.get(addr).op.GetCluster(pctx, connect.NewRequest(&allotv1.GetClusterRequest{}))
+	if err != nil {
+		return nil, fmt.Errorf("%s does not answer: %w", addr, err)
+	}
+	if got := resp.Msg.GetNodeId(); got != id {
+		return nil, fmt.Errorf("%s answers as node %q", addr, got)
+	}
+	return resp.Msg, nil
 }
 
 // peerClient holds Connect clients for one node's API address.
