@@ -63,9 +63,8 @@ func stepRand(seed int64, i int) *rand.Rand {
 	return rand.New(rand.NewPCG(uint64(seed), 1<<32|uint64(i)))
 }
 
-// stepOf makes step i of a run seeded with seed from scs, drawing each
-// scenario's seed from rng (the step's stepRand, after what it drew to
-// choose scs).
+// stepOf makes a step of scs, drawing each scenario's seed from rng (the
+// step's stepRand, after what it drew to choose scs).
 func stepOf(rng *rand.Rand, scs ...Scenario) Step {
 	st := Step{Scenarios: scs}
 	for range scs {

@@ -207,7 +207,6 @@ type window struct {
 type ledger struct {
 	granted  int64
 	released int64
-	grants   int
 	// list is the region's grants of the window, in grant order; the first
 	// dead of them hold nothing at the state's time or later (expired or
 	// wholly released), so held skips them.
@@ -692,7 +691,6 @@ func (w *window) add(g *grant) {
 	}
 	l.granted += g.tokens
 	l.released += g.released
-	l.grants++
 	l.list = append(l.list, g)
 }
 

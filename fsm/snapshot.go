@@ -151,9 +151,7 @@ func (s *state) snapshot() *snapshotDoc {
 			}
 		}
 	}
-	slices.SortFunc(d.carries, func(a, b snapCarry) int {
-		return cmp.Or(strings.Compare(a.Name, b.Name), cmp.Compare(a.TemplateKeys, b.TemplateKeys))
-	})
+	slices.SortFunc(d.carries, compareSnapCarry)
 	for _, r := range s.idemQ[s.idemHead:] {
 		if r.dead || s.now-r.at > 2*s.maxWindowMs {
 			continue
@@ -564,7 +562,7 @@ func (s *state) restoreCarries(dec *json.Decoder, n int) error {
 			return fmt.Errorf("carries[%d]: %w", i, err)
 		}
 		switch {
-		case i > 0 && cmp.Or(strings.Compare(sc.Name, prev.Name), cmp.Compare(sc.TemplateKeys, prev.TemplateKeys)) <= 0:
+		case i > 0 && compareSnapCarry(sc, prev) <= 0:
 			return fmt.Errorf("carries[%d]: %q out of order", i, sc.Name)
 		case checkName("name", sc.Name, MaxQuotaNameBytes) != nil:
 			return fmt.Errorf("carries[%d]: bad name", i)
@@ -614,4 +612,9 @@ func (s *state) restoreIdem(si snapIdem) error {
 	}
 	s.record(r)
 	return nil
+}
+
+// compareSnapCarry orders a snapshot's carries by name, then TemplateKeys.
+func compareSnapCarry(a, b snapCarry) int {
+	return cmp.Or(strings.Compare(a.Name, b.Name), cmp.Compare(a.TemplateKeys, b.TemplateKeys))
 }

@@ -635,11 +635,11 @@ func callerLeft(ctx context.Context, err error) bool {
 func (e *Engine) runStore(ctx context.Context, g *group, items []item, req *Request, d *Decision,
 	member string, now time.Time, mono int64) (Outcome, int, int64) {
 	o := e.decideOp(g, items, req, d.ID, member, now)
-	if refused, err := e.call(ctx, o, mono, e.cfg.StoreTimeout); err != nil {
+	if _, err := e.call(ctx, o, mono, e.cfg.StoreTimeout); err != nil {
 		// A decide that may still land takes slots nobody holds: release
 		// them later. One the breaker refused, or the batcher dropped
-		// before sending it, takes none.
-		if !refused && !Unsent(err) && member == d.ID {
+		// before sending it, takes none (Unsent covers both).
+		if !Unsent(err) && member == d.ID {
 			e.releaseLate(g, items, member)
 		}
 		return e.failGroup(g, items, now, mono, !callerLeft(ctx, err))

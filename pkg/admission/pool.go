@@ -96,8 +96,9 @@ func (e *Engine) PoolKeys(quota string) (z, h string, err error) {
 // DepositChunk puts a grant of tokens into quota's regional pool for ttl
 // (measured by the store's clock from its arrival: the agent subtracts the
 // delay it measured so the chunk never outlives its lease). Depositing the
-// same grant id again while it is live adds nothing, so the agent may retry.
-// It reports whether the grant was added.
+// same grant id again while it is live adds nothing: an Unsent attempt may be
+// retried (one that may have landed must not be: a late copy counts its TTL
+// from its arrival). It reports whether the grant was added.
 func (e *Engine) DepositChunk(ctx context.Context, quota, grantID string, tokens int64, ttl time.Duration) (bool, error) {
 	return e.deposit(ctx, quota, grantID, tokens, 0, ttl)
 }

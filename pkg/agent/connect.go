@@ -33,8 +33,12 @@ func (s *AdmissionService) Handler() (string, http.Handler) {
 	)
 }
 
-// entriesOf converts the request's descriptor entries.
+// entriesOf converts the request's descriptor entries, which must not be
+// empty (errNoEntries).
 func entriesOf(in []*allotv1.DescriptorEntry) ([]policy.Entry, error) {
+	if len(in) == 0 {
+		return nil, errNoEntries
+	}
 	es := make([]policy.Entry, len(in))
 	for i, e := range in {
 		if e == nil {
@@ -82,9 +86,6 @@ var errNoEntries = fmt.Errorf("entries: must not be empty: %w", ErrInvalidReques
 
 // check decides one CheckRequest, for Check and for each check of a batch.
 func (s *AdmissionService) check(ctx context.Context, m *allotv1.CheckRequest) (*Verdict, error) {
-	if len(m.GetEntries()) == 0 {
-		return nil, errNoEntries
-	}
 	es, err := entriesOf(m.GetEntries())
 	if err != nil {
 		return nil, err
@@ -111,9 +112,6 @@ func (s *AdmissionService) ReleaseSlot(ctx context.Context, req *connect.Request
 // found, and answering "0 released" would leave the caller's slots held
 // until their slot_ttl.
 func (s *AdmissionService) releaseSlot(ctx context.Context, m *allotv1.ReleaseSlotRequest) (int64, error) {
-	if len(m.GetEntries()) == 0 {
-		return 0, errNoEntries
-	}
 	es, err := entriesOf(m.GetEntries())
 	if err != nil {
 		return 0, err

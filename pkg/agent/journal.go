@@ -39,8 +39,9 @@ const (
 	LeaseFailed = "failed"
 	// LeaseUnknown: no answer; the allocator may or may not have applied the
 	// call. The agent retries an Acquire with the same request id. (A
-	// deposit: an attempt may have reached the store, and withdrawing it
-	// failed.)
+	// deposit: an attempt may have reached the store, and it could not be
+	// withdrawn: the withdrawal failed, the pool left the policy, or there
+	// is no Redis client to withdraw with.)
 	LeaseUnknown = "unknown"
 )
 

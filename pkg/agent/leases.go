@@ -408,8 +408,8 @@ func (l *leases) CutOff() bool {
 // starved is called for a request that only pool name denied (a single
 // pool, or an instance of a template, which this makes active). It returns
 // what the pool is waiting for, how long an answer should tell the caller
-// to wait, and a channel closed at the pool's next change. When a renewal
-// is possible it marks the pool for the next round.
+// to wait, and a channel closed at the pool's next change (nil unless the
+// state is poolRenewing). It always marks the pool for the next round.
 //
 // seen is Generation() read before the request was decided: when the pool
 // changed since, the returned channel is already closed, so the request
@@ -924,8 +924,8 @@ func (l *leases) depositFallback(ctx context.Context, eng *admission.Engine, q *
 	added, err := eng.DepositChunk(dctx, name, id, tokens, ttl)
 	cancel()
 	done := l.clock.Now()
-	if err == nil && done.Sub(sent) > bound {
-		err = fmt.Errorf("deposit of %s answered after %s, beyond its bound %s: %w", id, done.Sub(sent), bound, errUnsureDeposit)
+	if err == nil {
+		err = overBound(id, sent, done, bound)
 	}
 	if err != nil {
 		l.storeError("deposit", err)
@@ -1269,9 +1269,9 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 
 	// The store work and the hand-back of a grant the allocator answered
 	// run to their own bounds even when the agent is stopping: a deposit
-	// whose caller gives up may still land (the engine's batcher sends what
-	// it queued), and the shutdown that follows can only withdraw what this
-	// call knows it deposited.
+	// whose caller gives up may still land if the batcher had already sent
+	// it (a paused Redis runs it when it resumes), and the shutdown that
+	// follows can only withdraw what this call knows it deposited.
 	ctx = context.WithoutCancel(ctx)
 	if ttl < l.cfg.MinUsefulTTL {
 		l.m.renewFail.WithLabelValues("too_late").Inc()
@@ -1334,12 +1334,12 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 			dep.attempt(dsent, done, ttl, true)
 			// The expiry is within the deadline only if the deposit ran
 			// within the bound of its send, by this attempt's TTL.
-			switch {
-			case err != nil: // ctx cannot end here: it is WithoutCancel
-				// No answer: it may still land, late.
-			case done.Sub(dsent) > depositBound:
-				err = fmt.Errorf("deposit of %s answered after %s, beyond its bound %s: %w", g.GrantId, done.Sub(dsent), depositBound, errUnsureDeposit)
-			case !added:
+			// (With an error, no answer: it may still land, late; ctx
+			// cannot end here: it is WithoutCancel.)
+			if err == nil {
+				err = overBound(g.GrantId, dsent, done, depositBound)
+			}
+			if err == nil && !added {
 				// The store holds the grant already, with an expiry this
 				// call did not set (no attempt of it came before).
 				err = fmt.Errorf("deposit of %s: the store holds the grant already: %w", g.GrantId, errUnsureDeposit)
@@ -1468,6 +1468,16 @@ func (l *leases) unsureDeposit(ctx context.Context, eng *admission.Engine, g *al
 // errUnsureDeposit: a deposit was answered, but not in a way that bounds its
 // chunk's expiry by the lease (see unsureDeposit).
 var errUnsureDeposit = errors.New("deposit outcome unsure")
+
+// overBound is errUnsureDeposit for deposit id sent at sent and answered at
+// done when that took longer than bound (its TTL then bounds nothing), nil
+// otherwise.
+func overBound(id string, sent, done time.Time, bound time.Duration) error {
+	if took := done.Sub(sent); took > bound {
+		return fmt.Errorf("deposit of %s answered after %s, beyond its bound %s: %w", id, took, bound, errUnsureDeposit)
+	}
+	return nil
+}
 
 // markExhausted tells the store the pool is exhausted until the window's
 // end, so requests it cannot serve get Retry-After to the window's end.

@@ -23,8 +23,10 @@ import (
 var (
 	// ErrNotLeader means this node cannot propose; the caller should retry on the leader.
 	ErrNotLeader = errors.New("not the allocator leader")
-	// ErrUnknownOutcome means a proposal was sent but leadership was lost before
-	// it was known to be committed; retry with the same request id.
+	// ErrUnknownOutcome means a Raft operation (a proposal, a barrier, a
+	// membership change) may or may not have taken effect: leadership was
+	// lost, Raft shut down, or the enqueue timed out. Retry (a proposal with
+	// the same request id).
 	ErrUnknownOutcome = errors.New("outcome unknown: leadership lost")
 	// ErrMembershipRefused means Raft refused a membership change as invalid
 	// for the current configuration (an address already used, no voter
