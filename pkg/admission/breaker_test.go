@@ -116,13 +116,7 @@ func TestFallbackBucketKeepsFractions(t *testing.T) {
 // decisions share, for every new key, for as long as the outage lasted.
 func TestFallbackEvictsLeastRecentlyUsed(t *testing.T) {
 	const keys = 100_000
-	bucket := &spec{kind: kindBucket, fbCap: 10_000, fbRefill: 1}
-	slots := &spec{kind: kindSlots, fbLimit: 1, b: 10 * 60_000}
-	f := newFallback(keys)
-	decide := func(sp *spec, hash uint64, now int64) bool {
-		deny, _, _ := f.decide([]fbItem{{sp: sp, hash: hash, cost: 1000}}, now)
-		return deny < 0
-	}
+	bucket, slots, f, decide := fallbackFixture(keys)
 	// Key 1 holds a slot (for ten minutes); the others are buckets.
 	if !decide(slots, 1, 0) {
 		t.Fatal("the first slot was denied")
@@ -180,13 +174,7 @@ func TestFallbackEvictsLeastRecentlyUsed(t *testing.T) {
 func TestFallbackEvictionPassesSlotHolders(t *testing.T) {
 	for _, holders := range []int{fbEvictScan, 3 * fbEvictScan} {
 		const keys = 1_100
-		bucket := &spec{kind: kindBucket, fbCap: 10_000, fbRefill: 1}
-		slots := &spec{kind: kindSlots, fbLimit: 1, b: 10 * 60_000}
-		f := newFallback(keys)
-		decide := func(sp *spec, hash uint64, now int64) bool {
-			deny, _, _ := f.decide([]fbItem{{sp: sp, hash: hash, cost: 1000}}, now)
-			return deny < 0
-		}
+		bucket, slots, f, decide := fallbackFixture(keys)
 		for h := uint64(1); h <= uint64(holders); h++ { // long exports, each holding a slot
 			if !decide(slots, h, 0) {
 				t.Fatalf("slot of key %d denied", h)
@@ -244,4 +232,18 @@ func TestFallbackEvictionPassesSlotHolders(t *testing.T) {
 			}
 		}
 	}
+}
+
+// fallbackFixture is a fallback of keys counters, a bucket rule, a slot rule
+// (one slot held for ten minutes) and decide, which reports whether one
+// request of rule sp for key hash at now is admitted.
+func fallbackFixture(keys int) (bucket, slots *spec, f *fallback, decide func(sp *spec, hash uint64, now int64) bool) {
+	bucket = &spec{kind: kindBucket, fbCap: 10_000, fbRefill: 1}
+	slots = &spec{kind: kindSlots, fbLimit: 1, b: 10 * 60_000}
+	f = newFallback(keys)
+	decide = func(sp *spec, hash uint64, now int64) bool {
+		deny, _, _ := f.decide([]fbItem{{sp: sp, hash: hash, cost: 1000}}, now)
+		return deny < 0
+	}
+	return bucket, slots, f, decide
 }

@@ -1134,18 +1134,9 @@ rules:
 	}
 }
 
-const starvedChunkPolicy = `
-name: starved-chunk
-regions: [eu]
-rules:
-  - name: fleet
-    scope: global
-    match: [{key: route, value: GET /catalog}]
-    kind: global_quota
-    limit: 100000
-    window: 1h
-    lease: {chunk: 1000, ttl: 1h, gateway_chunk: 1}
-  - {name: per-tenant, scope: tenant, match: [{key: tenant}], kind: token_bucket, capacity: 100, refill_per_second: 1}
+// starvedChunkPolicy is tinyChunkPolicy (gateway chunks of one token) with a
+// tenant bucket decided in the store.
+const starvedChunkPolicy = tinyChunkPolicy + `  - {name: per-tenant, scope: tenant, match: [{key: tenant}], kind: token_bucket, capacity: 100, refill_per_second: 1}
 `
 
 // testRetryPassesStarvedChunk: a gateway-local chunk whose regional pool
