@@ -237,7 +237,7 @@ func (m *middleware) wrap(next http.Handler) http.Handler {
 		req := m.request(r, id)
 		d, err := m.decide(r.Context(), req)
 		if err != nil {
-			m.fail(w, err)
+			m.fail(w, err, id)
 			return
 		}
 		defer m.recycle(d) // runs last: after the handler and the slots' release
@@ -333,9 +333,17 @@ func (m *middleware) release(ctx context.Context, d *admission.Decision) {
 // descriptor no rule uses can only come from the gateway (the standard keys
 // are always known), so it is a 500 and logged. A cost beyond a rule's
 // capacity is a 400 that names no rule or limit: the details, which would
-// tell an anonymous caller the plan, go to the log.
-func (m *middleware) fail(w http.ResponseWriter, err error) {
+// tell an anonymous caller the plan, go to the log. A tenant or user the
+// engine refuses (too long, unprintable) came from the identity function,
+// from verified credentials, so it too is a 500 and logged: the client
+// cannot correct it, and the descriptor it would name is internal.
+func (m *middleware) fail(w http.ResponseWriter, err error, id Identity) {
 	switch {
+	case errors.Is(err, admission.ErrInvalidRequest) && id.Authenticated && (!validIdentity(id.Tenant) || !validIdentity(id.User)):
+		m.log.Error("identity: a tenant or user the limiter cannot use as a descriptor value (printable UTF-8, at most admission.MaxValueLen bytes)",
+			zap.Int("tenant_bytes", len(id.Tenant)), zap.Int("user_bytes", len(id.User)), zap.Error(err))
+		reject(w, http.StatusInternalServerError, 0, body{Error: "limiter_misconfigured"})
+		return
 	case errors.Is(err, admission.ErrUnknownDescriptor):
 		m.log.Error("a descriptor the gateway adds is used by no rule", zap.Error(err))
 		reject(w, http.StatusInternalServerError, 0, body{Error: "limiter_misconfigured"})
@@ -351,6 +359,12 @@ func (m *middleware) fail(w http.ResponseWriter, err error) {
 	}
 	m.log.Error("admission failed", zap.Error(err))
 	reject(w, http.StatusServiceUnavailable, 1, body{Error: "limiter_unavailable"})
+}
+
+// validIdentity reports whether v, a tenant or user from the identity
+// function, is a descriptor value the engine accepts.
+func validIdentity(v string) bool {
+	return len(v) <= admission.MaxValueLen && admission.ValidValue(v)
 }
 
 // body is the JSON of a refusal: the scope and decision id, for support;

@@ -346,6 +346,16 @@ func TestBadRequest(t *testing.T) {
 	if b := decode(t, resp); b["error"] != "limiter_misconfigured" {
 		t.Fatalf("body %v", b)
 	}
+	// A tenant or user the engine refuses comes from verified credentials,
+	// not from the client: a logged 500 that names no internal descriptor.
+	g = memGateway(t)
+	for _, token := range []string{strings.Repeat("t", admission.MaxValueLen+1) + "/U-1", "cedar/" + strings.Repeat("u", admission.MaxValueLen+1), "cedar/U\xff"} {
+		resp := g.do(t, "GET", "/catalog", token)
+		b := decode(t, resp)
+		if resp.StatusCode != http.StatusInternalServerError || b["error"] != "limiter_misconfigured" || b["message"] != nil {
+			t.Fatalf("identity %.12q...: %d %v; want 500 limiter_misconfigured without a message", token, resp.StatusCode, b)
+		}
+	}
 	if _, err := httpmw.New(nil, httpmw.DefaultConfig()); err == nil {
 		t.Fatal("nil decider accepted")
 	}
