@@ -82,6 +82,20 @@ type Config struct {
 	MaxWantsPerCall int
 	// MaxBodyBytes caps request bodies; larger ones get ResourceExhausted.
 	MaxBodyBytes int
+	// MaxWatchStreams caps the WatchPolicy streams this node serves at
+	// once; a stream beyond it is refused with ResourceExhausted (a region
+	// agent retries with backoff). Each open stream costs a goroutine or two
+	// and, while a version is being sent, that version's document (up to
+	// 1 MiB). The default, 1024, is one stream per region agent for 1024
+	// agents on each node.
+	MaxWatchStreams int
+	// WatchSendTimeout bounds how long sending one policy version on a
+	// WatchPolicy stream may take: a stream whose client does not read it
+	// for that long is closed (the client reconnects, and is sent the
+	// versions it lacks), rather than hold the version in memory and its
+	// place under MaxWatchStreams. It applies when the node is served
+	// through Server.Handler (as Mux and Run do). Default 10s.
+	WatchSendTimeout time.Duration
 	// CommitDelay is how long the leader may hold a batch of Acquire and
 	// Release calls for companions before proposing it, under load only (see
 	// CommitSiblings): fewer, larger Raft entries (each costs an fsync on
@@ -125,6 +139,8 @@ func DefaultConfig() Config {
 		TrailingLogs:        10240,
 		MaxWantsPerCall:     fsm.MaxWants,
 		MaxBodyBytes:        4 << 20,
+		MaxWatchStreams:     1024,
+		WatchSendTimeout:    10 * time.Second,
 		CommitDelay:         time.Millisecond,
 		CommitSiblings:      8,
 		LeaseMargin:         250 * time.Millisecond,
@@ -175,6 +191,12 @@ func (c Config) Validate() error {
 	}
 	if c.MaxBodyBytes <= 0 {
 		bad("MaxBodyBytes must be positive, got %d", c.MaxBodyBytes)
+	}
+	if c.MaxWatchStreams <= 0 {
+		bad("MaxWatchStreams must be positive, got %d", c.MaxWatchStreams)
+	}
+	if c.WatchSendTimeout <= 0 {
+		bad("WatchSendTimeout must be positive, got %s", c.WatchSendTimeout)
 	}
 	if c.CommitDelay < 0 || c.CommitDelay > time.Second {
 		bad("CommitDelay must be in [0, 1s], got %s", c.CommitDelay)

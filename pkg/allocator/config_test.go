@@ -33,6 +33,8 @@ func TestConfigValidateNamesFields(t *testing.T) {
 			[]string{"LeaderLeaseTimeout must be positive, got -2ms"}},
 		{"two timeouts", func(c *Config) { c.ElectionTimeout, c.LeaderLeaseTimeout = 0, -time.Second },
 			[]string{"ElectionTimeout must be positive, got 0s", "LeaderLeaseTimeout must be positive, got -1s"}},
+		{"watch limits", func(c *Config) { c.MaxWatchStreams, c.WatchSendTimeout = 0, -time.Second },
+			[]string{"MaxWatchStreams must be positive, got 0", "WatchSendTimeout must be positive, got -1s"}},
 		{"drift", func(c *Config) { c.MaxDriftPPM = -5 },
 			[]string{"MaxDriftPPM must not be negative, got -5"}},
 		{"every bound assumption", func(c *Config) {

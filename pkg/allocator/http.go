@@ -70,7 +70,8 @@ func Mux(s *Server, gatherer prometheus.Gatherer) http.Handler {
 
 // HTTPServer returns a server for h with HTTP/1.1 and cleartext HTTP/2 and
 // conservative timeouts (streams such as WatchPolicy are long-lived, so there
-// is no write timeout).
+// is no write timeout for a whole response: WatchPolicy bounds each of its
+// sends instead, Config.WatchSendTimeout).
 func HTTPServer(addr string, h http.Handler) *http.Server {
 	var p http.Protocols
 	p.SetHTTP1(true)

@@ -25,6 +25,9 @@ type Metrics struct {
 	ApplyLatency prometheus.Histogram
 	// LeaderChanges counts leader changes this node observed.
 	LeaderChanges prometheus.Counter
+	// WatchStreams is the number of WatchPolicy streams this node serves
+	// (Config.MaxWatchStreams caps it).
+	WatchStreams prometheus.Gauge
 
 	mu   sync.Mutex
 	node *Node
@@ -44,10 +47,11 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14),
 		}),
 		LeaderChanges: prometheus.NewCounter(prometheus.CounterOpts{Name: "allot_allocator_leader_changes_total", Help: "Leader changes observed by this node."}),
+		WatchStreams:  prometheus.NewGauge(prometheus.GaugeOpts{Name: "allot_allocator_watch_streams", Help: "WatchPolicy streams this node serves."}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.Grants, m.TokensGranted, m.PoolExhausted, m.TokensReleased, m.Requests,
-			m.Forwarded, m.ApplyLatency, m.LeaderChanges, (*stateCollector)(m))
+			m.Forwarded, m.ApplyLatency, m.LeaderChanges, m.WatchStreams, (*stateCollector)(m))
 	}
 	return m
 }

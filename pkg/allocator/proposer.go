@@ -5,14 +5,17 @@ import (
 	"fmt"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/allot-dev/allot/fsm"
 )
 
 // proposer group-commits concurrent Acquire and Release calls. One
 // dispatcher collects calls into the next batch while the previous batch is
-// in Raft, and proposes the batch (up to fsm.MaxBatch commands or
-// fsm.MaxWants wants as ONE Raft entry) as soon as nothing else is in flight. Only a full batch may overtake
+// in Raft, and proposes the batch (up to fsm.MaxBatch commands, fsm.MaxWants
+// wants and maxEntryBytes of encoded commands as ONE Raft entry; a call that
+// would take the batch past either of the last two waits for the next one)
+// as soon as nothing else is in flight. Only a full batch may overtake
 // and be proposed beside others, up to maxProposalsInFlight. Under load one
 // entry serves many callers, so the allocator's rate is not capped by the
 // rate of Raft entries and each entry's fixed cost (log encoding, BoltDB put
@@ -47,16 +50,88 @@ type proposal struct {
 	ctx  context.Context
 	cmd  fsm.Command
 	done chan proposalResult // buffered: the dispatcher never blocks on it
+	// size bounds the bytes cmd adds to an entry (encodedSize), taken by
+	// the caller's goroutine, not the dispatcher's.
+	size int
 }
 
-// weight is what the proposal adds to an entry, in wants: a batch is full at
-// fsm.MaxWants wants, so one entry carries at most twice the wants (and
-// about twice the bytes) of the largest single Acquire, whatever MaxBatch.
+// maxEntryBytes bounds the encoded commands of one group-committed entry:
+// a call that would take a batch past it waits for the next entry, so only
+// an entry of one command is larger (a single Acquire of MaxWantsPerCall
+// long quota names, a few MiB). Every entry is written to every replica's
+// log and applied with the state machine's lock held: a batch of large
+// commands must not make one entry of many megabytes. Calls of ordinary
+// size (about 200 bytes) fill fsm.MaxBatch long before this.
+const maxEntryBytes = 1 << 20
+
+// weight is what the proposal adds to an entry, in wants: a call that would
+// take a batch past fsm.MaxWants wants waits for the next entry, so one
+// entry carries at most MaxWants wants, or one Acquire alone.
 func (pr *proposal) weight() int {
 	if pr.cmd.Acquire != nil {
 		return len(pr.cmd.Acquire.Wants)
 	}
 	return 1
+}
+
+// encodedSize bounds the bytes fsm.Encode writes for cmd as an element of
+// a batch: its JSON object, at the widest numbers, with every string
+// escaped as encoding/json escapes it, and the separating comma.
+func encodedSize(cmd fsm.Command) int {
+	const (
+		// {"type":2,"now_unix_ms":N,"release":{"region":"","grant_id":"",
+		// "tokens":N,"request_id":""}}, and its comma, is 131 bytes with
+		// every number at its widest; the rest covers the batch's own
+		// {"type":5,"now_unix_ms":N,"batch":[]} (56 bytes) in any batch.
+		perCommand = 160
+		// {"quota":"","tokens":N,"demand_per_second":F,"next":true}, is
+		// at most 100 bytes.
+		perWant = 112
+	)
+	n := perCommand
+	switch {
+	case cmd.Acquire != nil:
+		a := cmd.Acquire
+		n += jsonStringSize(a.Region) + jsonStringSize(a.RequestID) + perWant*len(a.Wants)
+		for _, w := range a.Wants {
+			n += jsonStringSize(w.Quota)
+		}
+	case cmd.Release != nil:
+		r := cmd.Release
+		n += jsonStringSize(r.Region) + jsonStringSize(r.GrantID) + jsonStringSize(r.RequestID)
+	}
+	return n
+}
+
+// jsonStringSize is the length of s as encoding/json writes it, quotes
+// excluded: control characters, '"', '\\', and the HTML-sensitive '<',
+// '>' and '&' are escaped, as are U+2028 and U+2029, and each byte of
+// invalid UTF-8 becomes "\ufffd".
+func jsonStringSize(s string) int {
+	n := 0
+	for i := 0; i < len(s); {
+		b := s[i]
+		if b < utf8.RuneSelf {
+			switch {
+			case b == '"' || b == '\\' || b == '\n' || b == '\r' || b == '\t' || b == '\b' || b == '\f':
+				n += 2
+			case b < 0x20 || b == '<' || b == '>' || b == '&':
+				n += 6 // \u00XX
+			default:
+				n++
+			}
+			i++
+			continue
+		}
+		r, size := utf8.DecodeRuneInString(s[i:])
+		if r == utf8.RuneError && size == 1 || r == '\u2028' || r == '\u2029' {
+			n += 6
+		} else {
+			n += size
+		}
+		i += size
+	}
+	return n
 }
 
 type proposalResult struct {
@@ -110,7 +185,7 @@ func (p *proposer) propose(ctx context.Context, cmd fsm.Command) (any, error) {
 		return nil, errShuttingDown()
 	default:
 	}
-	pr := &proposal{ctx: ctx, cmd: cmd, done: make(chan proposalResult, 1)}
+	pr := &proposal{ctx: ctx, cmd: cmd, done: make(chan proposalResult, 1), size: encodedSize(cmd)}
 	select {
 	case p.queue <- pr:
 	case <-ctx.Done():
@@ -154,7 +229,9 @@ func (p *proposer) run() {
 	defer p.wg.Done()
 	var (
 		next       = make([]*proposal, 0, fsm.MaxBatch)
-		wants      int // the wants in next
+		wants      int       // the wants in next
+		size       int       // the encoded size of next (bounded)
+		over       *proposal // taken from the queue, but too large to join next: it opens the batch after
 		inFlight   int
 		finished   = make(chan struct{})
 		delay      = p.delay
@@ -171,11 +248,14 @@ func (p *proposer) run() {
 		}
 	}()
 	for {
-		full := len(next) >= fsm.MaxBatch || wants >= fsm.MaxWants
+		full := over != nil || len(next) >= fsm.MaxBatch || wants >= fsm.MaxWants || size >= maxEntryBytes
 		idle := inFlight == 0 && (full || delay <= 0 || lastBatch < siblings || lingerDone || len(next) >= holdFor)
 		if len(next) > 0 && (idle || full && inFlight < maxProposalsInFlight) {
 			batch := next
-			next, wants = make([]*proposal, 0, fsm.MaxBatch), 0
+			next, wants, size = make([]*proposal, 0, fsm.MaxBatch), 0, 0
+			if over != nil {
+				next, wants, size, over = append(next, over), over.weight(), over.size, nil
+			}
 			lastBatch, lingerDone = len(batch), false
 			if lingerC != nil {
 				linger.Stop()
@@ -209,14 +289,22 @@ func (p *proposer) run() {
 		}
 		select {
 		case pr := <-in:
+			if len(next) > 0 && (wants+pr.weight() > fsm.MaxWants || size+pr.size > maxEntryBytes) {
+				over = pr // the batch is full: pr goes in the next one
+				continue
+			}
 			next = append(next, pr)
 			wants += pr.weight()
+			size += pr.size
 		case <-finished:
 			inFlight--
 			holdFor = min(lastBatch+len(next), fsm.MaxBatch)
 		case <-lingerC:
 			lingerC, lingerDone = nil, true
 		case <-p.stop:
+			if over != nil {
+				next = append(next, over)
+			}
 			for _, pr := range next {
 				pr.done <- proposalResult{err: errShuttingDown()}
 			}

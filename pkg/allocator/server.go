@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode"
 	"unicode/utf8"
@@ -32,9 +33,6 @@ const (
 	headerForwarded = "Allot-Forwarded"
 	// headerLeader carries the leader's API address on Unavailable errors.
 	headerLeader = "Allot-Leader"
-	// maxIDLen bounds region names and request ids.
-	maxRegionLen    = 64
-	maxRequestIDLen = 128
 	// maxAddressLen bounds a member's addresses (the member table's bound).
 	maxAddressLen = fsm.MaxAPIAddressBytes
 )
@@ -52,6 +50,8 @@ type Server struct {
 	// closing is closed by Shutdown: open WatchPolicy streams end.
 	closing   chan struct{}
 	closeOnce sync.Once
+	// watches counts the open WatchPolicy streams (Config.MaxWatchStreams).
+	watches atomic.Int64
 }
 
 var (
@@ -86,8 +86,24 @@ func (s *Server) Handler() http.Handler {
 	// than the bytes it saves on a LAN (it was ~10% of the leader's CPU).
 	opts := []connect.HandlerOption{connect.WithReadMaxBytes(s.node.cfg.MaxBodyBytes), connect.WithCompressMinBytes(4096)}
 	mux.Handle(allotv1connect.NewAllocatorServiceHandler(s, opts...))
-	mux.Handle(allotv1connect.NewOperatorServiceHandler(s, opts...))
+	path, op := allotv1connect.NewOperatorServiceHandler(s, opts...)
+	mux.Handle(path, op)
+	// WatchPolicy bounds each send with a write deadline (watchSend).
+	mux.Handle(allotv1connect.OperatorServiceWatchPolicyProcedure, withResponseController(op))
 	return mux
+}
+
+// responseControllerKey carries, in a request's context, the
+// http.ResponseController of its response.
+type responseControllerKey struct{}
+
+// withResponseController hands h's handlers the ResponseController of the
+// response in the request's context: a Connect handler sees only its stream.
+func withResponseController(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		rc := http.NewResponseController(w)
+		h.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), responseControllerKey{}, rc)))
+	})
 }
 
 // forward sends a call to the leader when this node is not the leader. It
@@ -135,28 +151,84 @@ func leaderRead[Req, Resp any](ctx context.Context, s *Server, req *connect.Requ
 	return nil, false, nil
 }
 
-func validateAcquire(m *allotv1.AcquireRequest, maxWants int) error {
+// checkField refuses a string field of a command that is empty or longer
+// than maxBytes, the state machine's bound of that field (an fsm.Max*
+// constant), with the state machine's own wording. The handlers check every
+// bound the state machine would, before proposing: a command refused only
+// once applied has already been appended to the Raft log (with the other
+// callers' commands group-committed into the same entry) and replicated.
+func checkField(field, v string, maxBytes int) error {
 	switch {
-	case m.GetRegion() == "":
-		return fmt.Errorf("region: must not be empty: %w", errInvalid)
-	case len(m.GetRegion()) > maxRegionLen:
-		return fmt.Errorf("region: longer than %d bytes: %w", maxRegionLen, errInvalid)
-	case m.GetRequestId() == "":
-		return fmt.Errorf("request_id: must not be empty: %w", errInvalid)
-	case len(m.GetRequestId()) > maxRequestIDLen:
-		return fmt.Errorf("request_id: longer than %d bytes: %w", maxRequestIDLen, errInvalid)
-	case len(m.GetWants()) == 0:
-		return fmt.Errorf("wants: must not be empty: %w", errInvalid)
-	case len(m.GetWants()) > maxWants:
-		return fmt.Errorf("wants: %d exceeds the maximum of %d per call: %w", len(m.GetWants()), maxWants, errInvalid)
+	case v == "":
+		return fmt.Errorf("%s: must not be empty: %w", field, errInvalid)
+	case len(v) > maxBytes:
+		return fmt.Errorf("%s: %d bytes, at most %d: %w", field, len(v), maxBytes, errInvalid)
 	}
-	// The FSM checks the demand too, but a NaN or an infinity cannot even be
-	// encoded into the Raft entry, and that entry may carry other callers'
-	// commands (group commit): refuse it here, naming the field.
+	return nil
+}
+
+// validateAcquire checks what the state machine checks of an Acquire
+// without its state (the quotas' specs): the errors read as the state
+// machine's, prefixed with the command ("acquire: ").
+func validateAcquire(m *allotv1.AcquireRequest, maxWants int) error {
+	if err := checkAcquire(m, maxWants); err != nil {
+		return fmt.Errorf("%s: %w", fsm.CmdAcquire, err)
+	}
+	return nil
+}
+
+// checkAcquire is validateAcquire without the command's prefix.
+func checkAcquire(m *allotv1.AcquireRequest, maxWants int) error {
+	if err := checkField("region", m.GetRegion(), fsm.MaxRegionBytes); err != nil {
+		return err
+	}
+	if err := checkField("request_id", m.GetRequestId(), fsm.MaxRequestIDBytes); err != nil {
+		return err
+	}
+	switch wants := m.GetWants(); {
+	case len(wants) == 0:
+		return fmt.Errorf("wants: must not be empty: %w", errInvalid)
+	case len(wants) > maxWants:
+		return fmt.Errorf("wants: %d exceeds the maximum of %d per call: %w", len(wants), maxWants, errInvalid)
+	}
 	for i, w := range m.GetWants() {
+		if err := checkField(fmt.Sprintf("wants[%d].quota", i), w.GetQuota(), fsm.MaxQuotaNameBytes); err != nil {
+			return err
+		}
+		// No quota's limit exceeds fsm.MaxLimit, which bounds every want.
+		if t := w.GetTokens(); t < 0 || t > fsm.MaxLimit {
+			return fmt.Errorf("wants[%d].tokens %d: must be in [0, %d], and at most the quota's limit: %w", i, t, int64(fsm.MaxLimit), errInvalid)
+		}
+		// A NaN or an infinity could not even be encoded into the Raft
+		// entry, which may carry other callers' commands (group commit).
 		if d := w.GetDemandPerSecond(); !(d >= 0) || math.IsInf(d, 1) {
 			return fmt.Errorf("wants[%d].demand_per_second %v: must be finite and >= 0: %w", i, d, errInvalid)
 		}
+	}
+	return checkDistinctQuotas(m.GetWants())
+}
+
+// checkDistinctQuotas refuses a quota named by two wants, as the state
+// machine does. Most Acquires carry a few wants: those are compared pairwise
+// rather than through a map.
+func checkDistinctQuotas(wants []*allotv1.Want) error {
+	const pairwise = 16
+	if len(wants) <= pairwise {
+		for i := 1; i < len(wants); i++ {
+			for j := range i {
+				if wants[i].GetQuota() == wants[j].GetQuota() {
+					return fmt.Errorf("wants[%d].quota %q: duplicate of wants[%d]: %w", i, wants[i].GetQuota(), j, errInvalid)
+				}
+			}
+		}
+		return nil
+	}
+	seen := make(map[string]int, len(wants))
+	for i, w := range wants {
+		if j, dup := seen[w.GetQuota()]; dup {
+			return fmt.Errorf("wants[%d].quota %q: duplicate of wants[%d]: %w", i, w.GetQuota(), j, errInvalid)
+		}
+		seen[w.GetQuota()] = i
 	}
 	return nil
 }
@@ -225,19 +297,8 @@ func AcquireAnswer(res *fsm.AcquireResult) *allotv1.AcquireResponse {
 func (s *Server) Release(ctx context.Context, req *connect.Request[allotv1.ReleaseRequest]) (*connect.Response[allotv1.ReleaseResponse], error) {
 	const method = "Release"
 	m := req.Msg
-	switch {
-	case m.GetRegion() == "":
-		return nil, s.toConnect(method, fmt.Errorf("region: must not be empty: %w", errInvalid))
-	case m.GetGrantId() == "":
-		return nil, s.toConnect(method, fmt.Errorf("grant_id: must not be empty: %w", errInvalid))
-	case m.GetTokens() <= 0:
-		return nil, s.toConnect(method, fmt.Errorf("tokens: %d must be positive: %w", m.GetTokens(), errInvalid))
-	case m.GetRequestId() == "":
-		// A retry of a call whose answer was lost must be a replay, not a
-		// second credit (the pool could then grant what a region holds).
-		return nil, s.toConnect(method, fmt.Errorf("request_id: must not be empty (it makes a retried Release a replay): %w", errInvalid))
-	case len(m.GetRequestId()) > maxRequestIDLen:
-		return nil, s.toConnect(method, fmt.Errorf("request_id: longer than %d bytes: %w", maxRequestIDLen, errInvalid))
+	if err := validateRelease(m); err != nil {
+		return nil, s.toConnect(method, fmt.Errorf("%s: %w", fsm.CmdRelease, err))
 	}
 	if resp, handled, err := forward(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.ReleaseRequest]) (*connect.Response[allotv1.ReleaseResponse], error) {
 		return c.alloc.Release
@@ -264,17 +325,32 @@ func (s *Server) Release(ctx context.Context, req *connect.Request[allotv1.Relea
 	return connect.NewResponse(&allotv1.ReleaseResponse{Returned: res.Returned, PoolRemaining: res.PoolRemaining, Replayed: res.Replayed}), nil
 }
 
+// validateRelease checks what the state machine checks of a Release without
+// its state (the grant), and that it has a request id.
+func validateRelease(m *allotv1.ReleaseRequest) error {
+	if err := checkField("region", m.GetRegion(), fsm.MaxRegionBytes); err != nil {
+		return err
+	}
+	if err := checkField("grant_id", m.GetGrantId(), fsm.MaxGrantIDBytes); err != nil {
+		return err
+	}
+	if m.GetTokens() <= 0 {
+		return fmt.Errorf("tokens: %d must be positive: %w", m.GetTokens(), errInvalid)
+	}
+	if m.GetRequestId() == "" {
+		// A retry of a call whose answer was lost must be a replay, not a
+		// second credit (the pool could then grant what a region holds).
+		return fmt.Errorf("request_id: must not be empty (it makes a retried Release a replay): %w", errInvalid)
+	}
+	return checkField("request_id", m.GetRequestId(), fsm.MaxRequestIDBytes)
+}
+
 // PublishPolicy implements OperatorService.PublishPolicy.
 func (s *Server) PublishPolicy(ctx context.Context, req *connect.Request[allotv1.PublishPolicyRequest]) (*connect.Response[allotv1.PublishPolicyResponse], error) {
 	const method = "PublishPolicy"
 	m := req.Msg
-	switch {
-	case m.GetAuthor() == "":
-		return nil, s.toConnect(method, fmt.Errorf("author: must not be empty (the audit history records who): %w", errInvalid))
-	case m.GetReason() == "":
-		return nil, s.toConnect(method, fmt.Errorf("reason: must not be empty (the audit history records why): %w", errInvalid))
-	case m.GetExpectedVersion() == 0:
-		return nil, s.toConnect(method, fmt.Errorf("expected_version: must be the current version + 1: %w", errInvalid))
+	if err := validatePublish(m); err != nil {
+		return nil, s.toConnect(method, fmt.Errorf("%s: %w", fsm.CmdPublishPolicy, err))
 	}
 	doc, err := policy.Parse(m.GetDocument())
 	if err != nil {
@@ -283,6 +359,11 @@ func (s *Server) PublishPolicy(ctx context.Context, req *connect.Request[allotv1
 	canonical, err := policy.Canonical(doc)
 	if err != nil {
 		return nil, s.toConnect(method, fmt.Errorf("document: %w", err))
+	}
+	if len(canonical) > fsm.MaxDocumentBytes {
+		// policy.Validate bounds the canonical form tighter already.
+		return nil, s.toConnect(method, fmt.Errorf("%s: document: canonical form of %d bytes, at most %d: %w",
+			fsm.CmdPublishPolicy, len(canonical), fsm.MaxDocumentBytes, errInvalid))
 	}
 	if resp, handled, err := forward(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.PublishPolicyRequest]) (*connect.Response[allotv1.PublishPolicyResponse], error) {
 		return c.op.PublishPolicy
@@ -304,6 +385,24 @@ func (s *Server) PublishPolicy(ctx context.Context, req *connect.Request[allotv1
 	s.log.Info("policy published", zap.Uint64("version", res.Policy.Version), zap.String("author", res.Policy.Author), zap.String("reason", res.Policy.Reason))
 	s.metrics.Requests.WithLabelValues(method, "ok").Inc()
 	return connect.NewResponse(&allotv1.PublishPolicyResponse{Policy: recordToProto(res.Policy, true)}), nil
+}
+
+// validatePublish checks the audit fields of a PublishPolicy as the state
+// machine bounds them, and that the call is conditional.
+func validatePublish(m *allotv1.PublishPolicyRequest) error {
+	switch {
+	case m.GetAuthor() == "":
+		return fmt.Errorf("author: must not be empty (the audit history records who): %w", errInvalid)
+	case len(m.GetAuthor()) > fsm.MaxAuthorBytes:
+		return fmt.Errorf("author: %d bytes, at most %d: %w", len(m.GetAuthor()), fsm.MaxAuthorBytes, errInvalid)
+	case m.GetReason() == "":
+		return fmt.Errorf("reason: must not be empty (the audit history records why): %w", errInvalid)
+	case len(m.GetReason()) > fsm.MaxReasonBytes:
+		return fmt.Errorf("reason: %d bytes, at most %d: %w", len(m.GetReason()), fsm.MaxReasonBytes, errInvalid)
+	case m.GetExpectedVersion() == 0:
+		return fmt.Errorf("expected_version: must be the current version + 1: %w", errInvalid)
+	}
+	return nil
 }
 
 // QuotaSpecs derives the FSM's quota specs from a policy's global quotas:
@@ -387,8 +486,23 @@ func (s *Server) ListPolicies(ctx context.Context, req *connect.Request[allotv1.
 // WatchPolicy implements OperatorService.WatchPolicy: it sends every retained
 // version newer than the last one sent, then waits for more until the client
 // goes away or the server shuts down (Shutdown), when it ends with
-// Unavailable so the client reconnects through another node.
+// Unavailable so the client reconnects through another node. A node serves
+// at most Config.MaxWatchStreams streams at once (ResourceExhausted beyond),
+// and ends a stream whose client does not take a version within
+// Config.WatchSendTimeout.
 func (s *Server) WatchPolicy(ctx context.Context, req *connect.Request[allotv1.WatchPolicyRequest], stream *connect.ServerStream[allotv1.WatchPolicyResponse]) error {
+	const method = "WatchPolicy"
+	limit := int64(s.node.cfg.MaxWatchStreams)
+	if s.watches.Add(1) > limit {
+		s.watches.Add(-1)
+		return s.toConnect(method, connect.NewError(connect.CodeResourceExhausted, fmt.Errorf(
+			"this node already serves %d WatchPolicy streams, its limit (MaxWatchStreams): retry later, or watch through another node", limit)))
+	}
+	s.metrics.WatchStreams.Inc()
+	defer func() {
+		s.watches.Add(-1)
+		s.metrics.WatchStreams.Dec()
+	}()
 	last := req.Msg.GetAfterVersion()
 	t := time.NewTicker(s.watchPoll)
 	defer t.Stop()
@@ -402,7 +516,7 @@ func (s *Server) WatchPolicy(ctx context.Context, req *connect.Request[allotv1.W
 				if !ok {
 					continue
 				}
-				if err := stream.Send(&allotv1.WatchPolicyResponse{Policy: recordToProto(rec, true)}); err != nil {
+				if err := s.watchSend(ctx, stream, &allotv1.WatchPolicyResponse{Policy: recordToProto(rec, true)}); err != nil {
 					return err
 				}
 				last = h.Version
@@ -418,12 +532,34 @@ func (s *Server) WatchPolicy(ctx context.Context, req *connect.Request[allotv1.W
 	}
 }
 
+// watchSend sends msg on a WatchPolicy stream within
+// Config.WatchSendTimeout: past it the write fails and the stream is reset
+// (HTTP/2) or its connection closed (HTTP/1.1). Without a
+// ResponseController in ctx (the handler not served through Handler) it
+// sends without a deadline.
+func (s *Server) watchSend(ctx context.Context, stream *connect.ServerStream[allotv1.WatchPolicyResponse], msg *allotv1.WatchPolicyResponse) error {
+	rc, _ := ctx.Value(responseControllerKey{}).(*http.ResponseController)
+	if rc != nil && rc.SetWriteDeadline(time.Now().Add(s.node.cfg.WatchSendTimeout)) != nil {
+		rc = nil // the writer does not support deadlines
+	}
+	if err := stream.Send(msg); err != nil {
+		return err // the stream is broken: nothing more reaches the client
+	}
+	if rc != nil {
+		// A stream waits idle for the next version as long as it takes.
+		_ = rc.SetWriteDeadline(time.Time{})
+	}
+	return nil
+}
+
 // GetWindow implements OperatorService.GetWindow. It is answered by the leader
 // after a Raft barrier, so the ledger includes every acknowledged grant.
 func (s *Server) GetWindow(ctx context.Context, req *connect.Request[allotv1.GetWindowRequest]) (*connect.Response[allotv1.GetWindowResponse], error) {
 	const method = "GetWindow"
-	if req.Msg.GetQuota() == "" {
-		return nil, s.toConnect(method, fmt.Errorf("quota: must not be empty: %w", errInvalid))
+	// No quota's name is longer (an instance's included): refusing a longer
+	// one here keeps it out of the NotFound message.
+	if err := checkField("quota", req.Msg.GetQuota(), fsm.MaxQuotaNameBytes); err != nil {
+		return nil, s.toConnect(method, err)
 	}
 	if resp, handled, err := leaderRead(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.GetWindowRequest]) (*connect.Response[allotv1.GetWindowResponse], error) {
 		return c.op.GetWindow
@@ -695,8 +831,10 @@ func (s *Server) caughtUp(ctx context.Context, p Peer, target uint64) error {
 func (s *Server) RemoveMember(ctx context.Context, req *connect.Request[allotv1.RemoveMemberRequest]) (*connect.Response[allotv1.RemoveMemberResponse], error) {
 	const method = "RemoveMember"
 	id := req.Msg.GetId()
-	if id == "" {
-		return nil, s.toConnect(method, fmt.Errorf("id: must not be empty: %w", errInvalid))
+	// The member table holds no longer id (and removing one proposes its
+	// removal from the table); a longer one is refused before it is quoted.
+	if err := checkField("id", id, fsm.MaxMemberIDBytes); err != nil {
+		return nil, s.toConnect(method, err)
 	}
 	if resp, handled, err := forward(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.RemoveMemberRequest]) (*connect.Response[allotv1.RemoveMemberResponse], error) {
 		return c.op.RemoveMember

@@ -139,7 +139,7 @@ func TestLargestAcquireFitsTheBody(t *testing.T) {
 		s := fmt.Sprintf("%s/%d", strings.Repeat("t", 64), i)
 		return s + strings.Repeat("v", fsm.MaxQuotaNameBytes-len(s))
 	}
-	req := &allotv1.AcquireRequest{Region: strings.Repeat("r", maxRegionLen), RequestId: strings.Repeat("i", maxRequestIDLen)}
+	req := &allotv1.AcquireRequest{Region: strings.Repeat("r", fsm.MaxRegionBytes), RequestId: strings.Repeat("i", fsm.MaxRequestIDBytes)}
 	resp := &allotv1.AcquireResponse{LeaderNowUnixMs: fsm.MaxNowUnixMs, Replayed: true}
 	for i := range cfg.MaxWantsPerCall {
 		q := name(i)

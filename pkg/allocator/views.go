@@ -52,6 +52,11 @@ func (c Config) BoundConfig() bound.Config {
 // barrier, so it is the bound of the latest policy).
 func (s *Server) GetBound(ctx context.Context, req *connect.Request[allotv1.GetBoundRequest]) (*connect.Response[allotv1.GetBoundResponse], error) {
 	const method = "GetBound"
+	// No quota's name is longer (an instance's included): refusing a longer
+	// one here keeps it out of the NotFound message.
+	if name := req.Msg.GetQuota(); len(name) > fsm.MaxQuotaNameBytes {
+		return nil, s.toConnect(method, fmt.Errorf("quota: %d bytes, at most %d: %w", len(name), fsm.MaxQuotaNameBytes, errInvalid))
+	}
 	if resp, handled, err := leaderRead(ctx, s, req, func(c *peerClient) func(context.Context, *connect.Request[allotv1.GetBoundRequest]) (*connect.Response[allotv1.GetBoundResponse], error) {
 		return c.op.GetBound
 	}); handled {

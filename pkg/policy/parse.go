@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"go.yaml.in/yaml/v3"
 )
@@ -177,7 +178,7 @@ func (p *parser) fields(path string, n *yaml.Node, known ...string) map[string]*
 			}
 			continue
 		}
-		fp := join(path, k.Value)
+		fp := join(path, truncate(k.Value))
 		if _, dup := out[k.Value]; dup {
 			p.c.add(fp, k.Line, "duplicate key")
 			continue
@@ -243,7 +244,7 @@ func (p *parser) integer(path string, n *yaml.Node) int64 {
 	}
 	v, err := strconv.ParseInt(strings.ReplaceAll(s.Value, "_", ""), 10, 64)
 	if err != nil {
-		p.c.add(path, s.Line, "%q is not a decimal integer in range", s.Value)
+		p.c.add(path, s.Line, "%q is not a decimal integer in range", truncate(s.Value))
 		return 0
 	}
 	return v
@@ -260,7 +261,7 @@ func (p *parser) boolean(path string, n *yaml.Node) bool {
 	case "false":
 		return false
 	}
-	p.c.add(path, s.Line, "expected true or false, got %q", s.Value)
+	p.c.add(path, s.Line, "expected true or false, got %q", truncate(s.Value))
 	return false
 }
 
@@ -271,7 +272,7 @@ func (p *parser) duration(path string, n *yaml.Node) time.Duration {
 	}
 	d, err := time.ParseDuration(s.Value)
 	if err != nil {
-		p.c.add(path, s.Line, "%q is not a duration such as 10s or 1m", s.Value)
+		p.c.add(path, s.Line, "%q is not a duration such as 10s or 1m", truncate(s.Value))
 		return 0
 	}
 	return d
@@ -286,7 +287,7 @@ func (p *parser) milli(path string, n *yaml.Node) int64 {
 	}
 	v, err := parseMilli(s.Value)
 	if err != nil {
-		p.c.add(path, s.Line, "%q: %v", s.Value, err)
+		p.c.add(path, s.Line, "%q: %v", truncate(s.Value), err)
 		return 0
 	}
 	return v
@@ -491,11 +492,21 @@ func describe(n *yaml.Node) string {
 	return "an unsupported node"
 }
 
+// maxQuoted bounds the bytes of an input value an error message repeats.
+const maxQuoted = 64
+
+// truncate shortens input repeated in an error message to maxQuoted bytes,
+// cut at a rune boundary, marked "..."; every message quoting input goes
+// through it, so a document's errors never repeat a large scalar whole.
 func truncate(s string) string {
-	if len(s) > 40 {
-		return s[:40] + "..."
+	if len(s) <= maxQuoted {
+		return s
 	}
-	return s
+	cut := maxQuoted
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + "..."
 }
 
 func contains(xs []string, x string) bool {

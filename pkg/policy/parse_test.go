@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/allot-dev/allot/examples"
 )
@@ -360,5 +361,51 @@ func TestMilli(t *testing.T) {
 				t.Errorf("formatMilli(%d) = %q does not round-trip", got, formatMilli(got))
 			}
 		}
+	}
+}
+
+// TestErrorsQuoteBoundedInput: an error quotes a scalar of the document,
+// or names an unknown field, by a bounded prefix cut at a rune boundary
+// (the allocator answers PublishPolicy with these errors, and a 1 MiB
+// name made a 1 MiB answer).
+func TestErrorsQuoteBoundedInput(t *testing.T) {
+	big := "a" + strings.Repeat("é", 200_000) // a cut at an even byte splits a rune
+	quota := func(lease string) string {
+		return rule("scope: tenant\nmatch: [{key: tenant, value: v}]\nkind: global_quota\nlimit: 10\nwindow: 1m\nlease: " + lease + "\n")
+	}
+	tests := []struct {
+		name, give, path string
+	}{
+		{"name", "name: " + big + "\nregions: [eu]\nrules: []\n", "name"},
+		{"unknown field", rule(bucket + "refill_per_second: 2\n? " + big + "\n: 1\n"), "rules[0]." + truncate(big)},
+		{"region", "name: t\nregions: [" + big + "]\n" + strings.TrimPrefix(rule(bucket+"refill_per_second: 2\n"), "name: t\nregions: [eu, us]\n"), "regions[0]"},
+		{"rule name", strings.Replace(rule(bucket+"refill_per_second: 2\n"), "name: r", "name: "+big, 1), "rules[0].name"},
+		{"scope", rule("scope: " + big + "\nmatch: [{key: ip}]\nkind: token_bucket\ncapacity: 20\nrefill_per_second: 2\n"), "rules[0].scope"},
+		{"kind", rule("scope: ip\nmatch: [{key: ip}]\nkind: " + big + "\ncapacity: 20\nrefill_per_second: 2\n"), "rules[0].kind"},
+		{"fail mode", rule(bucket + "refill_per_second: 2\nfail_mode: " + big + "\n"), "rules[0].fail_mode"},
+		{"match key", rule("scope: ip\nmatch: [{key: ip}, {key: " + big + "}]\nkind: token_bucket\ncapacity: 20\nrefill_per_second: 2\n"), "rules[0].match[1].key"},
+		{"duration", quota("{chunk: 1, ttl: " + big + "}"), "rules[0].lease.ttl"},
+		{"strategy", quota("{chunk: 1, ttl: 1s, strategy: " + big + "}"), "rules[0].lease.strategy"},
+		{"decimal", rule(bucket + "refill_per_second: 0." + strings.Repeat("0", 400_000) + "1\n"), "rules[0].refill_per_second"},
+		{"integer", rule(bucket + "refill_per_second: 2\ncost: 0o" + strings.Repeat("0", 400_000) + "17\n"), "rules[0].cost"},
+		{"string for an integer", rule(bucket + "refill_per_second: 2\ncost: " + big + "\n"), "rules[0].cost"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if len(tt.give) > MaxDocumentBytes {
+				t.Fatalf("a document of %d bytes", len(tt.give))
+			}
+			_, err := Parse([]byte(tt.give))
+			if err == nil {
+				t.Fatal("Parse accepted the document")
+			}
+			msg := err.Error()
+			if len(msg) > 1024 || !utf8.ValidString(msg) {
+				t.Fatalf("a message of %d bytes (valid UTF-8: %v): %.300q", len(msg), utf8.ValidString(msg), msg)
+			}
+			if !strings.Contains(msg, tt.path+": ") || !strings.Contains(msg, "...") {
+				t.Errorf("%q does not name %s with a shortened value", msg, tt.path)
+			}
+		})
 	}
 }

@@ -37,10 +37,10 @@ func (d *Document) validate(c *collector) {
 	for i, r := range d.Regions {
 		p := fmt.Sprintf("regions[%d]", i)
 		if !isRegion(r) {
-			c.add(p, 0, "%q is not a region name: 1-%d of [a-z0-9-], starting with a letter or digit", r, MaxRegionLen)
+			c.add(p, 0, "%q is not a region name: 1-%d of [a-z0-9-], starting with a letter or digit", truncate(r), MaxRegionLen)
 		}
 		if j, dup := seenRegion[r]; dup {
-			c.add(p, 0, "duplicate region %q (also regions[%d])", r, j)
+			c.add(p, 0, "duplicate region %q (also regions[%d])", truncate(r), j)
 		}
 		seenRegion[r] = i
 	}
@@ -62,7 +62,7 @@ func (d *Document) validate(c *collector) {
 		r := &d.Rules[i]
 		p := fmt.Sprintf("rules[%d]", i)
 		if j, dup := seenRule[r.Name]; dup && r.Name != "" {
-			c.add(p+".name", 0, "duplicate rule name %q (also rules[%d])", r.Name, j)
+			c.add(p+".name", 0, "duplicate rule name %q (also rules[%d])", truncate(r.Name), j)
 		} else {
 			seenRule[r.Name] = i
 		}
@@ -87,13 +87,13 @@ func (r *Rule) validate(c *collector, p string, regions int) {
 	checkName(c, p+".name", r.Name)
 	checkText(c, p+".description", r.Description)
 	if !r.Scope.Valid() {
-		c.add(p+".scope", 0, "unknown scope %q; want one of %s", r.Scope, list(Scopes()))
+		c.add(p+".scope", 0, "unknown scope %q; want one of %s", truncate(string(r.Scope)), list(Scopes()))
 	}
 	if !r.Kind.Valid() {
-		c.add(p+".kind", 0, "unknown kind %q; want one of %s", r.Kind, list(Kinds()))
+		c.add(p+".kind", 0, "unknown kind %q; want one of %s", truncate(string(r.Kind)), list(Kinds()))
 	}
 	if !r.FailMode.Valid() {
-		c.add(p+".fail_mode", 0, "unknown fail mode %q; want one of %s", r.FailMode, list(FailModes()))
+		c.add(p+".fail_mode", 0, "unknown fail mode %q; want one of %s", truncate(string(r.FailMode)), list(FailModes()))
 	}
 	r.validateMatch(c, p)
 
@@ -199,7 +199,7 @@ func (r *Rule) validateGlobal(c *collector, p string, regions int) {
 		c.add(lp+".ttl", 0, "%s exceeds window %s", formatDuration(l.TTL), formatDuration(r.Window))
 	}
 	if !l.Strategy.Valid() {
-		c.add(lp+".strategy", 0, "unknown strategy %q; want one of %s", l.Strategy, list(Strategies()))
+		c.add(lp+".strategy", 0, "unknown strategy %q; want one of %s", truncate(string(l.Strategy)), list(Strategies()))
 	}
 	switch {
 	case l.FallbackPerRegion < 0:
@@ -264,10 +264,10 @@ func (r *Rule) validateMatch(c *collector, p string) {
 	for i, m := range r.Match {
 		ep := fmt.Sprintf("%s[%d]", mp, i)
 		if !isKey(m.Key) {
-			c.add(ep+".key", 0, "%q is not a descriptor key: 1-%d of [A-Za-z0-9_.-]", m.Key, MaxNameLen)
+			c.add(ep+".key", 0, "%q is not a descriptor key: 1-%d of [A-Za-z0-9_.-]", truncate(m.Key), MaxNameLen)
 		}
 		if j, dup := seen[m.Key]; dup {
-			c.add(ep+".key", 0, "duplicate key %q (also match[%d])", m.Key, j)
+			c.add(ep+".key", 0, "duplicate key %q (also match[%d])", truncate(m.Key), j)
 		}
 		seen[m.Key] = i
 		switch {
@@ -337,7 +337,7 @@ func checkName(c *collector, path, s string) {
 			c.add(path, 0, "required")
 			return
 		}
-		c.add(path, 0, "%q is not a name: 1-%d of [a-z0-9._-], starting with a letter or digit", s, MaxNameLen)
+		c.add(path, 0, "%q is not a name: 1-%d of [a-z0-9._-], starting with a letter or digit", truncate(s), MaxNameLen)
 	}
 }
 
