@@ -21,6 +21,9 @@ func main() {
 	case err == nil, errors.Is(err, flag.ErrHelp): // -h printed the usage
 	case errors.Is(err, ctl.ErrUsage):
 		fmt.Fprintln(os.Stderr, "allotctl:", err)
+		if !ctl.UsageShown(err) {
+			fmt.Fprintln(os.Stderr, "Run 'allotctl -h' for the usage.")
+		}
 		os.Exit(2)
 	default:
 		fmt.Fprintln(os.Stderr, "allotctl:", err)

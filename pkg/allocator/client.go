@@ -6,8 +6,11 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
+	"os"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -154,21 +157,29 @@ func retryable(err error) bool {
 // call runs fn against r's preferred endpoint, then leader hints and r's
 // other endpoints, until it gets an answer that is not Unavailable. An
 // attempt that times out on its own (not the caller's deadline) moves to
-// the next endpoint.
+// the next endpoint. When every attempt fails, the error is the most
+// informative answer (a live node's "no leader known" before a dead node's
+// dial error), with its code and leader hint, followed by what the other
+// endpoints said; see failures.
 func call[T any](ctx context.Context, c *Client, r *route, fn func(ctx context.Context, addr string) (T, error)) (T, error) {
 	var (
-		zero    T
-		lastErr error
-		pause   = c.backoff
+		zero  T
+		fails failures
+		pause = c.backoff
 	)
 	addr := r.first()
-	next := 0
+	next := slices.Index(r.endpoints, addr) + 1 // -1 (a hint) + 1: the first
 	for attempt := 0; attempt < c.attempts; attempt++ {
 		actx, cancel := context.WithTimeout(ctx, c.perTry)
 		out, err := fn(actx, addr)
 		cancel()
 		if err != nil && ctx.Err() == nil && connect.CodeOf(err) == connect.CodeDeadlineExceeded {
-			err = connect.NewError(connect.CodeUnavailable, fmt.Errorf("%s did not answer within %s: %w", addr, c.perTry, err))
+			err = connect.NewError(connect.CodeUnavailable, &noAnswerError{addr: addr, within: c.perTry, err: err})
+		}
+		if err != nil && ctx.Err() != nil && len(fails.addrs) > 0 && cutShort(err) {
+			// The caller's deadline cut this attempt short: what the
+			// earlier ones said tells more than that.
+			return zero, fails.ctxError(ctx.Err())
 		}
 		if err == nil || !retryable(err) {
 			if err == nil {
@@ -176,7 +187,7 @@ func call[T any](ctx context.Context, c *Client, r *route, fn func(ctx context.C
 			}
 			return out, err
 		}
-		lastErr = err
+		fails.add(addr, err)
 		if hint := LeaderHintOf(err); r.hints && hint != "" && hint != addr {
 			addr = hint
 			continue // a hint is worth following at once
@@ -185,12 +196,221 @@ func call[T any](ctx context.Context, c *Client, r *route, fn func(ctx context.C
 		next++
 		select {
 		case <-ctx.Done():
-			return zero, fmt.Errorf("%w (last error: %v)", ctx.Err(), lastErr)
+			return zero, fails.ctxError(ctx.Err())
 		case <-time.After(pause):
 		}
 		pause = min(2*pause, time.Second)
 	}
-	return zero, lastErr
+	return zero, fails.err()
+}
+
+// cutShort reports whether err is no answer of a node: an attempt ended by
+// its context, or one another node might have answered. A node's answer
+// (NotFound, FailedPrecondition, ...) is returned as it came.
+func cutShort(err error) bool {
+	switch connect.CodeOf(err) {
+	case connect.CodeDeadlineExceeded, connect.CodeCanceled:
+		return true
+	}
+	return retryable(err)
+}
+
+// noAnswerError is the error of an attempt that timed out on its own: the
+// endpoint took the call and did not answer within the attempt timeout.
+type noAnswerError struct {
+	addr   string
+	within time.Duration
+	err    error
+}
+
+func (e *noAnswerError) Error() string {
+	return fmt.Sprintf("%s did not answer within %s: %v", e.addr, e.within, e.err)
+}
+
+func (e *noAnswerError) Unwrap() error { return e.err }
+
+// failures keeps, for each endpoint a call tried, the most informative error
+// it got there (the latest of those as informative).
+type failures struct {
+	addrs []string // in the order of their first failure
+	errs  map[string]failure
+	seq   int
+}
+
+type failure struct {
+	err error
+	seq int // when it was recorded
+}
+
+func (f *failures) add(addr string, err error) {
+	if f.errs == nil {
+		f.errs = map[string]failure{}
+	}
+	f.seq++
+	prev, ok := f.errs[addr]
+	if !ok {
+		f.addrs = append(f.addrs, addr)
+	}
+	if !ok || informative(err) >= informative(prev.err) {
+		f.errs[addr] = failure{err: err, seq: f.seq}
+	}
+}
+
+// informative ranks the error of a failed attempt: 2 when the node answered
+// (its own error, with a leader hint or "no leader known"), 1 when it took
+// the call and did not answer in time, 0 when the call did not reach it (a
+// dial error, a connection refused).
+func informative(err error) int {
+	var ce *connect.Error
+	switch {
+	case connect.IsWireError(err):
+		return 2
+	case errors.As(err, &ce) && len(ce.Details()) > 0: // gRPC route: a status with details came from a node
+		return 2
+	case errors.As(err, new(*noAnswerError)):
+		return 1
+	}
+	return 0
+}
+
+// best returns the endpoint of the most informative error, the latest of
+// those as informative.
+func (f *failures) best() string {
+	best := f.addrs[0]
+	for _, a := range f.addrs[1:] {
+		b, e := f.errs[best], f.errs[a]
+		if r, rb := informative(e.err), informative(b.err); r > rb || r == rb && e.seq > b.seq {
+			best = a
+		}
+	}
+	return best
+}
+
+// summary describes the failures: the most informative error with its
+// endpoint, then the others, endpoints with the same reason together, as
+// in "no leader known: … (127.0.0.1:8001); 127.0.0.1:8002, 127.0.0.1:8003:
+// connection refused". Errors that did not come from a node (rank 0) are
+// all grouped by reason. With one endpoint, it is that endpoint's error.
+func (f *failures) summary() string {
+	best := f.best()
+	be := f.errs[best].err
+	if len(f.addrs) == 1 {
+		return be.Error()
+	}
+	var parts, reasons []string
+	byReason := map[string][]string{}
+	for _, a := range f.addrs {
+		if a == best && informative(be) > 0 {
+			parts = append(parts, fmt.Sprintf("%s (%s)", message(be), a))
+			continue
+		}
+		r := reason(f.errs[a].err)
+		if byReason[r] == nil {
+			reasons = append(reasons, r)
+		}
+		byReason[r] = append(byReason[r], a)
+	}
+	if len(parts) == 0 { // no node answered: the best reason first
+		r := reason(be)
+		reasons = slices.DeleteFunc(reasons, func(s string) bool { return s == r })
+		reasons = append([]string{r}, reasons...)
+	}
+	for _, r := range reasons {
+		parts = append(parts, strings.Join(byReason[r], ", ")+": "+r)
+	}
+	return strings.Join(parts, "; ")
+}
+
+// err is the error of a call whose every attempt failed: the most
+// informative error's code, leader hint and metadata, with the summary
+// of every endpoint's error as its message.
+func (f *failures) err() error {
+	best := f.best()
+	be := f.errs[best].err
+	if len(f.addrs) == 1 {
+		return be
+	}
+	errs := make([]error, 0, len(f.addrs))
+	errs = append(errs, be)
+	for _, a := range f.addrs {
+		if a != best {
+			errs = append(errs, f.errs[a].err)
+		}
+	}
+	out := connect.NewError(connect.CodeOf(be), &endpointsError{msg: f.summary(), errs: errs})
+	var ce *connect.Error
+	if errors.As(be, &ce) {
+		for _, d := range ce.Details() {
+			out.AddDetail(d)
+		}
+		for k, v := range ce.Meta() {
+			out.Meta()[k] = append([]string(nil), v...)
+		}
+	}
+	return out
+}
+
+// ctxError is the error of a call the caller's context ended (cause is its
+// Err) after the failures: DeadlineExceeded or Canceled, wrapping cause and
+// the failures' error.
+func (f *failures) ctxError(cause error) error {
+	code := connect.CodeDeadlineExceeded
+	if errors.Is(cause, context.Canceled) {
+		code = connect.CodeCanceled
+	}
+	if len(f.addrs) == 0 {
+		return connect.NewError(code, cause)
+	}
+	label := "last error"
+	if len(f.addrs) > 1 {
+		label = "last errors"
+	}
+	return connect.NewError(code, fmt.Errorf("%w (%s: %w)", cause, label, f.err()))
+}
+
+// endpointsError is the message of failures.err, wrapping each endpoint's error.
+type endpointsError struct {
+	msg  string
+	errs []error
+}
+
+func (e *endpointsError) Error() string   { return e.msg }
+func (e *endpointsError) Unwrap() []error { return e.errs }
+
+// message is err's message without its Connect code.
+func message(err error) string {
+	var ce *connect.Error
+	if errors.As(err, &ce) {
+		return ce.Message()
+	}
+	return err.Error()
+}
+
+// reason is a short form of err for the list of endpoints that failed:
+// "connection refused" for a dial error, "did not answer within 2s" for
+// an attempt timeout, else its message, cut at maxReason runes.
+func reason(err error) string {
+	var (
+		na *noAnswerError
+		op *net.OpError
+		sc *os.SyscallError
+	)
+	var r string
+	switch {
+	case errors.As(err, &na):
+		r = fmt.Sprintf("did not answer within %s", na.within)
+	case errors.As(err, &sc):
+		r = sc.Err.Error()
+	case errors.As(err, &op) && op.Err != nil:
+		r = op.Err.Error()
+	default:
+		r = message(err)
+	}
+	const maxReason = 120
+	if rs := []rune(r); len(rs) > maxReason {
+		r = string(rs[:maxReason-1]) + "…"
+	}
+	return r
 }
 
 // Acquire calls AllocatorService.Acquire.

@@ -50,8 +50,12 @@ Global flags go before the command.
 // cmd/allotctl exits 2 on them.
 var ErrUsage = errors.New("usage error")
 
-// usageError is an error of the command line.
-type usageError struct{ msg string }
+// usageError is an error of the command line. shown: Main printed the
+// usage with it.
+type usageError struct {
+	msg   string
+	shown bool
+}
 
 func (e *usageError) Error() string        { return e.msg }
 func (e *usageError) Is(target error) bool { return target == ErrUsage }
@@ -61,13 +65,45 @@ func usagef(format string, args ...any) error {
 	return &usageError{msg: fmt.Sprintf(format, args...)}
 }
 
+// UsageShown reports whether Main printed the usage along with usage
+// error err; otherwise cmd/allotctl points to -h after the error.
+func UsageShown(err error) bool {
+	var u *usageError
+	return errors.As(err, &u) && u.shown
+}
+
+// shown marks usage error err as printed with the usage.
+func shown(err error) error {
+	var u *usageError
+	if errors.As(err, &u) {
+		u.shown = true
+	}
+	return err
+}
+
+// quiet makes fs print nothing itself: the flag package would print a
+// flag error and the whole usage before Parse returns the error, which
+// cmd/allotctl then prints again. parse prints the usage on -h only.
+func quiet(fs *flag.FlagSet) *flag.FlagSet {
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
+	return fs
+}
+
+// parse parses args with fs (quiet), printing the usage to stderr on -h.
+func parse(fs *flag.FlagSet, args []string, stderr io.Writer) error {
+	err := fs.Parse(args)
+	if errors.Is(err, flag.ErrHelp) {
+		fmt.Fprint(stderr, usage)
+	}
+	return err
+}
+
 // Main runs allotctl with args (without the program name). It returns
 // flag.ErrHelp after printing the usage for -h, and an ErrUsage error for
 // a command line it cannot run.
 func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("allotctl", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() { fmt.Fprint(stderr, usage) }
+	fs := quiet(flag.NewFlagSet("allotctl", flag.ContinueOnError))
 	defAddr := os.Getenv("ALLOT_ADDR")
 	if defAddr == "" {
 		defAddr = "127.0.0.1:8001"
@@ -75,7 +111,7 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	addr := fs.String("addr", defAddr, "comma-separated allocator API addresses")
 	output := fs.String("o", "table", "output format: table or json")
 	timeout := fs.Duration("timeout", 10*time.Second, "timeout of the call")
-	if err := fs.Parse(args); err != nil {
+	if err := parse(fs, args, stderr); err != nil {
 		return flagError("", err)
 	}
 	if *output != "table" && *output != "json" {
@@ -90,8 +126,8 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	rest := fs.Args()
 	if len(rest) == 0 {
-		fs.Usage()
-		return usagef("no command")
+		fmt.Fprint(stderr, usage)
+		return shown(usagef("no command"))
 	}
 	client, err := allocator.NewClient(endpoints)
 	if err != nil {
@@ -113,8 +149,8 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	case "member":
 		return c.member(ctx, rest[1:])
 	default:
-		fs.Usage()
-		return usagef("unknown command %q", rest[0])
+		fmt.Fprint(stderr, usage)
+		return shown(usagef("unknown command %q", rest[0]))
 	}
 }
 
@@ -157,10 +193,7 @@ type cli struct {
 
 // flags returns the flag set of command cmd ("window", "policy get").
 func (c *cli) flags(cmd string) *flag.FlagSet {
-	fs := flag.NewFlagSet(cmd, flag.ContinueOnError)
-	fs.SetOutput(c.errOut)
-	fs.Usage = func() { fmt.Fprint(c.errOut, usage) }
-	return fs
+	return quiet(flag.NewFlagSet(cmd, flag.ContinueOnError))
 }
 
 // flagError is the error of a flag set's Parse for command cmd ("" for
@@ -224,10 +257,10 @@ func (c *cli) table(header string, rows [][]string) error {
 }
 
 // parseFlags parses sub-command flags that may come after positional args.
-func parseFlags(fs *flag.FlagSet, args []string) ([]string, error) {
+func (c *cli) parseFlags(fs *flag.FlagSet, args []string) ([]string, error) {
 	var pos []string
 	for len(args) > 0 {
-		if err := fs.Parse(args); err != nil {
+		if err := parse(fs, args, c.errOut); err != nil {
 			return nil, flagError(fs.Name(), err)
 		}
 		args = fs.Args()
@@ -258,7 +291,7 @@ func (c *cli) policy(ctx context.Context, args []string) error {
 	default:
 		return usagef("policy: unknown sub-command %q (want publish, get, list or diff)", args[0])
 	}
-	pos, err := parseFlags(fs, args[1:])
+	pos, err := c.parseFlags(fs, args[1:])
 	if err != nil {
 		return err
 	}
@@ -302,8 +335,11 @@ func (c *cli) policy(ctx context.Context, args []string) error {
 				return err
 			}
 			n, err := strconv.ParseUint(pos[0], 10, 64)
-			if err != nil || n == 0 {
+			if err != nil {
 				return usagef("%s: unexpected argument %q (want a version number)", cmd, pos[0])
+			}
+			if n == 0 {
+				return usagef("%s: no version 0: versions start at 1 (without N, the current version)", cmd)
 			}
 			flagged := false
 			fs.Visit(func(f *flag.Flag) { flagged = flagged || f.Name == "version" })
@@ -312,7 +348,7 @@ func (c *cli) policy(ctx context.Context, args []string) error {
 			}
 			*version = n
 		}
-		resp, err := c.op.GetPolicy(ctx, &allotv1.GetPolicyRequest{Version: *version})
+		resp, err := c.policyVersion(ctx, cmd, *version)
 		if err != nil {
 			return err
 		}
@@ -359,7 +395,7 @@ func (c *cli) policy(ctx context.Context, args []string) error {
 		if err != nil {
 			return fmt.Errorf("%s: %w", pos[0], err)
 		}
-		resp, err := c.op.GetPolicy(ctx, &allotv1.GetPolicyRequest{Version: *version})
+		resp, err := c.policyVersion(ctx, cmd, *version)
 		if err != nil {
 			return err
 		}
@@ -386,8 +422,28 @@ func (c *cli) policy(ctx context.Context, args []string) error {
 	return nil // not reached: args[0] was checked above
 }
 
+// policyVersion returns policy version v (0: the current one) for command
+// cmd. The allocator answers NotFound "not retained" for any version it
+// does not hold: one past the current version was never published.
+func (c *cli) policyVersion(ctx context.Context, cmd string, v uint64) (*allotv1.GetPolicyResponse, error) {
+	resp, err := c.op.GetPolicy(ctx, &allotv1.GetPolicyRequest{Version: v})
+	if err == nil || v == 0 || connect.CodeOf(err) != connect.CodeNotFound {
+		return resp, err
+	}
+	cur, cerr := c.op.GetPolicy(ctx, &allotv1.GetPolicyRequest{})
+	switch {
+	case connect.CodeOf(cerr) == connect.CodeNotFound:
+		return nil, fmt.Errorf("%s: version %d was never published: no policy has been published yet", cmd, v)
+	case cerr != nil:
+		return nil, err
+	case v > cur.GetPolicy().GetVersion():
+		return nil, fmt.Errorf("%s: version %d was never published (the current version is %d)", cmd, v, cur.GetPolicy().GetVersion())
+	}
+	return nil, fmt.Errorf("%s: %w (see allotctl policy list)", cmd, err)
+}
+
 func (c *cli) bound(ctx context.Context, args []string) error {
-	pos, err := parseFlags(c.flags("bound"), args)
+	pos, err := c.parseFlags(c.flags("bound"), args)
 	if err != nil {
 		return err
 	}
@@ -424,7 +480,7 @@ func (c *cli) bound(ctx context.Context, args []string) error {
 func (c *cli) window(ctx context.Context, args []string) error {
 	fs := c.flags("window")
 	index := fs.Int64("index", 0, "window index (default current)")
-	pos, err := parseFlags(fs, args)
+	pos, err := c.parseFlags(fs, args)
 	if err != nil {
 		return err
 	}
@@ -433,15 +489,14 @@ func (c *cli) window(ctx context.Context, args []string) error {
 	}
 	resp, err := c.op.GetWindow(ctx, &allotv1.GetWindowRequest{Quota: pos[0], WindowIndex: *index})
 	if err != nil {
-		return err
+		return c.windowNotFound(ctx, pos[0], *index, err)
 	}
 	if c.json {
 		return c.emitJSON(resp)
 	}
 	fmt.Fprintf(c.out, "%s window %d [%s, %s): limit %d granted %d released %d expired %d remaining %d\n",
 		resp.GetQuota(), resp.GetWindowIndex(),
-		time.UnixMilli(resp.GetWindowStartUnixMs()).UTC().Format("15:04:05.000"),
-		time.UnixMilli(resp.GetWindowEndUnixMs()).UTC().Format("15:04:05.000"),
+		clock(resp.GetWindowStartUnixMs()), clock(resp.GetWindowEndUnixMs()),
 		resp.GetLimit(), resp.GetGranted(), resp.GetReleased(), resp.GetExpired(), resp.GetRemaining())
 	if n := resp.GetCarried(); n > 0 {
 		// Leases of pools a publish reset, still live when this window
@@ -456,8 +511,39 @@ func (c *cli) window(ctx context.Context, args []string) error {
 	return c.table("REGION\tGRANTS\tGRANTED\tRELEASED\tHELD\tEXPIRED\tDEMAND/S", rows)
 }
 
+// windowNotFound is the error of window's GetWindow(quota, index) that
+// failed with err. The allocator retains the previous window's ledger (and
+// the next one's, once pre-granted from) but keeps none of a window nobody
+// was granted from, and answers NotFound "not retained" for it: for the
+// previous and the next window, the error says it had no grants instead.
+func (c *cli) windowNotFound(ctx context.Context, quota string, index int64, err error) error {
+	if index == 0 || connect.CodeOf(err) != connect.CodeNotFound {
+		return err
+	}
+	cur, cerr := c.op.GetWindow(ctx, &allotv1.GetWindowRequest{Quota: quota})
+	if cerr != nil {
+		return err
+	}
+	length := cur.GetWindowEndUnixMs() - cur.GetWindowStartUnixMs()
+	var which, had string
+	switch index - cur.GetWindowIndex() {
+	case -1:
+		which, had = "the previous window", "had no grants"
+	case 1:
+		which, had = "the next window", "has no grants yet"
+	default:
+		return err
+	}
+	start := cur.GetWindowStartUnixMs() + (index-cur.GetWindowIndex())*length
+	return fmt.Errorf("window: %s window %d (%s, [%s, %s)) %s: the allocator keeps no ledger of a window nobody was granted from",
+		quota, index, which, clock(start), clock(start+length), had)
+}
+
+// clock formats a window bound as window's table does.
+func clock(unixMs int64) string { return time.UnixMilli(unixMs).UTC().Format("15:04:05.000") }
+
 func (c *cli) cluster(ctx context.Context, args []string) error {
-	pos, err := parseFlags(c.flags("cluster"), args)
+	pos, err := c.parseFlags(c.flags("cluster"), args)
 	if err != nil {
 		return err
 	}
@@ -503,7 +589,7 @@ func (c *cli) member(ctx context.Context, args []string) error {
 	default:
 		return usagef("member: unknown sub-command %q (%s)", args[0], want)
 	}
-	pos, err := parseFlags(c.flags(cmd), args[1:])
+	pos, err := c.parseFlags(c.flags(cmd), args[1:])
 	if err != nil {
 		return err
 	}

@@ -474,3 +474,121 @@ func TestCtlWindowShowsCarried(t *testing.T) {
 		}
 	}
 }
+
+// TestCtlFlagErrorsPrintedOnce: a flag error is returned once, without the
+// flag package's own copy of it and of the whole usage before it; -h and
+// an unknown command still print the usage.
+func TestCtlFlagErrorsPrintedOnce(t *testing.T) {
+	addr := noCalls(t)
+	file := filepath.Join(t.TempDir(), "northstar.yaml")
+	if err := os.WriteFile(file, examples.Northstar, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, tt := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"-bogus", "cluster"}, "flag provided but not defined: -bogus"},
+		{[]string{"-timeout", "soon", "cluster"}, `invalid value "soon" for flag -timeout`},
+		{[]string{"policy", "publish", file, "-author", "a", "-reason", "r", "-timeout", "3s"},
+			`policy publish: unexpected argument "-timeout": global flags go before the command (allotctl -timeout ... policy publish ...)`},
+		{[]string{"window", "p-global", "-index", "x"}, `window: invalid value "x" for flag -index`},
+	} {
+		var out, errOut bytes.Buffer
+		err := Main(context.Background(), append([]string{"-addr", addr}, tt.args...), &out, &errOut)
+		wantUsage(t, err, out.String()+errOut.String(), tt.want)
+		if out.Len()+errOut.Len() > 0 {
+			t.Errorf("%v: printed %q, want nothing but the error returned", tt.args, out.String()+errOut.String())
+		}
+		if UsageShown(err) {
+			t.Errorf("%v: UsageShown, want a pointer to -h", tt.args)
+		}
+	}
+	var out, errOut bytes.Buffer
+	err := Main(context.Background(), []string{"-addr", addr, "frobnicate"}, &out, &errOut)
+	if !UsageShown(err) || strings.Count(errOut.String(), "usage: allotctl") != 1 {
+		t.Errorf("unknown command: %v, UsageShown %v, want the usage once (output %q)", err, UsageShown(err), errOut.String())
+	}
+}
+
+// TestCtlPolicyVersionNeverPublished: a version past the current one was
+// never published, and the error says so (the allocator says "not
+// retained" of it); version 0 is refused before the network: versions
+// start at 1.
+func TestCtlPolicyVersionNeverPublished(t *testing.T) {
+	empty := startNode(t)
+	if _, err := runCtl(t, empty, "policy", "get", "-version", "3"); err == nil ||
+		!strings.Contains(err.Error(), "policy get: version 3 was never published: no policy has been published yet") {
+		t.Errorf("get -version 3 before any publish: %v", err)
+	}
+	addr := startNode(t)
+	dir := publishTwoVersions(t, addr)
+	for _, args := range [][]string{
+		{"policy", "get", "-version", "99"},
+		{"policy", "get", "99"},
+		{"policy", "diff", filepath.Join(dir, "northstar.yaml"), "-version", "99"},
+	} {
+		_, err := runCtl(t, addr, args...)
+		want := args[0] + " " + args[1] + ": version 99 was never published (the current version is 2)"
+		if err == nil || err.Error() != want {
+			t.Errorf("%v: got err %v, want %q", args, err, want)
+		}
+	}
+	out, err := runCtl(t, noCalls(t), "policy", "get", "0")
+	wantUsage(t, err, out, "policy get: no version 0: versions start at 1")
+}
+
+// TestCtlWindowWithoutGrants: the previous window, and the next one before
+// anything is pre-granted from it, have no ledger when nobody was granted
+// from them; the error says they had no grants, not that they are not
+// retained. An older window is not retained.
+func TestCtlWindowWithoutGrants(t *testing.T) {
+	addr := startNode(t)
+	publishTwoVersions(t, addr)
+	current := func() int64 {
+		t.Helper()
+		out, err := runCtl(t, addr, "-o", "json", "window", "p-tenant-atlas")
+		if err != nil {
+			t.Fatalf("%v\n%s", err, out)
+		}
+		var w struct {
+			WindowIndex string `json:"windowIndex"`
+		}
+		if err := json.Unmarshal([]byte(out), &w); err != nil {
+			t.Fatalf("%v\n%s", err, out)
+		}
+		n, err := strconv.ParseInt(w.WindowIndex, 10, 64)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	for _, tt := range []struct {
+		offset int64
+		want   string
+	}{
+		{-1, "(the previous window, ["},
+		{-1, ")) had no grants: the allocator keeps no ledger of a window nobody was granted from"},
+		{1, "(the next window, ["},
+		{1, ")) has no grants yet"},
+		{-3, "not retained"},
+	} {
+		// A window may end between the calls: try again when it did.
+		for try := 0; ; try++ {
+			cur := current()
+			idx := cur + tt.offset
+			_, err := runCtl(t, addr, "window", "p-tenant-atlas", "-index", strconv.FormatInt(idx, 10))
+			if cur != current() && try < 3 {
+				continue
+			}
+			want := fmt.Sprintf("window: p-tenant-atlas window %d ", idx)
+			if tt.offset == -3 {
+				want = ""
+			}
+			if err == nil || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("-index current%+d: got err %v, want one containing %q and %q", tt.offset, err, want, tt.want)
+			}
+			break
+		}
+	}
+}

@@ -2,9 +2,11 @@ package policy
 
 import (
 	"bytes"
+	"cmp"
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -27,6 +29,9 @@ const maxNodeVisits = 2_000_000
 // errors. Inputs over MaxDocumentBytes or MaxRules are refused. Every error
 // wraps ErrInvalid, and each problem is a *FieldError naming the field path in
 // the source order, e.g. "rules[2].cost: 30 exceeds capacity 20 (line 31)".
+// Unknown fields are listed with the problems validation finds in the rest
+// of the document; any other problem of decoding (a value of the wrong
+// type, say) is listed without them.
 func Parse(data []byte) (*Document, error) {
 	if len(data) > MaxDocumentBytes {
 		return nil, Errors{{Msg: fmt.Sprintf("document is %d bytes; the limit is %d", len(data), MaxDocumentBytes)}}
@@ -49,22 +54,65 @@ func Parse(data []byte) (*Document, error) {
 
 	p := parser{budget: maxNodeVisits}
 	d := p.document(&root)
-	if err := p.c.err(); err != nil {
-		return nil, err
+	if !p.onlyUnknownFields() {
+		// A value of the wrong type or shape was left out of d: validating
+		// d would report what is missing from it, not what is wrong.
+		return nil, p.c.err()
 	}
-	var c collector
+	// Unknown fields are left out of d, which holds every known field as
+	// written: validate it too, so that every problem is listed at once.
+	// What validation says of a field the document misspelt (it is
+	// absent) is left out: the unknown field's "did you mean" says it.
+	c := p.c
+	decoded := len(c.errs)
 	d.validate(&c)
-	if err := c.err(); err != nil {
-		for _, fe := range c.errs {
-			if fe.Path != "" {
-				fe.Line = lineOf(&root, fe.Path)
-			}
-		}
-		return nil, err
+	if len(c.errs) == 0 {
+		d.normalize()
+		return d, nil
 	}
-	d.normalize()
-	return d, nil
+	c.errs = slices.DeleteFunc(c.errs, func(fe *FieldError) bool {
+		return !strings.HasPrefix(fe.Msg, unknownField) && p.misspeltField(fe.Path)
+	})
+	for _, fe := range c.errs[decoded:] {
+		if fe.Path != "" {
+			fe.Line = lineOf(&root, fe.Path)
+		}
+	}
+	if decoded > 0 { // merge the unknown fields in, in document order
+		slices.SortStableFunc(c.errs, func(a, b *FieldError) int { return cmp.Compare(a.Line, b.Line) })
+	}
+	return nil, c.err()
 }
+
+// onlyUnknownFields reports whether the problems p found while decoding,
+// if any, are all unknown fields, and that it decoded the whole document
+// (within its node budget, and without stopping at the cap of reported
+// problems).
+func (p *parser) onlyUnknownFields() bool {
+	if p.budget < 0 || p.c.truncated {
+		return false
+	}
+	for _, fe := range p.c.errs {
+		if !strings.HasPrefix(fe.Msg, unknownField) {
+			return false
+		}
+	}
+	return true
+}
+
+// misspeltField reports whether path is, or is within, a field p found
+// misspelt.
+func (p *parser) misspeltField(path string) bool {
+	for m := range p.misspelt {
+		if path == m || strings.HasPrefix(path, m+".") || strings.HasPrefix(path, m+"[") {
+			return true
+		}
+	}
+	return false
+}
+
+// unknownField begins the message of a field the schema does not have.
+const unknownField = "unknown field"
 
 // yamlMessage strips the package prefix from a yaml.v3 error.
 func yamlMessage(err error) string {
@@ -75,6 +123,10 @@ func yamlMessage(err error) string {
 type parser struct {
 	c      collector
 	budget int
+	// misspelt holds the paths of known fields absent from their mapping
+	// and suggested for an unknown field there ("did you mean"): what
+	// validation says of them follows from the misspelling.
+	misspelt map[string]bool
 }
 
 // lineOf returns the source line of a field path such as "rules[2].cost",
@@ -165,6 +217,7 @@ func (p *parser) fields(path string, n *yaml.Node, known ...string) map[string]*
 		return nil
 	}
 	out := make(map[string]*yaml.Node, len(n.Content)/2)
+	var suggested []string // known fields suggested for unknown ones
 	for i := 0; i+1 < len(n.Content); i += 2 {
 		k, v := n.Content[i], n.Content[i+1]
 		if k.Kind == yaml.AliasNode {
@@ -184,14 +237,23 @@ func (p *parser) fields(path string, n *yaml.Node, known ...string) map[string]*
 			continue
 		}
 		if !contains(known, k.Value) {
-			msg := "unknown field"
+			msg := unknownField
 			if s := suggest(k.Value, known); s != "" {
 				msg += fmt.Sprintf("; did you mean %q?", s)
+				suggested = append(suggested, s)
 			}
 			p.c.add(fp, k.Line, "%s", msg)
 			continue
 		}
 		out[k.Value] = v
+	}
+	for _, s := range suggested {
+		if _, ok := out[s]; !ok {
+			if p.misspelt == nil {
+				p.misspelt = map[string]bool{}
+			}
+			p.misspelt[join(path, s)] = true
+		}
 	}
 	return out
 }

@@ -409,3 +409,78 @@ func TestErrorsQuoteBoundedInput(t *testing.T) {
 		})
 	}
 }
+
+// TestParseUnknownFieldWithOtherProblems: an unknown field is listed with
+// the document's other problems, in document order with their lines, not
+// instead of them. What validation would say of the field it misspells
+// (absent: refill_per_second 0) is left to its "did you mean".
+func TestParseUnknownFieldWithOtherProblems(t *testing.T) {
+	const doc = `name: t
+regions: [eu]
+rules:
+  - name: read
+    scope: user
+    match: [{key: tenant}, {key: user}]
+    kind: token_bucket
+    capacity: 20
+    refil_per_second: 2
+  - name: anon
+    scope: ip
+    match: [{key: ip}]
+    kind: fixed_windw
+    limit: 20
+    window: 10s
+  - name: tenant
+    scope: tenant
+    match: [{key: tenant, value: atlas}]
+    kind: global_quota
+    limit: 1000
+    window: 1m
+    lease: {chunk: 100, ttl: 2m}
+`
+	_, err := Parse([]byte(doc))
+	var es Errors
+	if !errors.As(err, &es) {
+		t.Fatalf("want Errors, got %T %v", err, err)
+	}
+	want := []string{
+		`rules[0].refil_per_second: unknown field; did you mean "refill_per_second"? (line 9)`,
+		`rules[1].kind: unknown kind "fixed_windw"; want one of fixed_window, sliding_window, token_bucket, concurrency, global_quota (line 13)`,
+		"rules[2].lease.ttl: 2m exceeds window 1m (line 22)",
+	}
+	if len(es) != len(want) {
+		t.Errorf("%d problems, want %d: %v", len(es), len(want), err)
+	}
+	for i, w := range want {
+		if i < len(es) && es[i].Error() != w {
+			t.Errorf("problem %d: %q, want %q", i, es[i], w)
+		}
+	}
+	// Without the misspelt field, its absence is a problem of its own.
+	_, err = Parse([]byte(strings.Replace(doc, "    refil_per_second: 2\n", "", 1)))
+	if !errors.As(err, &es) || len(es) != 3 || !strings.HasPrefix(es[0].Error(), "rules[0].refill_per_second: 0 never refills") {
+		t.Errorf("without the unknown field: %v, want refill_per_second's and the 2 other problems", err)
+	}
+}
+
+// TestParseUnknownFieldsCapped: unknown fields count towards the cap of
+// reported problems, validation's problems after them.
+func TestParseUnknownFieldsCapped(t *testing.T) {
+	var b strings.Builder
+	b.WriteString("name: t\nregions: [eu]\nrules:\n")
+	for i := range maxReportedErrors {
+		fmt.Fprintf(&b, "  - {name: r%d, scope: ip, match: [{key: ip}], kind: fixed_window, limit: 5, window: 1s, cost: 6, colour: red}\n", i)
+	}
+	_, err := Parse([]byte(b.String()))
+	var es Errors
+	if !errors.As(err, &es) {
+		t.Fatalf("want Errors, got %T %v", err, err)
+	}
+	if len(es) != maxReportedErrors+1 || es[len(es)-1].Msg != "further problems not listed" {
+		t.Errorf("%d problems, last %v: want %d and the truncation note", len(es), es[len(es)-1], maxReportedErrors)
+	}
+	_, err = Parse([]byte("name: t\nregions: [eu]\nrules:\n  - {name: r, scope: ip, match: [{key: ip}], kind: fixed_window, limit: 5, window: 1s, cost: 6, colour: red}\n"))
+	if !errors.As(err, &es) || len(es) != 2 || !strings.Contains(es[0].Error(), "colour: unknown field (line 4)") || !strings.Contains(es[1].Error(), "cost: 6 exceeds limit 5 (line 4)") {
+		t.Errorf("one rule, unknown field and cost: %v", err)
+	}
+}
