@@ -47,16 +47,34 @@
 //     cap keeps its grants and gets nothing until it holds less); a
 //     changed window length (or TemplateKeys) drops the quota's windows
 //     and grants; a dropped quota goes with its windows. Regions keep
-//     spending the dropped grants until their leases end, so their
-//     unreleased tokens that had not expired are carried: every window
-//     opened while they live, for a pool of the same name (the quota's, or
-//     a re-added quota's), leaves room for them (pool = max(0, limit -
-//     carried - outstanding); WindowView.Carried). Only grants of windows
-//     still held (the previous, current and next) are carried. Carried
-//     tokens are not kept per region, so they do not count toward a
-//     region's cap: until they expire a region may hold them beside a
-//     full cap of new grants. The last HistoryVersions versions are kept
-//     for audit.
+//     spending the dropped grants until their leases end, and may have
+//     spent those already expired at any time since they were granted, so
+//     the unreleased tokens of every dropped grant are carried: every
+//     window of a pool of the same name (the quota's, or a re-added
+//     quota's) whose span the grant's lease reaches, from its grant to its
+//     expiry, leaves room for them (pool = max(0, limit - carried -
+//     outstanding); WindowView.Carried), live or expired. That includes the
+//     window of the new length the change lands in, which began before the
+//     publish: a longer window spans old windows whose grants are partly
+//     spent (1m to 2m at 05:29:40: [05:28, 05:30) counts what [05:28,
+//     05:29) and [05:29, 05:30) granted), a shorter one counts only the
+//     grants whose leases reach it (2m to 1m at 05:29:55: [05:29, 05:30)
+//     does not count a grant of [05:28, 05:30) that expired at 05:28:30),
+//     so no window of the new length admits more than its limit, old and
+//     new grants together. The grants of the windows still held (the
+//     previous, current and next) are counted exactly. Older windows of the
+//     same length, which the state machine no longer holds, are counted
+//     whole, at the largest limit the policy versions held gave them since
+//     the quota took that length (the most they can have granted), if the
+//     window of the new length reaches them: a window that grows more than
+//     twofold may admit less than its limit in the window the change lands
+//     in, never more. A later window that reaches back further than the
+//     publish accounted for (another change, or a quota re-added with a
+//     longer window), or a window older than the versions held, is left
+//     empty until it ends. Carried tokens are not kept per region, so they
+//     do not count toward a region's cap: until they expire a region may
+//     hold them beside a full cap of new grants. The last HistoryVersions
+//     versions are kept for audit.
 //   - SetMember records (or removes) the API address of an allocator
 //     member, so that every replica can direct clients to the leader.
 //
@@ -85,11 +103,14 @@
 // ErrInvalidArgument. Release, the grants, the windows and the snapshots of
 // instances work as for any quota. A publish that changes a template's
 // window drops its instances whole (they come back with the next Acquire);
-// one that drops the template drops them all. Each instance's live tokens
-// are carried under its name, so a re-created instance leaves room for its
-// own leases. When TemplateKeys change (or a single pool becomes a template
-// or back), new pools cannot be matched to old ones: every new pool of that
-// name leaves room for the live tokens of all the old ones.
+// one that drops the template drops them all. Each instance's tokens are
+// carried under its name, so a re-created instance leaves room for its own
+// leases, and the windows no longer held count for every instance (one
+// that was not alive at the publish may have granted in them). When
+// TemplateKeys change (or a single pool becomes a template or back), new
+// pools cannot be matched to old ones: every new pool of that name leaves
+// room for the tokens of all the old ones, and none is left for it in a
+// window that reaches old windows no longer held.
 //
 // # Memory
 //
@@ -102,9 +123,11 @@
 // same way (amortized O(1) each: a template keeps its instances in order of
 // death). Request ids are kept for two of the longest
 // window of the policy, and at most MaxIdempotencyRecords of them. Carried
-// tokens take one small entry per reset pool (and per template) while its
-// leases live; a publish forgets the expired ones, and until then they are
-// invisible like old windows.
+// tokens take one small entry per expiry of a reset pool's grants (and a
+// few per template), kept exact for the longest window of the policy
+// versions held after the leases end; then a publish collapses each name's
+// into one entry (of its template's, for an instance), which goes
+// MaxWindowMs after they end, when no window can reach back to them.
 //
 // # Usage
 //
@@ -137,9 +160,12 @@
 //     before any leader writes it: a replica that rejects an entry others
 //     accept diverges. So does one that applies an entry by another rule:
 //     builds before the carried tokens (see Publish) grant a reset pool in
-//     full, so publish no window change or quota removal while replicas of
-//     both builds serve. Likewise, builds before MaxHeldPerRegion refuse a
-//     spec that sets it (an unknown field): publish no cap while they serve.
+//     full, and builds before expired leases were carried leave them out,
+//     so publish no window change or quota removal while replicas of an
+//     older build serve (their snapshots restore on the new build; the new
+//     build's, once such a publish happened, do not restore on them).
+//     Likewise, builds before MaxHeldPerRegion refuse a spec that sets it
+//     (an unknown field): publish no cap while they serve.
 //  6. Report demand on every Acquire when a quota uses fair_share: a region
 //     that reports none has no need, so under contention it gets no share.
 package fsm

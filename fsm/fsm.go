@@ -119,11 +119,15 @@ type state struct {
 	// members maps Raft server IDs to API addresses.
 	members map[string]string
 	// carries maps a pool's name (a single pool's, an instance's) or a
-	// template's to the tokens a publish left outstanding when it reset
-	// the pools of that name (see carry): at most one entry per keys, in
-	// ascending keys. Entries expired at now are invisible; publish prunes
-	// them.
+	// template's to the tokens that pools of that name reset by a publish
+	// had granted and that may still be spent (see carry), in ascending
+	// keys, then expires, at most one entry per pair. Entries that expired
+	// more than MaxWindowMs before now are invisible; publish collapses old
+	// ones (see collapseCarries).
 	carries map[string][]carry
+	// historyWindowMs holds, for each record of history, the longest window
+	// of its quotas: carries are kept exact for the longest of them.
+	historyWindowMs []int64
 	// maxInstances is MaxInstancesPerTemplate; tests lower it.
 	maxInstances int
 }
@@ -139,34 +143,61 @@ func newState() *state {
 	}
 }
 
-// carry is what a publish that reset pools (a changed window length or
-// TemplateKeys, a removed quota) leaves behind: their grants' unreleased
-// tokens that had not expired at the reset. Regions keep spending deposited
-// tokens until their leases end, so while those live, every window opened
-// for a pool of the same name leaves room for them: its pool is
-// max(0, limit - carried - outstanding), as if they had been granted from
-// it. An entry is live while expires > now; it covers a re-added quota too,
-// which is why it is kept by name in the state and not in the quota.
+// carry is one step of what a publish that reset pools (a changed window
+// length or TemplateKeys, a removed quota) leaves behind: tokens the old
+// pools granted (net of releases) that regions may spend until expires.
+// Regions keep spending deposited tokens until their leases end, and may
+// have spent those of expired leases at any time since they were granted,
+// so every window opened for a pool of the same name leaves room for every
+// step that ends after the window starts (expires > start), as if those
+// tokens had been granted from it: its pool is max(0, limit - carried -
+// outstanding). That holds for a window that began before the publish (the
+// one the change lands in, for a longer window than before: its span
+// overlaps the old windows), whether the old grants are live or expired, and
+// for a re-added quota too, which is why steps are kept by name in the state
+// and not in the quota.
 //
-// An entry is recorded under the name of each reset pool (a single pool, an
-// instance) and, for a template, under the template's name with the sum
-// over its instances. A window of a single pool leaves room for every entry
-// of its name; a window of an instance for every entry of its own name and
-// those of its template's name recorded for other TemplateKeys: an instance
-// named by other values cannot be matched to the old instances (or to the
-// old single pool), so it leaves room for all of them.
+// A reset records (see reset): one step per expiry of the old pool's grants
+// in the windows the state machine holds (the previous, the current and the
+// next), their exact tokens; and for the older windows of the same window
+// length, which the state machine no longer holds, each counted as its
+// whole limit (the most it can have granted), a step ending when their
+// leases may last be spent. For a changed window length, only the old
+// windows that the new length's window holding the publish reaches are
+// counted, and a step of MaxLimit ends at that window's start: a window
+// reaching further (a later, longer one) is left empty. A removal counts
+// them all, since the length of a re-added quota is not known; windows
+// older than the policy versions held count as MaxLimit.
+//
+// Steps are recorded under the name of each reset pool (a single pool, an
+// instance) and, for a template, under the template's name: for its
+// TemplateKeys, the sum over its instances (per old window); for
+// TemplateKeys 0, what each instance may have of the windows no longer held
+// (dead instances included). A window of a single pool leaves room for
+// every step of its name; a window of an instance for every step of its own
+// name and those of its template's name recorded for other TemplateKeys: an
+// instance named by other values cannot be matched to the old instances
+// (or to the old single pool), so it leaves room for all of them; steps of
+// TemplateKeys 0 apply to every instance.
 type carry struct {
-	// keys is the TemplateKeys of the quota the entry was recorded for.
+	// keys is the TemplateKeys of the quota the step was recorded for (0
+	// for a single pool, and for the steps of a template that apply to
+	// each of its instances).
 	keys int
-	// tokens is the unreleased tokens, at most MaxLimit (more than any
-	// limit: a pool is empty either way).
+	// tokens is the step's tokens, at most MaxLimit (more than any limit:
+	// a pool is empty either way).
 	tokens int64
-	// expires is the latest expiry among them.
+	// expires is when the step's tokens may last be spent: the step counts
+	// against every window that starts before it.
 	expires int64
 }
 
-// live reports whether c still holds tokens at now.
-func (c carry) live(now int64) bool { return c.expires > now }
+// countsIn reports whether c counts against a window starting at start.
+func (c carry) countsIn(start int64) bool { return c.expires > start }
+
+// visible reports whether c can still count against a window at now: no
+// window is longer than MaxWindowMs.
+func (c carry) visible(now int64) bool { return c.expires > now-MaxWindowMs }
 
 type quota struct {
 	name    string
@@ -194,9 +225,9 @@ type demand struct {
 type window struct {
 	index int64
 	limit int64
-	// carried is the tokens of pools reset by a publish that were still
-	// live when the window opened (see carry); the pool leaves room for
-	// them.
+	// carried is the tokens of pools reset by a publish that may be spent
+	// in the window: the steps that end after it starts (see carry); the
+	// pool leaves room for them.
 	carried  int64
 	granted  int64
 	released int64
@@ -283,19 +314,20 @@ func (w *window) remaining() int64 {
 	return max(0, w.limit-w.carried-(w.granted-w.released))
 }
 
-// carried returns the tokens of reset pools that a window of pool q opened
-// at now leaves room for: the live entries of q's name and, for an
-// instance, those of its template's name recorded for other TemplateKeys.
-func (s *state) carried(q *quota, now int64) int64 {
+// carried returns the tokens of reset pools that a window of pool q
+// starting at start leaves room for: the steps of q's name and, for an
+// instance, those of its template's name recorded for other TemplateKeys
+// (0 included), that end after start.
+func (s *state) carried(q *quota, start int64) int64 {
 	var n int64
 	for _, c := range s.carries[q.name] {
-		if c.live(now) {
+		if c.countsIn(start) {
 			n = satAdd(n, c.tokens)
 		}
 	}
 	if t := q.tmpl; t != nil {
 		for _, c := range s.carries[t.name] {
-			if c.live(now) && c.keys != t.spec.TemplateKeys {
+			if c.countsIn(start) && c.keys != t.spec.TemplateKeys {
 				n = satAdd(n, c.tokens)
 			}
 		}
@@ -303,80 +335,256 @@ func (s *state) carried(q *quota, now int64) int64 {
 	return min(n, MaxLimit)
 }
 
-// carriedInto is carried for window idx of q opened at now: only the
-// carries still live when the window starts count (a window opened early,
-// for a pre-grant, must not leave room for clamped leases that end at its
-// start).
-func (s *state) carriedInto(q *quota, idx, now int64) int64 {
-	return s.carried(q, max(now, lease.WindowStart(idx, q.spec.WindowMs)))
+// carriedInto is carried for window idx of q: the steps that end after the
+// window starts (a window opened early, for a pre-grant, does not leave
+// room for clamped leases that end at its start; one opened late, after
+// old leases ended, still does, since they may have been spent in it).
+func (s *state) carriedInto(q *quota, idx int64) int64 {
+	return s.carried(q, lease.WindowStart(idx, q.spec.WindowMs))
 }
 
-// addCarry merges tokens expiring by expires into the entry of name and
-// keys, replacing it if it is no longer live at now.
-func (s *state) addCarry(name string, keys int, tokens, expires, now int64) {
-	cs := s.carries[name]
-	i, found := slices.BinarySearchFunc(cs, keys, func(c carry, k int) int { return cmp.Compare(c.keys, k) })
-	switch {
-	case !found:
-		s.carries[name] = slices.Insert(cs, i, carry{keys: keys, tokens: min(tokens, MaxLimit), expires: expires})
-	case !cs[i].live(now):
-		cs[i] = carry{keys: keys, tokens: min(tokens, MaxLimit), expires: expires}
-	default:
-		cs[i].tokens = min(satAdd(cs[i].tokens, tokens), MaxLimit)
-		cs[i].expires = max(cs[i].expires, expires)
+// addCarry adds steps (ascending expires, each once, tokens > 0) to those
+// of name and keys, merging steps of equal expiry.
+func (s *state) addCarry(name string, keys int, steps []carry) {
+	if len(steps) == 0 {
+		return
 	}
+	cs := s.carries[name]
+	lo, _ := slices.BinarySearchFunc(cs, keys, func(c carry, k int) int { return cmp.Compare(c.keys, k) })
+	hi := lo
+	for hi < len(cs) && cs[hi].keys == keys {
+		hi++
+	}
+	old := cs[lo:hi]
+	merged := make([]carry, 0, len(old)+len(steps))
+	i, j := 0, 0
+	for i < len(old) || j < len(steps) {
+		switch {
+		case j == len(steps) || i < len(old) && old[i].expires < steps[j].expires:
+			merged = append(merged, old[i])
+			i++
+		case i == len(old) || steps[j].expires < old[i].expires:
+			merged = append(merged, carry{keys: keys, tokens: min(steps[j].tokens, MaxLimit), expires: steps[j].expires})
+			j++
+		default:
+			merged = append(merged, carry{keys: keys, tokens: min(satAdd(old[i].tokens, steps[j].tokens), MaxLimit), expires: old[i].expires})
+			i++
+			j++
+		}
+	}
+	s.carries[name] = slices.Concat(cs[:lo], merged, cs[hi:])
 }
 
-// pruneCarries forgets the carries no longer live at now.
-func (s *state) pruneCarries(now int64) {
+// carryRetention is how long after it ends a step is kept exact: the
+// longest window of the policy versions held, so that a window of any of
+// them (a quota re-added as it was, say) that starts before the step ends
+// finds it.
+func (s *state) carryRetention() int64 {
+	var r int64
+	for _, w := range s.historyWindowMs {
+		r = max(r, w)
+	}
+	return r
+}
+
+// carryFamily is the name whose steps of TemplateKeys 0 apply to every
+// pool named like name: a single pool's own, an instance's template's.
+func carryFamily(name string) string {
+	if t, _, ok := strings.Cut(name, instanceSep); ok {
+		return t
+	}
+	return name
+}
+
+// collapseCarries forgets the steps that can no longer count against a
+// window of the policy versions held (see carryRetention): each family's
+// are replaced by one step of MaxLimit tokens under its name and
+// TemplateKeys 0, ending with the latest of them, so that a window of a
+// longer length published later that starts before they end is left empty
+// rather than told they were never granted. Steps no window can reach (see
+// carry.visible) go without a trace. It runs on publish, so that replicas
+// restored from a snapshot and replicas that applied the log collapse the
+// same steps at the same entries.
+func (s *state) collapseCarries(now int64) {
+	cutoff := now - s.carryRetention()
+	tombs := map[string]int64{}
 	for name, cs := range s.carries { // per name: the order does not matter
-		cs = slices.DeleteFunc(cs, func(c carry) bool { return !c.live(now) })
+		cs = slices.DeleteFunc(cs, func(c carry) bool {
+			switch {
+			case !c.visible(now):
+				return true
+			case c.expires <= cutoff:
+				f := carryFamily(name)
+				tombs[f] = max(tombs[f], c.expires)
+				return true
+			}
+			return false
+		})
 		if len(cs) == 0 {
 			delete(s.carries, name)
 		} else {
 			s.carries[name] = cs
 		}
 	}
+	for f, e := range tombs { // one step per name: the order does not matter
+		s.addCarry(f, 0, []carry{{tokens: MaxLimit, expires: e}})
+	}
 }
 
-// outstanding returns the unreleased tokens of pool q's visible grants
-// that have not expired at now, and the latest of their expiries.
-func (q *quota) outstanding(now int64) (tokens, expires int64) {
-	for _, w := range q.windows {
-		if !q.visible(w.index, now) {
-			continue
-		}
-		for _, g := range w.grants {
-			if n := g.tokens - g.released; n > 0 && g.expires > now {
-				tokens = satAdd(tokens, n)
-				expires = max(expires, g.expires)
-			}
+// grantSteps returns the steps of the unreleased tokens of grants: one per
+// expiry, ascending.
+func grantSteps(grants []*grant) []carry {
+	var steps []carry
+	for _, g := range grants {
+		if n := g.tokens - g.released; n > 0 {
+			steps = append(steps, carry{tokens: n, expires: g.expires})
 		}
 	}
-	return tokens, expires
+	slices.SortFunc(steps, func(a, b carry) int { return cmp.Compare(a.expires, b.expires) })
+	out := steps[:0]
+	for _, c := range steps {
+		if k := len(out) - 1; k >= 0 && out[k].expires == c.expires {
+			out[k].tokens = satAdd(out[k].tokens, c.tokens)
+		} else {
+			out = append(out, c)
+		}
+	}
+	return out
 }
 
 // reset drops q's pools (a single pool's windows, a template's instances)
-// for a publish at now, recording their live tokens as carries first: a
-// pool's under its name, and a template's sum under the template's name.
-// It reports whether there were any windows or instances.
-func (s *state) reset(q *quota, now int64) bool {
+// for a publish at now that replaces q's spec by next (nil when q is
+// removed), recording first as steps (see carry) every token they may have
+// spent in a window that could still open: the unreleased tokens of the
+// grants of the windows held, live or expired, under each pool's name;
+// for a template their sum per window under the template's name; and the
+// older windows of q's window length (see forgottenCarry). It reports
+// whether there were any windows or instances.
+func (s *state) reset(q *quota, now int64, next *QuotaSpec) bool {
 	keys := q.spec.TemplateKeys
 	pools := []*quota{q}
 	if q.isTemplate() {
 		pools = q.instanceList()
 	}
-	var sum, latest int64
+	// A template's sum, per window held: the previous, current and next.
+	prev := q.currentIndex(now) - 1
+	var sums [3]carry
+	var grants []*grant
 	for _, p := range pools {
-		if n, e := p.outstanding(now); n > 0 {
-			s.addCarry(p.name, keys, n, e, now)
-			sum, latest = satAdd(sum, n), max(latest, e)
+		grants = grants[:0]
+		for _, w := range p.windows {
+			if !p.visible(w.index, now) {
+				continue
+			}
+			grants = append(grants, w.grants...)
+			if k := w.index - prev; q.isTemplate() && k >= 0 && k < int64(len(sums)) {
+				for _, c := range grantSteps(w.grants) {
+					sums[k].tokens = satAdd(sums[k].tokens, c.tokens)
+					sums[k].expires = max(sums[k].expires, c.expires)
+				}
+			}
+		}
+		s.addCarry(p.name, keys, grantSteps(grants))
+	}
+	if q.isTemplate() {
+		var steps []carry
+		for _, c := range sums { // ascending windows, but not always expiries
+			if c.tokens > 0 {
+				steps = append(steps, c)
+			}
+		}
+		slices.SortFunc(steps, func(a, b carry) int { return cmp.Compare(a.expires, b.expires) })
+		for _, c := range steps { // one at a time: two may end together
+			s.addCarry(q.name, keys, []carry{c})
 		}
 	}
-	if q.isTemplate() && sum > 0 {
-		s.addCarry(q.name, keys, sum, latest, now)
-	}
+	s.forgottenCarry(q, now, next)
 	return s.dropState(q)
+}
+
+// forgottenCarry records the steps of q's windows older than the previous
+// one, which the state machine no longer holds, for a reset at now that
+// replaces q's spec by next (nil for a removal). Each of them granted at
+// most its limit, and those limits are at most the largest limit of the
+// policy versions since q took its window length (see regime); their
+// leases end by the window's end (clamped) or a TTL later. The windows of
+// next's length start no earlier than the one holding now, so only the old
+// windows whose leases may last until after it starts are counted, under
+// q's name and TemplateKeys 0 (per pool: for a template, every instance may
+// have had that much), with a step of MaxLimit until that start for
+// windows that reach further (a later, longer one). A removal counts them
+// all. For a template, the instances of other TemplateKeys (or a single
+// pool of its name) leave room for all instances': MaxLimit.
+func (s *state) forgottenCarry(q *quota, now int64, next *QuotaSpec) {
+	wo := q.spec.WindowMs
+	held := q.currentIndex(now) - 1 // the oldest window held
+	first, known, limit, slack := s.regime(q.name, wo, q.spec.TemplateKeys)
+	// tokens returns what the old windows may have spent in a window
+	// starting at start (all of them for math.MinInt64).
+	tokens := func(start int64) int64 {
+		from := int64(math.MinInt64)
+		if start != math.MinInt64 {
+			from = lease.WindowIndex(start-slack, wo) // the first whose leases may outlive start
+		}
+		if !known && from < min(first, held) {
+			return MaxLimit // windows older than the history can tell
+		}
+		if from = max(from, first); from >= held {
+			return 0
+		}
+		return min(satMul(held-from, limit), MaxLimit)
+	}
+	all := tokens(math.MinInt64)
+	if all == 0 {
+		return
+	}
+	end := lease.WindowStart(held, wo) + slack // when their leases last end
+	start := int64(math.MinInt64)
+	if next != nil {
+		start = lease.WindowStart(lease.WindowIndex(now, next.WindowMs), next.WindowMs)
+	}
+	var steps []carry
+	if n := tokens(start); n < all {
+		steps = append(steps, carry{tokens: MaxLimit, expires: min(start, end)})
+		if n > 0 {
+			steps = append(steps, carry{tokens: n, expires: end})
+		}
+	} else {
+		steps = append(steps, carry{tokens: n, expires: end})
+	}
+	s.addCarry(q.name, 0, steps)
+	if q.isTemplate() {
+		s.addCarry(q.name, q.spec.TemplateKeys, []carry{{tokens: MaxLimit, expires: end}})
+	}
+}
+
+// regime returns, for pool name of window length wo and TemplateKeys keys
+// in the current policy, what the policy versions held tell of its windows
+// since it took that length (the latest publish that added it, changed its
+// window length or its TemplateKeys): the index of the first of them, the
+// largest limit and the longest unclamped TTL (0 if always clamped) they
+// had. When the history does not reach back to that publish, known is false
+// and first is the first window that opened after the oldest version held:
+// older windows' limits are unknown.
+func (s *state) regime(name string, wo int64, keys int) (first int64, known bool, limit, slack int64) {
+	i := len(s.history) - 1
+	var since int64
+	for ; i >= 0; i-- {
+		qs := s.history[i].Quotas
+		j, found := slices.BinarySearchFunc(qs, name, func(q QuotaSpec, n string) int { return strings.Compare(q.Name, n) })
+		if !found || qs[j].WindowMs != wo || qs[j].TemplateKeys != keys {
+			break
+		}
+		limit = max(limit, qs[j].Limit)
+		if !qs[j].Clamp {
+			slack = max(slack, qs[j].TTLMs)
+		}
+		since = s.history[i].PublishedUnixMs
+	}
+	if i >= 0 || s.history[0].Version == 1 {
+		return lease.WindowIndex(since, wo), true, limit, slack
+	}
+	return lease.WindowIndex(since-1, wo) + 1, false, limit, slack
 }
 
 func (q *quota) currentIndex(now int64) int64 {
@@ -607,7 +815,7 @@ func (s *state) acquire(index uint64, base int, now int64, a *Acquire) (*Acquire
 				w = s.openWindow(q, w.index+1, now)
 			} else if w = q.window(w.index + 1); w == nil {
 				idx := lease.WindowIndex(start, q.spec.WindowMs)
-				w = &window{index: idx, limit: q.spec.Limit, carried: s.carriedInto(q, idx, now)}
+				w = &window{index: idx, limit: q.spec.Limit, carried: s.carriedInto(q, idx)}
 			}
 		}
 		if q.demand == nil {
@@ -711,8 +919,8 @@ func (q *quota) held(region string, now int64) int64 {
 
 // openWindow returns q's window idx (the current one, or the next for a
 // pre-grant), opening it on first touch at now with a full pool, less the
-// live tokens of reset pools of its name (carried). collect must have run at
-// now first.
+// tokens of reset pools of its name that may be spent in it (carried).
+// collect must have run at now first.
 func (s *state) openWindow(q *quota, idx, now int64) *window {
 	at := len(q.windows)
 	for at > 0 && q.windows[at-1].index >= idx {
@@ -721,7 +929,7 @@ func (s *state) openWindow(q *quota, idx, now int64) *window {
 		}
 		at--
 	}
-	w := &window{index: idx, limit: q.spec.Limit, carried: s.carriedInto(q, idx, now)}
+	w := &window{index: idx, limit: q.spec.Limit, carried: s.carriedInto(q, idx)}
 	q.windows = slices.Insert(q.windows, at, w)
 	s.windows++
 	return w
@@ -1016,7 +1224,6 @@ func (s *state) publish(now int64, p *Publish) (*PublishResult, error) {
 		Digest:          documentDigest(p.Document),
 	}
 	res := &PublishResult{Policy: rec.clone(true)}
-	s.pruneCarries(now)
 	quotas := make(map[string]*quota, len(specs))
 	names := make([]string, len(specs))
 	var templates []string
@@ -1048,9 +1255,9 @@ func (s *state) publish(now int64, p *Publish) (*PublishResult, error) {
 		if q.spec.TemplateKeys != spec.TemplateKeys {
 			// A single pool became a template, a template a single pool, or
 			// a template's instances are named by more or fewer values:
-			// the old pools are not the new ones, but their live tokens
-			// are carried (see carry).
-			if s.reset(q, now) {
+			// the old pools are not the new ones, but their tokens that may
+			// be spent in a new window are carried (see carry).
+			if s.reset(q, now, spec) {
 				res.WindowsReset = append(res.WindowsReset, q.name)
 			}
 			quotas[spec.Name] = &quota{name: spec.Name, spec: spec}
@@ -1060,8 +1267,9 @@ func (s *state) publish(now int64, p *Publish) (*PublishResult, error) {
 		case q.spec.WindowMs != spec.WindowMs:
 			// A template's instances go whole, demand reports included:
 			// they come back with the next Acquire that names them. The
-			// live tokens of every pool are carried (see carry).
-			if s.reset(q, now) {
+			// tokens of every pool that may be spent in a window of the
+			// new length are carried (see carry).
+			if s.reset(q, now, spec) {
 				res.WindowsReset = append(res.WindowsReset, q.name)
 			}
 			pools = nil
@@ -1094,17 +1302,31 @@ func (s *state) publish(now int64, p *Publish) (*PublishResult, error) {
 	}
 	for _, name := range s.names {
 		if _, kept := quotas[name]; !kept {
-			s.reset(s.quotas[name], now) // carried, in case it comes back
+			s.reset(s.quotas[name], now, nil) // carried, in case it comes back
 			res.Removed = append(res.Removed, name)
 		}
 	}
 	s.quotas, s.names, s.maxWindowMs, s.gcCursor = quotas, names, maxW, 0
 	s.templates, s.tmplCursor = templates, 0
 	s.history = append(s.history, rec)
+	s.historyWindowMs = append(s.historyWindowMs, maxW)
 	if n := len(s.history); n > HistoryVersions {
 		s.history = append([]*PolicyRecord(nil), s.history[n-HistoryVersions:]...)
+		s.historyWindowMs = append([]int64(nil), s.historyWindowMs[n-HistoryVersions:]...)
 	}
+	s.collapseCarries(now)
 	return res, nil
+}
+
+// satMul multiplies non-negative a and b, saturating at MaxInt64.
+func satMul(a, b int64) int64 {
+	if a == 0 || b == 0 {
+		return 0
+	}
+	if a > math.MaxInt64/b {
+		return math.MaxInt64
+	}
+	return a * b
 }
 
 // satAdd adds non-negative a and b, saturating at MaxInt64.

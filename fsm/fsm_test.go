@@ -599,7 +599,9 @@ func TestPublishChanges(t *testing.T) {
 	}
 
 	// Change birch's window length: its windows and grants go, but the 60
-	// tokens of its six live leases are carried until they expire.
+	// tokens of its six leases are carried into every window they reach:
+	// the 2m window the change lands in, even once they expired (they may
+	// have been spent in it), not the next one.
 	birch2 := birch
 	birch2.WindowMs = 2 * minute
 	birchGrant, _ := h.f.Grant(fmt.Sprint(ids[0][:strings.Index(ids[0], "-")], "-1"))
@@ -613,8 +615,11 @@ func TestPublishChanges(t *testing.T) {
 	if w := h.f.CurrentWindow("birch", t0+6); w.Granted != 0 || w.Carried != 60 || w.Remaining != 40 || w.EndUnixMs-w.StartUnixMs != 2*minute {
 		t.Fatalf("birch after reset: %+v", w)
 	}
-	if w := h.f.CurrentWindow("birch", birchGrant.ExpiresUnixMs); w.Carried != 0 || w.Remaining != 100 {
-		t.Fatalf("birch once the carried leases expired: %+v", w)
+	if w := h.f.CurrentWindow("birch", birchGrant.ExpiresUnixMs); w.Carried != 60 || w.Remaining != 40 {
+		t.Fatalf("birch once the carried leases expired, same window: %+v", w)
+	}
+	if w := h.f.CurrentWindow("birch", t0+2*minute); w.Carried != 0 || w.Remaining != 100 {
+		t.Fatalf("birch in the next window: %+v", w)
 	}
 
 	// Drop atlas entirely.

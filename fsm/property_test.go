@@ -40,8 +40,10 @@ type propTally struct {
 	runs, grants, releases int
 	// capped counts the grants a region's cap cut short.
 	capped int
-	// carried counts the checks that found live tokens of dropped grants.
-	carried int
+	// carried counts the checks that found live tokens of dropped grants;
+	// spent those that found tokens of dropped grants that had expired but
+	// may have been spent in the window checked.
+	carried, spent int
 }
 
 type windowKey struct {
@@ -59,6 +61,7 @@ type grantMade struct {
 	id, quota, region string
 	tokens            int64
 	window            int64
+	grantedAt         int64
 	expires           int64
 	// released is the tokens the FSM took back (ReleaseResult.Returned).
 	released int64
@@ -70,7 +73,9 @@ type grantMade struct {
 	// carried is set when the grant was dropped while its window was
 	// still held (the previous, current or next) and its lease had not
 	// ended: until it does, every window of its pool leaves room for its
-	// unreleased tokens, whatever the policy did since.
+	// unreleased tokens, whatever the policy did since. Every window whose
+	// span its [grantedAt, expires) overlaps does too, once it is dropped,
+	// carried or not: its tokens may have been spent in that span.
 	carried bool
 }
 
@@ -241,7 +246,7 @@ func (m *model) valid(wants []Want) bool {
 func (m *model) recordGrants(region string, r *AcquireResult) {
 	for _, g := range r.Grants {
 		if g.Tokens > 0 {
-			m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: region, tokens: g.Tokens, window: g.WindowIndex, expires: g.ExpiresUnixMs, gen: m.gen})
+			m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: region, tokens: g.Tokens, window: g.WindowIndex, grantedAt: r.NowUnixMs, expires: g.ExpiresUnixMs, gen: m.gen})
 			m.tally.grants++
 		}
 	}
@@ -385,7 +390,7 @@ func (m *model) acquire(t *rapid.T) {
 				if g.ExpiresUnixMs > g.WindowEndUnixMs || g.ExpiresUnixMs-g.NotBeforeUnixMs > spec.TTLMs || g.ExpiresUnixMs <= g.NotBeforeUnixMs {
 					t.Fatalf("want %d: pre-grant for [%d, %d) expires %d (ttl %d)", i, g.NotBeforeUnixMs, g.WindowEndUnixMs, g.ExpiresUnixMs, spec.TTLMs)
 				}
-				m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: region, tokens: g.Tokens, window: g.WindowIndex, expires: g.ExpiresUnixMs, gen: m.gen})
+				m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: region, tokens: g.Tokens, window: g.WindowIndex, grantedAt: r.NowUnixMs, expires: g.ExpiresUnixMs, gen: m.gen})
 				m.tally.grants++
 			}
 			continue
@@ -421,7 +426,7 @@ func (m *model) acquire(t *rapid.T) {
 			if g.TTLMs <= 0 || g.TTLMs > spec.TTLMs {
 				t.Fatalf("ttl %d outside (0, %d]", g.TTLMs, spec.TTLMs)
 			}
-			m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: region, tokens: g.Tokens, window: g.WindowIndex, expires: g.ExpiresUnixMs, gen: m.gen})
+			m.grants = append(m.grants, grantMade{id: g.GrantID, quota: g.Quota, region: region, tokens: g.Tokens, window: g.WindowIndex, grantedAt: r.NowUnixMs, expires: g.ExpiresUnixMs, gen: m.gen})
 			m.tally.grants++
 		}
 	}
@@ -598,20 +603,45 @@ func (m *model) check(t *rapid.T, prevNow int64) {
 		if cur.Carried < live {
 			t.Fatalf("%s: current window carries %d, but dropped leases hold %d", name, cur.Carried, live)
 		}
+		// A window leaves room for every dropped grant whose lease
+		// overlaps its span, expired or not: the tokens may have been
+		// spent in it. So the span never admits more than G from the
+		// old grants and its own together (unless the old grants alone
+		// exceed it).
+		spent := func(w WindowView) (n int64, expired bool) {
+			for _, g := range m.grants {
+				if g.quota == name && g.dropped && g.expires > w.StartUnixMs && g.grantedAt < w.EndUnixMs {
+					n += g.tokens - g.released
+					expired = expired || g.expires <= now
+				}
+			}
+			return n, expired
+		}
+		if n, expired := spent(cur); cur.Carried < n {
+			t.Fatalf("%s: current window [%d, %d) carries %d, but dropped grants of %d tokens may be spent in it", name, cur.StartUnixMs, cur.EndUnixMs, cur.Carried, n)
+		} else if expired && n > 0 {
+			m.tally.spent++
+		}
 		for _, idx := range []int64{cur.Index - 1, cur.Index, cur.Index + 1} {
 			w, ok := f.Window(name, idx)
 			if !ok {
 				continue
 			}
 			k := windowKey{name, idx}
+			n, _ := spent(w)
+			if w.Carried < n {
+				t.Fatalf("%s[%d]: carries %d, but dropped grants of %d tokens may be spent in it", name, idx, w.Carried, n)
+			}
+			// (Old pools of a larger limit may have granted more than this
+			// one's: then it grants nothing.)
+			if !m.lowered[k] && w.Outstanding > max(0, w.Limit-n) {
+				t.Fatalf("%s[%d]: dropped grants of %d tokens may be spent in it and %d are outstanding, over the limit %d", name, idx, n, w.Outstanding, w.Limit)
+			}
 			if w.Remaining != max(0, w.Limit-w.Carried-w.Granted+w.Released) {
 				t.Fatalf("%s[%d]: remaining %d != max(0, %d - %d - %d + %d)", name, idx, w.Remaining, w.Limit, w.Carried, w.Granted, w.Released)
 			}
 			if w.Released < 0 || w.Released > w.Granted {
 				t.Fatalf("%s[%d]: released %d of %d", name, idx, w.Released, w.Granted)
-			}
-			if w.Carried < live {
-				t.Fatalf("%s[%d]: carries %d, but dropped leases hold %d", name, idx, w.Carried, live)
 			}
 			if !m.lowered[k] && w.Outstanding > max(0, w.Limit-w.Carried) {
 				t.Fatalf("%s[%d]: outstanding %d over the limit %d less %d carried", name, idx, w.Outstanding, w.Limit, w.Carried)
@@ -693,10 +723,10 @@ func TestPropertyInvariants(t *testing.T) {
 	// 120 commands, a run without a grant or a release is common but all
 	// of them without one is practically impossible; with very few runs
 	// (-rapid.checks) it is not, so the check needs some.
-	t.Logf("%d runs: %d grants (%d cut short by a cap), %d releases returned tokens, %d checks of carried tokens",
-		tally.runs, tally.grants, tally.capped, tally.releases, tally.carried)
-	if !t.Failed() && tally.runs >= 20 && (tally.grants == 0 || tally.releases == 0 || tally.carried == 0 || tally.capped == 0) {
-		t.Fatalf("%d runs made %d grants (%d cut short by a cap) and %d releases, %d checks of carried tokens: the property checked nothing",
-			tally.runs, tally.grants, tally.capped, tally.releases, tally.carried)
+	t.Logf("%d runs: %d grants (%d cut short by a cap), %d releases returned tokens, %d checks of carried tokens, %d of expired ones",
+		tally.runs, tally.grants, tally.capped, tally.releases, tally.carried, tally.spent)
+	if !t.Failed() && tally.runs >= 20 && (tally.grants == 0 || tally.releases == 0 || tally.carried == 0 || tally.capped == 0 || tally.spent == 0) {
+		t.Fatalf("%d runs made %d grants (%d cut short by a cap) and %d releases, %d checks of carried tokens, %d of expired ones: the property checked nothing",
+			tally.runs, tally.grants, tally.capped, tally.releases, tally.carried, tally.spent)
 	}
 }

@@ -127,7 +127,7 @@ func (f *FSM) CurrentWindow(name string, nowMs int64) WindowView {
 	if w := q.window(idx); w != nil {
 		return view(q, w, nowMs)
 	}
-	return view(q, &window{index: idx, limit: q.spec.Limit, carried: s.carriedInto(q, idx, nowMs)}, nowMs)
+	return view(q, &window{index: idx, limit: q.spec.Limit, carried: s.carriedInto(q, idx)}, nowMs)
 }
 
 // Grant returns grant id, while its window is the current or the previous.

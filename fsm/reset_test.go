@@ -26,9 +26,10 @@ type ask struct {
 
 // TestResetCarriesLiveTokens: a publish that resets a quota's pools (a
 // changed window length, a removal followed by a re-add) keeps regions'
-// leases valid, so the pools opened while those leases live leave room for
-// their unreleased tokens: one window never sees 2G of live tokens. Once
-// the leases end, the pool is full again.
+// leases valid, so the pools of the windows those leases reach leave room
+// for their unreleased tokens: one window never sees 2G of live tokens. In
+// the first window that starts after the leases end, the pool is full
+// again. (transition_test.go: expired leases count too.)
 func TestResetCarriesLiveTokens(t *testing.T) {
 	g := QuotaSpec{Name: "g", Limit: 1000, WindowMs: minute, ChunkTokens: 100, TTLMs: minute, Clamp: true}
 	other := QuotaSpec{Name: "other", Limit: 10, WindowMs: minute, ChunkTokens: 1, TTLMs: minute}
@@ -100,8 +101,9 @@ func TestResetCarriesLiveTokens(t *testing.T) {
 			asks: []ask{{t0 + 3000, "g", 1000, 0}, {t0 + minute, "g", 1000, 1000}},
 		},
 		{
-			// Unclamped, eu's lease lives until t0+91s: into the third
-			// 30 s window.
+			// Unclamped, eu's lease lives until t0+91s: into the fourth
+			// 30 s window, [t0+90s, t0+120s), which leaves room for it even
+			// once it ended (eu may have spent it in that second).
 			name: "unclamped lease outliving the window, window_ms changed",
 			spec: unclamped,
 			reset: func(h *harness) {
@@ -109,7 +111,7 @@ func TestResetCarriesLiveTokens(t *testing.T) {
 				s.WindowMs = minute / 2
 				h.publish(t0+2000, s, other)
 			},
-			asks: []ask{{t0 + 3000, "g", 1000, 0}, {t0 + minute, "g", 1000, 0}, {t0 + 91_000, "g", 1000, 1000}},
+			asks: []ask{{t0 + 3000, "g", 1000, 0}, {t0 + minute, "g", 1000, 0}, {t0 + 91_000, "g", 1000, 0}, {t0 + 2*minute, "g", 1000, 1000}},
 		},
 		{
 			// A limit change is no reset: the pool is the new limit less
@@ -312,14 +314,35 @@ func TestResetCarriesSnapshot(t *testing.T) {
 	if !bytes.Equal(snapshotBytes(t, f), snapshotBytes(t, h.f)) {
 		t.Fatal("states diverged after restore")
 	}
-	// Once every carried lease ended, the carries leave the snapshot, and
-	// the next publish forgets them.
+	// Once no window of the policy versions held (1m at the longest) can
+	// start before they end, a publish collapses the exact steps of each
+	// name into one of MaxLimit tokens, which only a longer window
+	// published later would reach; the windows opened since carry nothing.
 	h.publish(t0+2*minute, QuotaSpec{Name: "gone", Limit: 50, WindowMs: minute, ChunkTokens: 5, TTLMs: 30_000})
+	b := snapshotBytes(t, h.f)
+	for _, want := range []string{
+		fmt.Sprintf(`{"name":"g","tokens":%d,"expires_unix_ms":%d}`, int64(MaxLimit), t0+minute),
+		fmt.Sprintf(`{"name":"gone","tokens":%d,"expires_unix_ms":%d}`, int64(MaxLimit), t0+31_000),
+		fmt.Sprintf(`{"name":"std","tokens":%d,"expires_unix_ms":%d}`, int64(MaxLimit), t0+minute),
+	} {
+		if !bytes.Contains(b, []byte(want)) {
+			t.Fatalf("snapshot lacks %s:\n%s", want, b)
+		}
+	}
+	if bytes.Contains(b, []byte(`"name":"std/x"`)) || bytes.Contains(b, []byte(`"carried"`)) {
+		t.Fatalf("exact steps kept after they can no longer count:\n%s", b)
+	}
+	if w := h.f.CurrentWindow("gone", t0+2*minute); w.Carried != 0 || w.Remaining != 50 {
+		t.Fatalf("gone after the collapse: %+v", w)
+	}
+	roundTrip(t, b)
+	// No window reaches back more than MaxWindowMs: then they go.
+	h.publish(t0+2*minute+MaxWindowMs, QuotaSpec{Name: "gone", Limit: 50, WindowMs: minute, ChunkTokens: 5, TTLMs: 30_000})
 	if b := snapshotBytes(t, h.f); bytes.Contains(b, []byte(`"carries"`)) || bytes.Contains(b, []byte(`"carried"`)) {
-		t.Fatalf("expired carries still in the snapshot:\n%s", b)
+		t.Fatalf("carries no window can reach still in the snapshot:\n%s", b)
 	}
 	if n := len(h.f.s.carries); n != 0 {
-		t.Fatalf("%d expired carries kept after a publish", n)
+		t.Fatalf("%d carries kept after a publish", n)
 	}
 }
 
@@ -334,6 +357,46 @@ func TestRestoreSnapshotWithoutCarries(t *testing.T) {
 	if w := f.CurrentWindow("q", 5); w.Carried != 0 || w.Remaining != 1 || w.Outstanding != 4 {
 		t.Fatalf("window %+v", w)
 	}
+}
+
+// oldCarrySnapshot was written by the build before expired leases were
+// carried: g and the template std changed from 1m to 2m windows at t0+10s,
+// their live leases carried (one entry per name and keys, live at now).
+const oldCarrySnapshot = `{"format":1,"now_unix_ms":1700000051000,"tokens_granted":1040,"last_grant_index":5,"policies":2,"quotas":1,"carries":3,"idempotency":3,"members":[]}
+{"version":1,"author":"alice","reason":"test","published_unix_ms":1700000040000,"document":"ZG9j","quotas":[{"name":"g","limit":1000,"window_ms":60000,"chunk_tokens":100,"ttl_ms":20000,"clamp":true,"strategy":"demand","fallback_per_region":0},{"name":"std","limit":100,"window_ms":60000,"chunk_tokens":10,"ttl_ms":20000,"clamp":true,"strategy":"demand","fallback_per_region":0,"template_keys":1}]}
+{"version":2,"author":"alice","reason":"test","published_unix_ms":1700000050000,"document":"ZG9j","quotas":[{"name":"g","limit":1000,"window_ms":120000,"chunk_tokens":100,"ttl_ms":20000,"clamp":true,"strategy":"demand","fallback_per_region":0},{"name":"std","limit":100,"window_ms":120000,"chunk_tokens":10,"ttl_ms":20000,"clamp":true,"strategy":"demand","fallback_per_region":0,"template_keys":1}]}
+{"name":"g","windows":[{"index":14166667,"limit":1000,"carried":500,"grants":[{"id":"5-0","region":"eu","tokens":500,"released":0,"granted_unix_ms":1700000051000,"expires_unix_ms":1700000071000}]}],"demand":[{"region":"eu","per_second":0,"reported_unix_ms":1700000051000},{"region":"us","per_second":0,"reported_unix_ms":1700000045000}]}
+{"name":"g","tokens":500,"expires_unix_ms":1700000065000}
+{"name":"std","tokens":40,"expires_unix_ms":1700000061000,"template_keys":1}
+{"name":"std/x","tokens":40,"expires_unix_ms":1700000061000,"template_keys":1}
+{"kind":1,"region":"eu","request_id":"a","at_unix_ms":1700000041000,"acquire":{"region":"eu","request_id":"a","now_unix_ms":1700000041000,"replayed":false,"grants":[{"quota":"g","grant_id":"2-0","requested":300,"tokens":300,"window_index":28333334,"window_end_unix_ms":1700000100000,"expires_unix_ms":1700000061000,"ttl_ms":20000,"pool_remaining":700,"pool_exhausted":false},{"quota":"std/x","grant_id":"2-1","requested":40,"tokens":40,"window_index":28333334,"window_end_unix_ms":1700000100000,"expires_unix_ms":1700000061000,"ttl_ms":20000,"pool_remaining":60,"pool_exhausted":false}]}}
+{"kind":1,"region":"us","request_id":"b","at_unix_ms":1700000045000,"acquire":{"region":"us","request_id":"b","now_unix_ms":1700000045000,"replayed":false,"grants":[{"quota":"g","grant_id":"3-0","requested":200,"tokens":200,"window_index":28333334,"window_end_unix_ms":1700000100000,"expires_unix_ms":1700000065000,"ttl_ms":20000,"pool_remaining":500,"pool_exhausted":false}]}}
+{"kind":1,"region":"eu","request_id":"c","at_unix_ms":1700000051000,"acquire":{"region":"eu","request_id":"c","now_unix_ms":1700000051000,"replayed":false,"grants":[{"quota":"g","grant_id":"5-0","requested":1000,"tokens":500,"window_index":14166667,"window_end_unix_ms":1700000160000,"expires_unix_ms":1700000071000,"ttl_ms":20000,"pool_remaining":0,"pool_exhausted":true}]}}
+`
+
+// TestRestoreOldBuildCarries: a snapshot with carries written by the build
+// before expired leases were carried restores, is written back byte for
+// byte, and its carries count as the steps they are: against every window
+// starting before they end.
+func TestRestoreOldBuildCarries(t *testing.T) {
+	f := roundTrip(t, []byte(oldCarrySnapshot))
+	if w := f.CurrentWindow("g", t0+11_000); w.Carried != 500 || w.Remaining != 0 {
+		t.Fatalf("g: %+v", w)
+	}
+	// The instance's carried lease ended at t0+21s; it may have been spent
+	// in the 2m window, which still leaves room for it after then.
+	if w := f.CurrentWindow("std/x", t0+30_000); w.Carried != 40 || w.Remaining != 60 {
+		t.Fatalf("std/x: %+v", w)
+	}
+	if w := f.CurrentWindow("std/x", t0+2*minute); w.Carried != 0 || w.Remaining != 100 {
+		t.Fatalf("std/x, next window: %+v", w)
+	}
+	h := newHarness(t)
+	h.f, h.index = f, 5
+	if got := h.acquireAt(t0+30_000, "us", "std/x", 100); got != 60 {
+		t.Fatalf("std/x granted %d, want 60", got)
+	}
+	roundTrip(t, snapshotBytes(t, f))
 }
 
 func TestRestoreRejectsBadCarries(t *testing.T) {
@@ -378,7 +441,8 @@ func TestRestoreRejectsBadCarries(t *testing.T) {
 	}{
 		{"zero tokens", func(l []map[string]any) { l[first]["tokens"] = 0 }},
 		{"tokens over any limit", func(l []map[string]any) { l[first]["tokens"] = float64(MaxLimit) + 1 }},
-		{"expired", func(l []map[string]any) { l[first]["expires_unix_ms"] = now }},
+		{"out of reach", func(l []map[string]any) { l[first]["expires_unix_ms"] = now - MaxWindowMs }},
+		{"repeated", func(l []map[string]any) { l[first+1] = l[first] }},
 		{"expiry too far", func(l []map[string]any) { l[first]["expires_unix_ms"] = now + 2*MaxWindowMs + 1 }},
 		{"out of order", func(l []map[string]any) { l[first], l[first+1] = l[first+1], l[first] }},
 		{"empty name", func(l []map[string]any) { l[first]["name"] = "" }},

@@ -76,9 +76,10 @@ type PublishResult struct {
 	// WindowsReset lists, sorted, the quotas whose window length (or
 	// TemplateKeys) changed: their windows and grants were dropped and the
 	// next touch opens a new window. The unreleased tokens of those grants
-	// that had not expired are carried: every window opened while they live
-	// leaves room for them (WindowView.Carried). Removed quotas are carried
-	// the same way, should they come back.
+	// are carried, live or expired: every window their leases reach (from
+	// the grant to its expiry) leaves room for them (WindowView.Carried),
+	// including the window of the new length that the change lands in.
+	// Removed quotas are carried the same way, should they come back.
 	WindowsReset []string `json:"windows_reset,omitempty"`
 }
 
@@ -123,8 +124,12 @@ type WindowView struct {
 	Limit int64
 	// Carried is the tokens the pool leaves room for because a publish
 	// reset the quota's pools (changed its window length or TemplateKeys,
-	// or removed it and added it again) while grants of the old pools were
-	// still live: regions may spend those until their leases end.
+	// or removed it and added it again): the unreleased tokens of the old
+	// pools' grants whose leases reach into the window, live or expired,
+	// since regions may have spent or may still spend them in its span;
+	// and, for old windows the state machine no longer held, their whole
+	// limit (see Publish in the package documentation). Limit - Carried is
+	// what the window may still grant over its whole span.
 	Carried int64
 	// Granted and Released are tokens granted and released in the window.
 	Granted  int64

@@ -25,8 +25,9 @@ var ErrBadSnapshot = errors.New("bad snapshot")
 // then header.Policies PolicyRecords (ascending versions, the last one
 // current), header.Quotas snapQuotas (by name; only quotas with windows or
 // demand reports), header.Instances snapQuotas of the live instances of
-// templates (by name), header.Carries snapCarries (by name; only live ones)
-// and header.Idempotency snapIdems (in insertion order). Fields added after
+// templates (by name), header.Carries snapCarries (by name, TemplateKeys
+// and expiry; only visible ones) and header.Idempotency snapIdems (in
+// insertion order). Fields added after
 // the first release are optional (omitempty), so older snapshots restore.
 // Values hold no maps, so encoding/json writes them the same way every time.
 // One value per record keeps the decoder's buffer small when restoring a
@@ -65,7 +66,9 @@ type snapshotDoc struct {
 	idempotency []snapIdem
 }
 
-// snapCarry is a live carry entry; they are sorted by name, then keys.
+// snapCarry is a visible carry step; they are sorted by name, then keys,
+// then expiry. Snapshots of builds before steps hold at most one per name
+// and keys, live at the snapshot's time.
 type snapCarry struct {
 	Name          string `json:"name"`
 	Tokens        int64  `json:"tokens"`
@@ -146,7 +149,7 @@ func (s *state) snapshot() *snapshotDoc {
 	}
 	for name, cs := range s.carries {
 		for _, c := range cs {
-			if c.live(s.now) {
+			if c.visible(s.now) {
 				d.carries = append(d.carries, snapCarry{Name: name, Tokens: c.tokens, ExpiresUnixMs: c.expires, TemplateKeys: c.keys})
 			}
 		}
@@ -420,7 +423,12 @@ func (s *state) restorePolicy(p *PolicyRecord) error {
 		}
 	}
 	p.Digest = documentDigest(p.Document) // not in the snapshot
+	var maxW int64
+	for _, q := range p.Quotas {
+		maxW = max(maxW, q.WindowMs)
+	}
 	s.history = append(s.history, p)
+	s.historyWindowMs = append(s.historyWindowMs, maxW)
 	return nil
 }
 
@@ -553,7 +561,8 @@ func (s *state) restoreInstances(dec *json.Decoder, n int) error {
 	return nil
 }
 
-// restoreCarries reads n live carry entries, in name and then keys order.
+// restoreCarries reads n visible carry steps, in name, keys and expiry
+// order.
 func (s *state) restoreCarries(dec *json.Decoder, n int) error {
 	var prev snapCarry
 	for i := range n {
@@ -563,15 +572,16 @@ func (s *state) restoreCarries(dec *json.Decoder, n int) error {
 		}
 		switch {
 		case i > 0 && compareSnapCarry(sc, prev) <= 0:
-			return fmt.Errorf("carries[%d]: %q out of order", i, sc.Name)
+			return fmt.Errorf("carries[%d]: %q out of order or repeated", i, sc.Name)
 		case checkName("name", sc.Name, MaxQuotaNameBytes) != nil:
 			return fmt.Errorf("carries[%d]: bad name", i)
 		case sc.Tokens < 1 || sc.Tokens > MaxLimit:
 			return fmt.Errorf("carries[%d]: tokens %d out of range", i, sc.Tokens)
 		// A grant expires at most a TTL after the start of the window
-		// after the one it was made in.
-		case sc.ExpiresUnixMs <= s.now || sc.ExpiresUnixMs > s.now+2*MaxWindowMs:
-			return fmt.Errorf("carries[%d]: expires_unix_ms %d not live", i, sc.ExpiresUnixMs)
+		// after the one it was made in; no window reaches back further
+		// than MaxWindowMs.
+		case !(carry{expires: sc.ExpiresUnixMs}).visible(s.now) || sc.ExpiresUnixMs > s.now+2*MaxWindowMs:
+			return fmt.Errorf("carries[%d]: expires_unix_ms %d out of range", i, sc.ExpiresUnixMs)
 		case sc.TemplateKeys < 0 || sc.TemplateKeys > MaxTemplateKeys:
 			return fmt.Errorf("carries[%d]: template_keys %d out of range", i, sc.TemplateKeys)
 		}
@@ -614,7 +624,8 @@ func (s *state) restoreIdem(si snapIdem) error {
 	return nil
 }
 
-// compareSnapCarry orders a snapshot's carries by name, then TemplateKeys.
+// compareSnapCarry orders a snapshot's carries by name, then TemplateKeys,
+// then expiry.
 func compareSnapCarry(a, b snapCarry) int {
-	return cmp.Or(strings.Compare(a.Name, b.Name), cmp.Compare(a.TemplateKeys, b.TemplateKeys))
+	return cmp.Or(strings.Compare(a.Name, b.Name), cmp.Compare(a.TemplateKeys, b.TemplateKeys), cmp.Compare(a.ExpiresUnixMs, b.ExpiresUnixMs))
 }

@@ -42,6 +42,16 @@
 // changed window length, a removed and re-added quota) lets a region hold
 // its old leases beside H new tokens until the old ones end: the capped
 // terms assume no such publish in the window or the lease lifetime before.
+//
+// No term counts such a reset because the G of the bound does: the
+// allocator opens every window of the new length less the tokens the old
+// pools granted (net of releases) whose leases reach into it, expired or
+// still live, since they may have been spent in its span (package fsm,
+// WindowView.Carried). So the window the change lands in, which began
+// before the publish and may span old windows, admits at most G plus the
+// terms like any other; when the allocator no longer holds the old windows
+// it reaches (a window more than doubled), it counts them whole and that
+// window admits less. The terms are those of the quota's current lease spec.
 // Terms never overlap: a token spent in the wrong window because of a clock
 // error is counted by timing only when leases are clamped, since without
 // clamp carry_over already counts every token held across the boundary.
