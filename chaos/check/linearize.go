@@ -126,8 +126,8 @@ func (s poolState) with(id string, tokens int64) poolState {
 // windows with many unanswered Acquires may exhaust porcupine's time).
 //
 // Out of the model's scope: a pool reset, when a published policy changes a
-// window and the allocator opens the pool less the tokens the old one still
-// has out (fsm WindowView.Carried), so that remaining starts below G. The
+// window and the allocator opens the pool less the old pool's grants whose
+// leases reach the new window (fsm WindowView.Carried), so that remaining starts below G. The
 // suite publishes its policy once, before any grant; a run that republished
 // would need the carried tokens in the model's initial state.
 func poolModel(limit, maxHeld int64) porcupine.Model {

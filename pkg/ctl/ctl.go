@@ -501,7 +501,7 @@ func (c *cli) window(ctx context.Context, args []string) error {
 	if n := resp.GetCarried(); n > 0 {
 		// Leases of pools a publish reset, still live when this window
 		// opened: without this line remaining would not add up.
-		fmt.Fprintf(c.out, "carried %d (leases still live from before a window change or re-add; the pool leaves room for them)\n", n)
+		fmt.Fprintf(c.out, "carried %d (grants from before a window change or re-add whose leases reach this window; the pool leaves room for them)\n", n)
 	}
 	var rows [][]string
 	for _, r := range resp.GetRegions() {

@@ -1055,9 +1055,10 @@ type GetWindowResponse struct {
 	Grants []*GrantRecord `protobuf:"bytes,11,rep,name=grants,proto3" json:"grants,omitempty"`
 	// now_unix_ms is the allocator's clock when the ledger was read.
 	NowUnixMs int64 `protobuf:"varint,12,opt,name=now_unix_ms,json=nowUnixMs,proto3" json:"now_unix_ms,omitempty"`
-	// carried is the tokens of leases regions still held when a publish reset
-	// the quota's pools (a window length change, a removal and re-add), live
-	// when this window opened: the pool leaves room for them, so remaining is
+	// carried is the tokens (net of releases) of grants a publish dropped when
+	// it reset the quota's pools (a window length change, a removal and
+	// re-add) whose leases reach into this window, expired or not, since they
+	// may have been spent in it: the pool leaves room for them, so remaining is
 	// max(0, limit - carried - (granted - released)).
 	Carried       int64 `protobuf:"varint,13,opt,name=carried,proto3" json:"carried,omitempty"`
 	unknownFields protoimpl.UnknownFields
