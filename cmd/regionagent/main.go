@@ -67,7 +67,7 @@ func run(ctx context.Context, args []string) error {
 		logLevel              = zapcore.InfoLevel
 	)
 	fs := flag.NewFlagSet("regionagent", flag.ContinueOnError)
-	fs.StringVar(&cfg.Region, "region", "", "region this agent leases for (one of the policy's regions)")
+	fs.StringVar(&cfg.Region, "region", "", "region this agent leases for (one of the policy's regions; /readyz answers 503 while it is not)")
 	fs.StringVar(&allocators, "allocators", "", "comma-separated allocator API addresses (empty: standalone on -policy)")
 	fs.StringVar(&allocatorsGRPC, "allocators-grpc", "", "comma-separated allocator gRPC addresses (allocator -grpc-addr) for Acquire and Release; empty: the Connect API")
 	fs.StringVar(&storeKind, "store", "redis", "where counters live: redis (-redis) or embedded (in this process; one agent per region)")
@@ -110,7 +110,7 @@ func run(ctx context.Context, args []string) error {
 	fs.Float64Var(&cfg.DecisionLogSample, "log-sample", cfg.DecisionLogSample, "fraction of decisions logged")
 	fs.StringVar(&cfg.LogSalt, "log-salt", "", "secret salt of principal hashes in decision logs; empty: a random one per process, so hashes do not correlate across restarts or agents")
 	fs.StringVar(&clearKeys, "log-clear-keys", strings.Join(cfg.LogClearKeys, ","), "descriptor keys logged in clear")
-	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", cfg.ShutdownTimeout, "bound on handing unspent tokens back")
+	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", cfg.ShutdownTimeout, "bound on the shutdown, from SIGTERM: handing unspent tokens back, and draining the calls in flight")
 	fs.StringVar(&journalPath, "lease-journal", "", "append every Acquire, grant, deposit and Release to this file as JSON lines (audits, the chaos suite)")
 	fs.DurationVar(&clockOffset, "clock-offset", 0, "fault injection only: run the agent's clock this far from the machine's (lease deadlines must not move)")
 	fs.Var(&logLevel, "log-level", "log level: debug, info, warn, error")
@@ -205,10 +205,14 @@ func run(ctx context.Context, args []string) error {
 	if err != nil {
 		return fmt.Errorf("listen api: %w", err)
 	}
+	// The whole shutdown is bounded by -shutdown-timeout from SIGTERM: the
+	// agent's hand-back of its tokens, and the servers' drain of the calls
+	// in flight, which are cut when it runs out (a client holding a call
+	// open must not hold the process).
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return a.Run(gctx) })
 	g.Go(func() error {
-		return allocator.Serve(gctx, allocator.HTTPServer(apiAddr, agent.Mux(a, reg)), apiLn, 5*time.Second)
+		return allocator.Serve(gctx, allocator.HTTPServer(apiAddr, agent.Mux(a, reg)), apiLn, cfg.ShutdownTimeout)
 	})
 	if envoyAddr != "" {
 		envoyLn, err := net.Listen("tcp", envoyAddr)
@@ -220,7 +224,19 @@ func run(ctx context.Context, args []string) error {
 		g.Go(func() error { return gs.Serve(envoyLn) })
 		g.Go(func() error {
 			<-gctx.Done()
-			gs.GracefulStop()
+			stopped := make(chan struct{})
+			go func() {
+				gs.GracefulStop()
+				close(stopped)
+			}()
+			t := time.NewTimer(cfg.ShutdownTimeout)
+			defer t.Stop()
+			select {
+			case <-stopped:
+			case <-t.C:
+				gs.Stop() // cuts the calls still in flight; GracefulStop then returns
+				<-stopped
+			}
 			return nil
 		})
 	}

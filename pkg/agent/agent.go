@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -42,7 +44,10 @@ type Agent struct {
 	slots  *slotTable
 	items  *gopool.Pool // runs the checks of CheckBatch calls
 
-	engine  atomic.Pointer[admission.Engine]
+	engine atomic.Pointer[admission.Engine]
+	// unready says why the policy in force makes the agent not ready
+	// (Ready): its regions do not include the agent's. Empty otherwise.
+	unready atomic.Pointer[string]
 	applyMu sync.Mutex
 	current atomic.Uint64 // version in force (0: bootstrap or none)
 	digest  string        // guarded by applyMu
@@ -202,6 +207,7 @@ func (a *Agent) install(doc *policy.Document, version uint64, digest string) err
 	// The lease manager learns the new quotas before any decision can
 	// name them, and forgets removed ones only after the swap.
 	a.leases.addQuotas(doc)
+	unready := regionUnready(doc, a.cfg.Region, version)
 	eng := a.engine.Load()
 	if eng == nil {
 		e, err := admission.New(a.cfg.Engine, a.store, doc, version, a.engOpts...)
@@ -210,6 +216,7 @@ func (a *Agent) install(doc *policy.Document, version uint64, digest string) err
 			return err
 		}
 		a.leases.setPolicy(doc, e)
+		a.unready.Store(&unready)
 		a.engine.Store(e)
 	} else {
 		if err := eng.Apply(doc, version); err != nil {
@@ -218,11 +225,52 @@ func (a *Agent) install(doc *policy.Document, version uint64, digest string) err
 			return err
 		}
 		a.leases.setPolicy(doc, eng)
+		a.unready.Store(&unready)
 	}
 	a.current.Store(version)
 	a.digest = digest
 	a.m.policyVer.Set(float64(version))
+	a.logNotLeased(doc, version, unready != "")
 	return nil
+}
+
+// regionUnready says why doc, in force as version, makes an agent of region
+// not ready: doc declares regions and region is not one of them (every
+// quota it leases then answers unavailable). Empty when it does not.
+func regionUnready(doc *policy.Document, region string, version uint64) string {
+	if len(doc.Regions) == 0 || slices.Contains(doc.Regions, region) {
+		return ""
+	}
+	return fmt.Sprintf("region %q is not one of the regions [%s] of policy v%d: check the agent's region (regionagent -region)",
+		region, strings.Join(doc.Regions, " "), version)
+}
+
+// maxLoggedQuotas is how many quota names logNotLeased names.
+const maxLoggedQuotas = 20
+
+// logNotLeased logs, once for each policy version put in force, the leased
+// quotas of doc that are not leased to this agent's region: requests they
+// deny are answered unavailable (fail_mode_total{mode="refused"}), as no
+// renewal can come. foreign is whether the region is none of doc's regions
+// (logged then even without such quotas: the agent is not ready).
+func (a *Agent) logNotLeased(doc *policy.Document, version uint64, foreign bool) {
+	var names []string
+	for _, gq := range doc.GlobalQuotas() {
+		if !leasedTo(gq, a.cfg.Region) {
+			names = append(names, gq.Name)
+		}
+	}
+	if len(names) == 0 && !foreign {
+		return
+	}
+	fields := []zap.Field{zap.Uint64("version", version), zap.Strings("policy_regions", doc.Regions),
+		zap.Int("not_leased", len(names)), zap.Strings("quotas", names[:min(len(names), maxLoggedQuotas)])}
+	if foreign {
+		a.log.Error("this agent's region is not one of the policy's regions (likely a wrong -region): every leased quota is answered unavailable (503), and the agent is not ready",
+			fields...)
+		return
+	}
+	a.log.Warn("quotas not leased to this agent's region: requests they deny are answered unavailable (503)", fields...)
 }
 
 // applyRecord applies a record received from the allocator: newer versions
@@ -290,8 +338,20 @@ func (a *Agent) Run(ctx context.Context) error {
 	return errors.Join(err, a.release())
 }
 
-// Ready reports whether a policy is in force.
-func (a *Agent) Ready() bool { return a.engine.Load() != nil }
+// Ready reports whether the agent is ready to serve: a policy is in force,
+// and when that policy declares regions, the agent's region is one of them.
+func (a *Agent) Ready() bool { return a.NotReadyReason() == "" }
+
+// NotReadyReason says why the agent is not ready (Ready); "" when it is.
+func (a *Agent) NotReadyReason() string {
+	if a.engine.Load() == nil {
+		return "no policy in force yet"
+	}
+	if p := a.unready.Load(); p != nil {
+		return *p
+	}
+	return ""
+}
 
 // PolicyVersion returns the version in force (0 for a local policy or
 // none).

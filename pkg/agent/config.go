@@ -93,7 +93,9 @@ type Config struct {
 	// WatchBackoff is the first pause before re-opening a failed policy
 	// watch; it doubles up to MaxWatchBackoff.
 	WatchBackoff, MaxWatchBackoff time.Duration
-	// ShutdownTimeout bounds handing unspent tokens back when Run ends.
+	// ShutdownTimeout bounds handing unspent tokens back when Run ends,
+	// counted from the end of Run's context (the lease round then in
+	// progress shares it).
 	ShutdownTimeout time.Duration
 }
 

@@ -121,7 +121,8 @@ func (s *AdmissionService) releaseSlot(ctx context.Context, m *allotv1.ReleaseSl
 }
 
 // Mux serves the agent's Connect API, /metrics (when gatherer is set),
-// /healthz (the process is up) and /readyz (a policy is in force).
+// /healthz (the process is up) and /readyz (Agent.Ready: a policy is in
+// force, and its regions include the agent's; 503 with the reason when not).
 func Mux(a *Agent, gatherer prometheus.Gatherer) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle(NewAdmissionService(a).Handler())
@@ -132,8 +133,8 @@ func Mux(a *Agent, gatherer prometheus.Gatherer) http.Handler {
 		_, _ = w.Write([]byte("ok\n"))
 	})
 	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
-		if !a.Ready() {
-			http.Error(w, "no policy in force yet", http.StatusServiceUnavailable)
+		if why := a.NotReadyReason(); why != "" {
+			http.Error(w, why, http.StatusServiceUnavailable)
 			return
 		}
 		_, _ = fmt.Fprintf(w, "policy v%d\n", a.PolicyVersion())

@@ -74,7 +74,15 @@
 //     waits for it, up to Config.StarveWait, then is answered unavailable.
 //   - Shutdown. When Run ends, the agent withdraws the unspent tokens of its
 //     live grants from the store, atomically so none can be spent after, and
-//     releases them to the allocator.
+//     releases them to the allocator, within Config.ShutdownTimeout of the
+//     end of Run's context. It logs what the allocator acknowledged, and
+//     warns of what it did not: those tokens return to the allocator's pool
+//     when their leases expire.
+//   - Regions. A policy's global quotas are leased to its regions. An agent
+//     whose region is not one of them (a wrong -region) logs an error naming
+//     the quotas, once per policy version, answers their requests the pools
+//     cannot serve unavailable (fail_mode_total{mode="refused"}), and is not
+//     ready (Ready, /readyz).
 //   - APIs. allot.v1.AdmissionService over Connect (and gRPC, gRPC-Web) on
 //     the HTTP mux (Mux), and Envoy's envoy.service.ratelimit.v3
 //     RateLimitService over gRPC on a listener of its own (NewGRPCServer).

@@ -155,6 +155,8 @@ type fakeAllocator struct {
 	// releaseDelay, when positive, delays every Release by that many
 	// nanoseconds (a slow allocator).
 	releaseDelay atomic.Int64
+	// releaseCalls counts the Release calls received, stalled ones too.
+	releaseCalls atomic.Int64
 }
 
 func startFakeAllocator(t testing.TB) *fakeAllocator {
@@ -281,6 +283,7 @@ func (fa *fakeAllocator) Acquire(ctx context.Context, req *connect.Request[allot
 
 // Release implements AllocatorService.Release.
 func (fa *fakeAllocator) Release(ctx context.Context, req *connect.Request[allotv1.ReleaseRequest]) (*connect.Response[allotv1.ReleaseResponse], error) {
+	fa.releaseCalls.Add(1)
 	if fa.stallRelease.Load() {
 		<-ctx.Done()
 		return nil, connect.NewError(connect.CodeUnavailable, ctx.Err())

@@ -185,9 +185,12 @@ type leases struct {
 
 	eng atomic.Pointer[admission.Engine]
 
-	mu         sync.Mutex
-	quotas     map[string]*quota    // single pools and active instances, by pool name
-	templates  map[string]*template // by name
+	mu        sync.Mutex
+	quotas    map[string]*quota    // single pools and active instances, by pool name
+	templates map[string]*template // by name
+	// unleased names the global quotas and templates of the policy that it
+	// does not lease to this region: no renewal can come for them.
+	unleased   map[string]bool
 	seq        uint64
 	cutOff     bool
 	pending    []*acquireCall
@@ -207,7 +210,7 @@ func newLeases(cfg LeaseConfig, region string, client *allocator.Client, clock a
 	return &leases{
 		cfg: cfg, region: region, client: client, clock: clock, log: log.Named("leases"), m: m, id: id, wd: wd,
 		shutdownIn: shutdownIn,
-		quotas:     map[string]*quota{}, templates: map[string]*template{}, cutOff: client == nil,
+		quotas:     map[string]*quota{}, templates: map[string]*template{}, unleased: map[string]bool{}, cutOff: client == nil,
 		storeDelay: cfg.MinStoreDelay, acquireRTT: 10 * time.Millisecond, maxWants: max(cfg.MaxWantsPerCall, 1),
 	}
 }
@@ -234,13 +237,19 @@ func (l *leases) setPolicy(doc *policy.Document, eng *admission.Engine) {
 }
 
 // sync adds (and with prune, removes) quotas and templates; the instances
-// of a template follow its spec, and go with it. The caller holds l.mu.
+// of a template follow its spec, and go with it. The quotas doc does not
+// lease to this region are recorded as unleased (with prune, only doc's).
+// The caller holds l.mu.
 func (l *leases) sync(doc *policy.Document, prune bool) {
 	now := l.clock.Now()
 	keep, keepT := map[string]bool{}, map[string]bool{}
+	if prune {
+		clear(l.unleased)
+	}
 	if doc != nil {
 		for _, gq := range doc.GlobalQuotas() {
-			if len(gq.Regions) > 0 && !slices.Contains(gq.Regions, l.region) {
+			if !leasedTo(gq, l.region) {
+				l.unleased[gq.Name] = true
 				continue
 			}
 			r := doc.Rule(gq.Name)
@@ -285,6 +294,22 @@ func (l *leases) sync(doc *policy.Document, prune bool) {
 			l.forget(q)
 		}
 	}
+}
+
+// leasedTo reports whether gq is leased to region.
+func leasedTo(gq policy.GlobalQuota, region string) bool {
+	return len(gq.Regions) == 0 || slices.Contains(gq.Regions, region)
+}
+
+// notLeased reports whether pool name (a global quota, or an instance of a
+// template) is one the policy does not lease to this region. The caller
+// holds l.mu.
+func (l *leases) notLeased(name string) bool {
+	if l.unleased[name] {
+		return true
+	}
+	tmpl, _, ok := strings.Cut(name, string(policy.InstanceSeparator))
+	return ok && l.unleased[tmpl]
 }
 
 // newQuota starts managing pool name (of template tmpl, or a single pool).
@@ -420,7 +445,13 @@ func (l *leases) starved(name string, seen uint64) (poolState, time.Duration, <-
 	now := l.clock.Now()
 	q := l.lookup(name, now)
 	if q == nil {
-		return poolCutOff, time.Second, nil // not leased to this region
+		if l.notLeased(name) {
+			// The policy does not lease the pool to this region: no
+			// renewal will come (the allocator would refuse one), and
+			// the allocator is not cut off. Agent.install logs it.
+			return poolRefused, time.Second, nil
+		}
+		return poolCutOff, time.Second, nil // not managed (a policy being swapped, too many instances)
 	}
 	q.lastActive = now
 	l.waiting(q)
@@ -487,19 +518,78 @@ func (l *leases) waiting(q *quota) {
 // one per MaxWantsPerCall quotas beyond the first MaxWantsPerCall due, and
 // the retry of an unanswered call): a starved request marks its pool for
 // the next round rather than starting one.
+//
+// The shutdown timeout counts from the end of ctx, not from the end of the
+// round then in progress: that round's hand-backs, which outlive ctx (see
+// grant), and the shutdown share it, so Run returns within the timeout of
+// ctx's end (plus, when Redis is slow, a deposit in progress settling
+// within its own bounds: see grant).
 func (l *leases) Run(ctx context.Context) error {
+	b := newStopBudget(ctx, l.shutdownIn)
+	defer b.close()
 	t := time.NewTicker(l.cfg.Tick)
 	defer t.Stop()
 	for {
-		l.Tick(ctx)
+		l.tick(ctx, b.ctx)
 		select {
 		case <-ctx.Done():
-			sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.shutdownIn)
+			sctx, cancel := b.shutdownContext()
 			defer cancel()
 			return l.shutdown(sctx)
 		case <-t.C:
 		}
 	}
+}
+
+// stopBudget is the shutdown's time budget, counted from the end of the run's
+// context.
+type stopBudget struct {
+	d time.Duration
+	// ctx is for work that outlives the run's context (hand-backs of
+	// grants the allocator answered): it ends with the budget.
+	ctx    context.Context
+	cancel context.CancelFunc
+	unhook func() bool
+
+	mu    sync.Mutex
+	end   time.Time // zero until the run's context ends
+	timer *time.Timer
+}
+
+// newStopBudget returns the budget of d that starts when run ends.
+func newStopBudget(run context.Context, d time.Duration) *stopBudget {
+	b := &stopBudget{d: d}
+	b.ctx, b.cancel = context.WithCancel(context.WithoutCancel(run))
+	b.unhook = context.AfterFunc(run, func() { b.start() })
+	return b
+}
+
+// start starts the budget, once, and returns its end.
+func (b *stopBudget) start() time.Time {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.end.IsZero() {
+		b.end = time.Now().Add(b.d)
+		b.timer = time.AfterFunc(b.d, b.cancel)
+	}
+	return b.end
+}
+
+// shutdownContext is the shutdown's context: it ends with the budget, as
+// its deadline (its calls cut short by it fail with DeadlineExceeded).
+func (b *stopBudget) shutdownContext() (context.Context, context.CancelFunc) {
+	return context.WithDeadline(context.WithoutCancel(b.ctx), b.start())
+}
+
+// close releases the budget's timer and ends b.ctx.
+func (b *stopBudget) close() {
+	b.unhook()
+	b.mu.Lock()
+	if b.timer != nil {
+		b.timer.Stop()
+	}
+	b.mu.Unlock()
+	b.cancel()
 }
 
 // Tick does one round: read the pools that are due, deposit the fallback
@@ -513,7 +603,11 @@ func (l *leases) Run(ctx context.Context) error {
 // wait for it (requests starve for StarveWait, then get 503). Planning
 // before the retry asks for nothing twice: the retried call's pools stay
 // in flight until it settles.
-func (l *leases) Tick(ctx context.Context) {
+func (l *leases) Tick(ctx context.Context) { l.tick(ctx, context.WithoutCancel(ctx)) }
+
+// tick is Tick; after is the context of the hand-backs that outlive ctx
+// (see grant).
+func (l *leases) tick(ctx, after context.Context) {
 	eng := l.eng.Load()
 	if eng == nil {
 		return
@@ -554,7 +648,7 @@ func (l *leases) Tick(ctx context.Context) {
 	}
 	retried := false
 	if len(pend) > 0 && l.client != nil {
-		l.send(ctx, eng, pend)
+		l.send(ctx, after, eng, pend)
 		retried = true
 	}
 
@@ -590,7 +684,7 @@ func (l *leases) Tick(ctx context.Context) {
 	l.mu.Unlock()
 
 	if len(calls) > 0 {
-		l.send(ctx, eng, calls)
+		l.send(ctx, after, eng, calls)
 	}
 }
 
@@ -948,9 +1042,9 @@ func (l *leases) depositFallback(ctx context.Context, eng *admission.Engine, q *
 }
 
 // send runs the calls concurrently (one per MaxWantsPerCall quotas).
-func (l *leases) send(ctx context.Context, eng *admission.Engine, calls []*acquireCall) {
+func (l *leases) send(ctx, after context.Context, eng *admission.Engine, calls []*acquireCall) {
 	if len(calls) == 1 {
-		l.do(ctx, eng, calls[0])
+		l.do(ctx, after, eng, calls[0])
 		return
 	}
 	var wg sync.WaitGroup
@@ -958,7 +1052,7 @@ func (l *leases) send(ctx context.Context, eng *admission.Engine, calls []*acqui
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			l.do(ctx, eng, c)
+			l.do(ctx, after, eng, c)
 		}()
 	}
 	wg.Wait()
@@ -988,8 +1082,9 @@ func wantsLimit(c *acquireCall, err error) (int, bool) {
 	return n / 2, true
 }
 
-// do sends one Acquire (or its retry) and deposits what it grants.
-func (l *leases) do(ctx context.Context, eng *admission.Engine, c *acquireCall) {
+// do sends one Acquire (or its retry) and deposits what it grants; after is
+// grant's.
+func (l *leases) do(ctx, after context.Context, eng *admission.Engine, c *acquireCall) {
 	cctx, cancel := context.WithTimeout(ctx, l.cfg.AcquireTimeout)
 	t0 := l.clock.Now()
 	first := c.sentAt.IsZero()
@@ -1040,7 +1135,7 @@ func (l *leases) do(ctx context.Context, eng *admission.Engine, c *acquireCall) 
 	l.mu.Unlock()
 	// Deposit concurrently: the store's auto-batcher pipelines them.
 	if len(resp.Grants) == 1 {
-		l.grant(ctx, eng, c, resp.Grants[0], resp.LeaderNowUnixMs)
+		l.grant(ctx, after, eng, c, resp.Grants[0], resp.LeaderNowUnixMs)
 		return
 	}
 	var next atomic.Int64
@@ -1050,7 +1145,7 @@ func (l *leases) do(ctx context.Context, eng *admission.Engine, c *acquireCall) 
 		go func() {
 			defer wg.Done()
 			for i := int(next.Add(1)) - 1; i < len(resp.Grants); i = int(next.Add(1)) - 1 {
-				l.grant(ctx, eng, c, resp.Grants[i], resp.LeaderNowUnixMs)
+				l.grant(ctx, after, eng, c, resp.Grants[i], resp.LeaderNowUnixMs)
 			}
 		}()
 	}
@@ -1199,14 +1294,17 @@ func validateAcquire(req *allotv1.AcquireRequest, resp *allotv1.AcquireResponse)
 	return nil
 }
 
-// grant deposits one grant, or hands it back when it cannot be used.
-func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCall, g *allotv1.Grant, leaderNow int64) {
+// grant deposits one grant, or hands it back when it cannot be used. The
+// hand-backs run under after, which outlives ctx: the allocator answered,
+// and its grant is worth handing back even when the agent is stopping
+// (Run's after ends when the shutdown's budget runs out).
+func (l *leases) grant(ctx, after context.Context, eng *admission.Engine, c *acquireCall, g *allotv1.Grant, leaderNow int64) {
 	l.mu.Lock()
 	q := l.quotas[g.Quota]
 	if q == nil { // the policy changed meanwhile
 		l.mu.Unlock()
 		if g.Tokens > 0 {
-			l.handBack(ctx, g.Quota, g.GrantId, g.Tokens, nil)
+			l.giveBack(after, g.Quota, g.GrantId, g.Tokens, nil)
 		}
 		return
 	}
@@ -1240,7 +1338,7 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 			l.mu.Unlock()
 			l.m.renewFail.WithLabelValues("malformed").Inc()
 			l.log.Warn("grant longer than the policy's TTL refused", zap.String("quota", g.Quota), zap.Int64("ttl_ms", life))
-			l.handBack(ctx, g.Quota, g.GrantId, g.Tokens, q)
+			l.giveBack(after, g.Quota, g.GrantId, g.Tokens, q)
 			return
 		}
 		q.granted += g.Tokens
@@ -1267,15 +1365,17 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 	}
 	l.mu.Unlock()
 
-	// The store work and the hand-back of a grant the allocator answered
-	// run to their own bounds even when the agent is stopping: a deposit
-	// whose caller gives up may still land if the batcher had already sent
-	// it (a paused Redis runs it when it resumes), and the shutdown that
-	// follows can only withdraw what this call knows it deposited.
+	// The store work runs to its own bounds even when the agent is
+	// stopping: a deposit whose caller gives up may still land if the
+	// batcher had already sent it (a paused Redis runs it when it resumes),
+	// and the shutdown that follows can only withdraw what this call knows
+	// it deposited. (Those bounds are short: a deposit's, twice, and a
+	// withdrawal's, only when a deposit failed.) The hand-backs, calls to
+	// an allocator that may not answer, run under after.
 	ctx = context.WithoutCancel(ctx)
 	if ttl < l.cfg.MinUsefulTTL {
 		l.m.renewFail.WithLabelValues("too_late").Inc()
-		l.handBack(ctx, g.Quota, g.GrantId, g.Tokens, q)
+		l.giveBack(after, g.Quota, g.GrantId, g.Tokens, q)
 	} else {
 		var (
 			err        error
@@ -1356,7 +1456,7 @@ func (l *leases) grant(ctx context.Context, eng *admission.Engine, c *acquireCal
 			back, out, at := l.unsureDeposit(ctx, eng, g, deadline, dep)
 			l.journalDeposit(g, deadline, dep, err, out, at)
 			if back > 0 {
-				l.handBack(ctx, g.Quota, g.GrantId, back, q)
+				l.giveBack(after, g.Quota, g.GrantId, back, q)
 			}
 		} else {
 			l.journalDeposit(g, deadline, dep, nil, false, time.Time{})
@@ -1495,11 +1595,13 @@ func (l *leases) markExhausted(ctx context.Context, eng *admission.Engine, q *qu
 	}
 }
 
-// handBack returns a grant's tokens to the allocator (best effort: tokens
-// not handed back stay granted and unspent, stranded, never overspent).
-func (l *leases) handBack(ctx context.Context, quotaName, grantID string, tokens int64, q *quota) {
+// handBack returns a grant's tokens to the allocator and reports how many
+// it credited back (0 when the grant's window has ended), or why the
+// release failed: tokens not handed back stay granted and unspent,
+// stranded, never overspent, until their lease expires.
+func (l *leases) handBack(ctx context.Context, quotaName, grantID string, tokens int64, q *quota) (int64, error) {
 	if l.client == nil || tokens <= 0 {
-		return
+		return 0, nil
 	}
 	cctx, cancel := context.WithTimeout(ctx, l.cfg.AcquireTimeout)
 	defer cancel()
@@ -1509,13 +1611,21 @@ func (l *leases) handBack(ctx context.Context, quotaName, grantID string, tokens
 	resp, err := l.client.Release(cctx, &allotv1.ReleaseRequest{Region: l.region, GrantId: grantID, Tokens: tokens, RequestId: "release-" + grantID})
 	l.journalRelease(quotaName, grantID, tokens, sent, resp, err)
 	if err != nil {
-		l.log.Debug("release failed", zap.String("quota", quotaName), zap.String("grant", grantID), zap.Error(err))
-		return
+		return 0, err
 	}
 	if q != nil {
 		l.mu.Lock()
 		q.released += resp.GetReturned()
 		l.mu.Unlock()
+	}
+	return resp.GetReturned(), nil
+}
+
+// giveBack is handBack of one grant, with a failure logged.
+func (l *leases) giveBack(ctx context.Context, quotaName, grantID string, tokens int64, q *quota) {
+	if _, err := l.handBack(ctx, quotaName, grantID, tokens, q); err != nil {
+		l.log.Warn("tokens not handed back: the allocator did not acknowledge their release; they return to its pool when their lease expires",
+			zap.String("quota", quotaName), zap.String("grant", grantID), zap.Int64("tokens", tokens), zap.Error(err))
 	}
 }
 
@@ -1569,7 +1679,7 @@ func (l *leases) shutdown(ctx context.Context) error {
 		tokens int64
 	}
 	var (
-		mu          sync.Mutex // guards errs and backs while withdrawals run side by side
+		mu          sync.Mutex // guards errs and backs while withdrawals run side by side, then the releases' sums
 		errs        []error
 		backs       []back
 		withdrawals errgroup.Group
@@ -1610,6 +1720,7 @@ func (l *leases) shutdown(ctx context.Context) error {
 		}
 	}
 	_ = withdrawals.Wait() // each withdrawal reports into errs
+	unreplayed := 0
 	for _, c := range pend {
 		cctx, cancel := context.WithTimeout(ctx, l.cfg.AcquireTimeout)
 		sent := l.clock.Now()
@@ -1617,6 +1728,7 @@ func (l *leases) shutdown(ctx context.Context) error {
 		cancel()
 		l.journalAcquire(c, sent, l.clock.Now(), resp, err)
 		if err != nil || validateAcquire(c.req, resp) != nil {
+			unreplayed++
 			continue
 		}
 		for _, g := range resp.Grants {
@@ -1630,21 +1742,43 @@ func (l *leases) shutdown(ctx context.Context) error {
 	}
 	// Releases go out side by side: one at a time, a slow allocator (or
 	// thousands of quotas) would run out the shutdown budget long before
-	// the last one.
+	// the last one. Only what the allocator acknowledged counts as handed
+	// back.
 	var (
-		released int64
-		g        errgroup.Group
+		unspent, returned, lost int64
+		failed                  int
+		firstErr                error
+		g                       errgroup.Group
 	)
 	g.SetLimit(shutdownReleases)
 	for _, b := range backs {
-		released += b.tokens
+		unspent += b.tokens
 		g.Go(func() error {
-			l.handBack(ctx, b.name, b.grant, b.tokens, b.q)
+			n, err := l.handBack(ctx, b.name, b.grant, b.tokens, b.q)
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				lost += b.tokens
+				failed++
+				if firstErr == nil {
+					firstErr = err
+				}
+				return nil
+			}
+			returned += n
 			return nil
 		})
 	}
-	_ = g.Wait() // handBack reports nothing: a failed release leaves tokens to expire
-	l.log.Info("unspent tokens handed back", zap.Int64("tokens", released), zap.Int("quotas", len(jobs)))
+	_ = g.Wait() // failures are counted above: their tokens expire with their leases
+	l.log.Info("unspent tokens handed back", zap.Int64("tokens", returned), zap.Int64("unspent", unspent), zap.Int("quotas", len(jobs)))
+	if failed > 0 {
+		l.log.Warn("unspent tokens not handed back: the allocator did not acknowledge their release; they return to its pool when their leases expire",
+			zap.Int64("tokens", lost), zap.Int("releases", failed), zap.Error(firstErr))
+	}
+	if unreplayed > 0 {
+		l.log.Warn("Acquire calls cut short could not be replayed: what they granted returns to the allocator's pool when the leases expire",
+			zap.Int("calls", unreplayed))
+	}
 	if len(errs) > 0 {
 		return fmt.Errorf("shutdown: %w", errors.Join(errs...))
 	}

@@ -14,6 +14,8 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/allot-dev/allot/pkg/admission"
 	"github.com/allot-dev/allot/pkg/agent"
@@ -525,6 +527,91 @@ func TestShutdownReleasesSideBySide(t *testing.T) {
 		if w := fa.window(quota); w.Released == 0 {
 			t.Errorf("%s: nothing released on shutdown (granted %d)", quota, w.Granted)
 		}
+	}
+}
+
+// TestShutdownCountsOnlyAcknowledgedReleases: with an allocator that does
+// not answer, shutdown withdraws the unspent tokens but hands none back,
+// and says so: the info log counts 0 tokens handed back (it used to count
+// every withdrawn token, acknowledged or not), and a warning counts the
+// tokens not handed back, which return to the pool when their leases
+// expire.
+func TestShutdownCountsOnlyAcknowledgedReleases(t *testing.T) {
+	rdb, fa, doc, cfg := threeQuotasAgent(t)
+	cfg.ShutdownTimeout = 500 * time.Millisecond
+	core, logs := observer.New(zap.InfoLevel)
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1), agent.WithLogger(zap.New(core))))
+	for _, ten := range []string{"a", "b"} {
+		if v := mustCheck(t, a.Agent, tenant(ten)); !v.Allowed {
+			t.Fatalf("tenant %s: %+v", ten, v)
+		}
+	}
+	fa.stallRelease.Store(true)
+	if err := a.stop(); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	var unspent int64
+	for _, quota := range []string{"q-a", "q-b"} {
+		if w := fa.window(quota); w.Released != 0 {
+			t.Fatalf("%s: %d released with Release stalled", quota, w.Released)
+		} else {
+			unspent += w.Granted - 1 // one token spent
+		}
+	}
+	done := logs.FilterMessage("unspent tokens handed back").All()
+	if len(done) != 1 || done[0].ContextMap()["tokens"] != int64(0) || done[0].ContextMap()["unspent"] != unspent {
+		t.Fatalf("shutdown log %v: want 0 tokens handed back of %d unspent", done, unspent)
+	}
+	lost := logs.FilterMessageSnippet("unspent tokens not handed back").All()
+	if len(lost) != 1 || lost[0].Level != zap.WarnLevel || lost[0].ContextMap()["tokens"] != unspent ||
+		!strings.Contains(lost[0].Message, "when their leases expire") {
+		t.Fatalf("logs %v: want one warning counting the %d tokens not handed back", lost, unspent)
+	}
+}
+
+// TestShutdownBudgetCountsFromTheStop: a round in progress when the agent
+// stops, blocked handing an unusable grant back to an allocator that does
+// not answer, does not hold the shutdown past ShutdownTimeout: the budget
+// counts from the stop, and the hand-back shares it (and is logged as
+// failed). The hand-back used to run to its AcquireTimeout first, and the
+// shutdown's own budget started only after it.
+func TestShutdownBudgetCountsFromTheStop(t *testing.T) {
+	rdb, fa, doc, cfg := threeQuotasAgent(t)
+	cfg.Lease.AcquireTimeout = 3 * time.Second
+	cfg.ShutdownTimeout = 300 * time.Millisecond
+	cfg.StarveWait = 100 * time.Millisecond
+	// Grants that end before they could be deposited: each is handed back.
+	fa.setHook(func(_ context.Context, _ *allotv1.AcquireRequest, commit func() (*allotv1.AcquireResponse, error)) (*allotv1.AcquireResponse, error) {
+		resp, err := commit()
+		if err != nil {
+			return nil, err
+		}
+		for _, g := range resp.Grants {
+			g.TtlMs, g.ExpiresUnixMs = 1, resp.LeaderNowUnixMs+1
+		}
+		return resp, nil
+	})
+	fa.stallRelease.Store(true)
+	core, logs := observer.New(zap.WarnLevel)
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1), agent.WithLogger(zap.New(core))))
+	checked := make(chan struct{})
+	go func() {
+		defer close(checked)
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_, _ = a.Check(ctx, tenant("a")) // starts the renewal; its verdict does not matter
+	}()
+	waitFor(t, 10*time.Second, "a hand-back", func() bool { return fa.releaseCalls.Load() > 0 })
+	t0 := time.Now()
+	if err := a.stop(); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	if took := time.Since(t0); took > cfg.ShutdownTimeout+700*time.Millisecond {
+		t.Fatalf("Run returned %s after the stop, want within ShutdownTimeout (%s) and a little", took, cfg.ShutdownTimeout)
+	}
+	<-checked
+	if es := logs.FilterMessageSnippet("tokens not handed back").All(); len(es) == 0 || es[0].ContextMap()["quota"] != "q-a" {
+		t.Fatalf("logs %v: want the failed hand-back of q-a's grant logged", es)
 	}
 }
 

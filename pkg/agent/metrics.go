@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"connectrpc.com/connect"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -26,8 +27,27 @@ type metrics struct {
 	fallbackDep  *prometheus.CounterVec // quota
 }
 
+// The label values the agent's counters take, each a bounded, known set:
+// newMetrics creates their series at zero, so that a counter's first event
+// is an increase from 0 (increase() and rate() see it) rather than the birth
+// of a series at 1, which they do not. Labels without a known set (rule,
+// quota: per-tenant rules make them unbounded) get series as events name
+// them.
+var (
+	policyUpdateResults = []string{"applied", "older", "malformed", "invalid", "persist_error"}
+	renewFailReasons    = []string{"unreachable", "refused", "malformed", "deposit", "deposit_unknown", "too_late"}
+	starveWaitResults   = []string{"served", "timeout", "exhausted", "cut_off", "refused"}
+	storeErrorOps       = []string{"stats", "deposit", "exhaust", "withdraw"}
+	storeErrorKinds     = []string{"timeout", "error"}
+	// badRequestAPIs and badRequestCodes: every API that counts bad requests,
+	// and every code codeOf returns.
+	badRequestAPIs  = []string{"connect", "grpc", "envoy", "connect-batch", "grpc-batch"}
+	badRequestCodes = []connect.Code{connect.CodeInvalidArgument, connect.CodeDeadlineExceeded, connect.CodeCanceled,
+		connect.CodeUnavailable, connect.CodeInternal}
+)
+
 func newMetrics() *metrics {
-	return &metrics{
+	m := &metrics{
 		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "allot_agent_decisions_total",
 			Help: "Decisions by rule (the denying rule, or the tightest when allowed; none when no rule matched) and verdict (allow, deny, unavailable).",
@@ -43,7 +63,7 @@ func newMetrics() *metrics {
 		}, []string{"api", "code"}),
 		failMode: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "allot_agent_fail_mode_total",
-			Help: "Rules decided by their fail mode (the store could not answer), by rule and mode; cut_off counts leased pools answered unavailable because the allocator was unreachable, refused those answered unavailable while quarantined after the allocator refused them.",
+			Help: "Rules decided by their fail mode (the store could not answer), by rule and mode; cut_off counts leased pools answered unavailable because the allocator was unreachable, refused those answered unavailable while quarantined after the allocator refused them, or because the policy does not lease them to this agent's region.",
 		}, []string{"rule", "mode"}),
 		starveWaits: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "allot_agent_starve_waits_total",
@@ -94,6 +114,31 @@ func newMetrics() *metrics {
 			Name: "allot_agent_fallback_deposits_total",
 			Help: "Fallback allowances deposited while cut off from the allocator, by quota.",
 		}, []string{"quota"}),
+	}
+	m.zero()
+	return m
+}
+
+// zero creates the series of every known label value at zero.
+func (m *metrics) zero() {
+	for _, r := range policyUpdateResults {
+		m.policyUpd.WithLabelValues(r)
+	}
+	for _, r := range renewFailReasons {
+		m.renewFail.WithLabelValues(r)
+	}
+	for _, r := range starveWaitResults {
+		m.starveWaits.WithLabelValues(r)
+	}
+	for _, op := range storeErrorOps {
+		for _, k := range storeErrorKinds {
+			m.storeErrors.WithLabelValues(op, k)
+		}
+	}
+	for _, api := range badRequestAPIs {
+		for _, c := range badRequestCodes {
+			m.badRequests.WithLabelValues(api, c.String())
+		}
 	}
 }
 
