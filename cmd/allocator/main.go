@@ -10,6 +10,12 @@
 // single-node cluster: this node as its only -peer); -peer is read only with
 // -bootstrap. A new node of a running cluster starts with -join instead, and
 // a node restarts from its data dir with the same flags or with neither.
+//
+// A node refuses to start when its data dir shows Raft state that raft.db
+// no longer holds (emptied, deleted, damaged, or its snapshots gone), and a
+// -bootstrap from an empty data dir refuses when a -peer answers as a
+// cluster with a policy: a node whose data is lost is removed and joins
+// again (docs/operations.md, "Recover an allocator node").
 package main
 
 import (
@@ -19,6 +25,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 
 	"go.uber.org/zap"
@@ -80,8 +87,9 @@ func parseFlags(args []string) (allocator.Config, allocator.RunOptions, zapcore.
 	fs.StringVar(&cfg.RaftAddr, "raft-addr", "127.0.0.1:7001", "Raft transport address (bind and advertise)")
 	fs.StringVar(&cfg.APIAddr, "api-addr", "127.0.0.1:8001", "Connect API address")
 	fs.StringVar(&ro.GRPCAddr, "grpc-addr", "", "also serve Acquire and Release on grpc-go at this address (region agents' -allocators-grpc); empty: off")
-	fs.StringVar(&cfg.DataDir, "data-dir", "", "directory for the Raft log, stable store and snapshots")
-	fs.BoolVar(&cfg.Bootstrap, "bootstrap", false, "bootstrap a new cluster from -peer when the data dir is empty (needs -peer; not with -join)")
+	fs.StringVar(&cfg.DataDir, "data-dir", "", "directory for the Raft log, stable store and snapshots (required)")
+	fs.BoolVar(&cfg.Bootstrap, "bootstrap", false, "bootstrap a new cluster from -peer when the data dir is empty (needs -peer; not with -join); "+
+		"refused when a -peer answers with a published policy: a node whose data is lost rejoins with -join")
 	fs.Var(&peers, "peer", "initial member id=raft_addr=api_addr of a -bootstrap (repeat; include this node, alone for a single-node cluster)")
 	fs.StringVar(&ro.Join, "join", "", "API address of a member to ask to add this node (not with -bootstrap)")
 	fs.DurationVar(&cfg.HeartbeatTimeout, "heartbeat-timeout", cfg.HeartbeatTimeout, "Raft heartbeat timeout")
@@ -89,6 +97,8 @@ func parseFlags(args []string) (allocator.Config, allocator.RunOptions, zapcore.
 	fs.DurationVar(&cfg.LeaderLeaseTimeout, "leader-lease-timeout", cfg.LeaderLeaseTimeout, "Raft leader lease timeout")
 	fs.DurationVar(&cfg.CommitDelay, "commit-delay", cfg.CommitDelay, "under load, how long the leader may hold a batch of calls for companions (0: never)")
 	fs.IntVar(&cfg.CommitSiblings, "commit-siblings", cfg.CommitSiblings, "calls in the previous Raft entry that count as load for -commit-delay")
+	fs.IntVar(&cfg.MaxWatchStreams, "max-watch-streams", cfg.MaxWatchStreams, "WatchPolicy streams served at once; more are refused with ResourceExhausted (allot_allocator_watch_streams)")
+	fs.DurationVar(&cfg.WatchSendTimeout, "watch-send-timeout", cfg.WatchSendTimeout, "close a WatchPolicy stream whose client takes longer than this to read one policy version")
 	fs.Uint64Var(&cfg.SnapshotThreshold, "snapshot-threshold", cfg.SnapshotThreshold, "log entries between snapshots")
 	fs.DurationVar(&cfg.LeaseMargin, "lease-margin", cfg.LeaseMargin, "lease deadline margin regions use (feeds the stated bound)")
 	fs.Int64Var(&cfg.MaxDriftPPM, "max-drift-ppm", cfg.MaxDriftPPM, "assumed max clock drift between machines (feeds the stated bound)")
@@ -107,7 +117,8 @@ func parseFlags(args []string) (allocator.Config, allocator.RunOptions, zapcore.
 }
 
 // checkFlags refuses cluster flags that contradict each other or leave the
-// membership to chance, naming the flags, then validates the configuration.
+// membership to chance, naming the flags, then validates the configuration,
+// naming the flags of the settings it refuses.
 func checkFlags(cfg allocator.Config, ro allocator.RunOptions) error {
 	switch {
 	case cfg.Bootstrap && ro.Join != "":
@@ -121,5 +132,53 @@ func checkFlags(cfg allocator.Config, ro allocator.RunOptions) error {
 		return fmt.Errorf("-bootstrap without -peer: list every initial member with -peer, this node included; "+
 			"for a single-node cluster, this node alone (-peer %s=%s=%s): %w", cfg.NodeID, cfg.RaftAddr, cfg.APIAddr, allocator.ErrConfig)
 	}
-	return cfg.Validate()
+	var errs []error
+	if cfg.DataDir == "" {
+		errs = append(errs, fmt.Errorf("-data-dir must not be empty: it holds this node's Raft log and snapshots: %w", allocator.ErrConfig))
+	}
+	return errors.Join(append(errs, flagErrors(cfg.Validate())...)...)
 }
+
+// flagOf names the flag that sets each Config field Config.Validate names.
+var flagOf = map[string]string{
+	"NodeID": "-id", "RaftAddr": "-raft-addr", "APIAddr": "-api-addr", "DataDir": "-data-dir",
+	"Bootstrap": "-bootstrap", "Peers": "-peer",
+	"HeartbeatTimeout": "-heartbeat-timeout", "ElectionTimeout": "-election-timeout", "LeaderLeaseTimeout": "-leader-lease-timeout",
+	"CommitDelay": "-commit-delay", "CommitSiblings": "-commit-siblings", "SnapshotThreshold": "-snapshot-threshold",
+	"MaxWatchStreams": "-max-watch-streams", "WatchSendTimeout": "-watch-send-timeout",
+	"LeaseMargin": "-lease-margin", "MaxDriftPPM": "-max-drift-ppm", "MaxOneWayDelay": "-max-store-delay",
+	"MaxLeaderSkew": "-max-leader-skew", "StoreAsyncFailover": "-store-async-failover",
+}
+
+// flagErrors splits err, the joined errors of Config.Validate, and words
+// each with the flags of the fields it names (the ErrConfig it wraps stays).
+func flagErrors(err error) []error {
+	if err == nil {
+		return nil
+	}
+	errs := []error{err}
+	if j, ok := err.(interface{ Unwrap() []error }); ok {
+		errs = j.Unwrap()
+	}
+	out := make([]error, len(errs))
+	for i, e := range errs {
+		words := strings.Split(e.Error(), " ")
+		for k, w := range words {
+			field := strings.TrimRight(w, ":,")
+			if f, ok := flagOf[field]; ok {
+				words[k] = f + w[len(field):]
+			}
+		}
+		out[i] = flagError{msg: strings.Join(words, " "), err: e}
+	}
+	return out
+}
+
+// flagError is an error of Config.Validate worded with flags.
+type flagError struct {
+	msg string
+	err error
+}
+
+func (e flagError) Error() string { return e.msg }
+func (e flagError) Unwrap() error { return e.err }

@@ -119,3 +119,65 @@ func TestFlagCombinationsAccepted(t *testing.T) {
 		})
 	}
 }
+
+// TestBadSettingsNameTheirFlags checks that a refused setting is named by
+// its flag, not by the Config field it sets, and that every problem is
+// reported at once.
+func TestBadSettingsNameTheirFlags(t *testing.T) {
+	const a1 = "a1=127.0.0.1:7001=127.0.0.1:8001"
+	tests := []struct {
+		name    string
+		args    []string
+		want    []string
+		notWant []string
+	}{
+		{"no id, no data dir", []string{"-id", "", "-data-dir", ""},
+			[]string{"-id must not be empty", "-data-dir must not be empty"}, []string{"NodeID", "DataDir", "data dir is empty"}},
+		{"watch limits", []string{"-max-watch-streams", "0", "-watch-send-timeout", "-1s"},
+			[]string{"-max-watch-streams must be positive, got 0", "-watch-send-timeout must be positive, got -1s"}, []string{"MaxWatchStreams", "WatchSendTimeout"}},
+		{"lease longer than heartbeat", []string{"-leader-lease-timeout", "2s"},
+			[]string{"-leader-lease-timeout 2s exceeds -heartbeat-timeout 500ms"}, []string{"LeaderLeaseTimeout", "HeartbeatTimeout"}},
+		{"bound assumptions", []string{"-max-store-delay", "-1s", "-max-drift-ppm", "-3"},
+			[]string{"-max-store-delay must not be negative", "-max-drift-ppm must not be negative"}, []string{"MaxOneWayDelay", "MaxDriftPPM"}},
+		{"bootstrap peers twice", []string{"-bootstrap", "-peer", a1, "-peer", a1},
+			[]string{`-peer: "a1" listed twice`}, []string{"Peers"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			args := append([]string{"-id", "a1", "-raft-addr", "127.0.0.1:7001", "-api-addr", "127.0.0.1:8001", "-data-dir", t.TempDir()}, tt.args...)
+			cfg, ro, _, err := parseFlags(args)
+			if err != nil {
+				t.Fatalf("parseFlags: %v", err)
+			}
+			err = checkFlags(cfg, ro)
+			if !errors.Is(err, allocator.ErrConfig) {
+				t.Fatalf("checkFlags() = %v, want an ErrConfig", err)
+			}
+			for _, w := range tt.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("%q does not say %q", err.Error(), w)
+				}
+			}
+			for _, w := range tt.notWant {
+				if strings.Contains(err.Error(), w) {
+					t.Errorf("%q names %s", err.Error(), w)
+				}
+			}
+		})
+	}
+}
+
+// TestWatchFlags checks that the WatchPolicy limits are settable.
+func TestWatchFlags(t *testing.T) {
+	cfg, _, _, err := parseFlags([]string{"-max-watch-streams", "7", "-watch-send-timeout", "3s"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.MaxWatchStreams != 7 || cfg.WatchSendTimeout != 3*time.Second {
+		t.Errorf("MaxWatchStreams %d, WatchSendTimeout %s; want 7, 3s", cfg.MaxWatchStreams, cfg.WatchSendTimeout)
+	}
+	def := allocator.DefaultConfig()
+	if cfg, _, _, _ = parseFlags(nil); cfg.MaxWatchStreams != def.MaxWatchStreams || cfg.WatchSendTimeout != def.WatchSendTimeout {
+		t.Errorf("defaults %d, %s; want %d, %s", cfg.MaxWatchStreams, cfg.WatchSendTimeout, def.MaxWatchStreams, def.WatchSendTimeout)
+	}
+}

@@ -45,11 +45,19 @@ type Config struct {
 	RaftAddr string
 	// APIAddr is the address the Connect API listens on (and peers forward to).
 	APIAddr string
-	// DataDir holds the BoltDB log and stable store and the snapshots.
+	// DataDir holds the BoltDB log and stable store (raft.db), the
+	// snapshots, and a marker file (allot-node.json) written once the node
+	// has Raft state. A data dir whose marker or snapshots outlive the state
+	// raft.db held, or whose raft.db is damaged, is refused
+	// (ErrRaftStateLost, ErrRaftDBDamaged) rather than started from less
+	// than the node had.
 	DataDir string
 	// Bootstrap makes this node bootstrap a new cluster from Peers when it has
 	// no state yet; it is ignored when the data dir already holds a cluster.
-	// It excludes RunOptions.Join.
+	// It never bootstraps over a data dir that shows lost state, and an
+	// empty data dir is refused when another of the Peers answers as a
+	// cluster with a policy (ErrClusterRunning): a node that lost its data
+	// is removed and joins again. It excludes RunOptions.Join.
 	Bootstrap bool
 	// Peers is the initial configuration (including this node) for Bootstrap,
 	// and only read then; empty, Bootstrap makes a single-node cluster of this

@@ -1,8 +1,10 @@
 package allocator
 
 import (
+	"fmt"
 	"io"
 	"log"
+	"strconv"
 
 	"github.com/hashicorp/go-hclog"
 	"go.uber.org/zap"
@@ -37,12 +39,37 @@ func (l *hclogAdapter) fields(args []interface{}) []zap.Field {
 			key = "arg"
 		}
 		if i+1 < len(all) {
-			fs = append(fs, zap.Any(key, all[i+1]))
+			fs = append(fs, zap.Any(key, hclogValue(all[i+1])))
 		} else {
-			fs = append(fs, zap.Any("extra", all[i]))
+			fs = append(fs, zap.Any("extra", hclogValue(all[i])))
 		}
 	}
 	return fs
+}
+
+// hclogValue renders hclog's formatting types as hclog's own text output
+// does: hclog.Fmt("%+v", x) is a Format, whose first element is the format
+// string (zap would otherwise log the slice itself, ["%+v",[…]]).
+func hclogValue(v interface{}) interface{} {
+	switch v := v.(type) {
+	case hclog.Format:
+		if len(v) == 0 {
+			return ""
+		}
+		if f, ok := v[0].(string); ok {
+			return fmt.Sprintf(f, v[1:]...)
+		}
+		return fmt.Sprint(v...)
+	case hclog.Hex:
+		return "0x" + strconv.FormatInt(int64(v), 16)
+	case hclog.Octal:
+		return "0" + strconv.FormatInt(int64(v), 8)
+	case hclog.Binary:
+		return "0b" + strconv.FormatInt(int64(v), 2)
+	case hclog.Quote:
+		return string(v)
+	}
+	return v
 }
 
 func (l *hclogAdapter) Log(level hclog.Level, msg string, args ...interface{}) {

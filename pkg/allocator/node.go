@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/hashicorp/raft"
-	raftboltdb "github.com/hashicorp/raft-boltdb/v2"
 	"go.uber.org/zap"
 
 	"github.com/allot-dev/allot/fsm"
@@ -120,7 +119,9 @@ func WithLogger(l *zap.Logger) Option { return func(o *nodeOptions) { o.logger =
 // WithClock sets the leader clock stamped into proposals (default time.Now).
 func WithClock(now func() time.Time) Option { return func(o *nodeOptions) { o.now = now } }
 
-// WithRaftDeps injects stores and a transport instead of opening BoltDB and TCP.
+// WithRaftDeps injects stores and a transport instead of opening BoltDB and
+// TCP; the node then has no data dir, and none of its checks (the marker,
+// lost or damaged state, the bootstrap probe of the peers) applies.
 func WithRaftDeps(d RaftDeps) Option { return func(o *nodeOptions) { o.deps = &d } }
 
 // WithMetrics makes the node record into m (default: a private, unregistered set).
@@ -139,6 +140,8 @@ type Node struct {
 	metrics *Metrics
 
 	peerAPI map[string]string // from the bootstrap configuration
+
+	dir *dataDir // nil when the stores are injected (WithRaftDeps)
 
 	proposer *proposer
 
@@ -197,6 +200,16 @@ func NewNode(cfg Config, opts ...Option) (*Node, error) {
 			return nil, fmt.Errorf("check existing state: %w", err)
 		}
 		if !has {
+			if n.dir != nil {
+				if n.dir.hadState() { // inspectDataDir and checkState refuse this already
+					n.runClosers()
+					return nil, n.dir.lostError("raft.db holds no Raft state")
+				}
+				if err := probeRunningCluster(cfg, n.log); err != nil {
+					n.runClosers()
+					return nil, err
+				}
+			}
 			conf := raft.Configuration{}
 			peers := cfg.Peers
 			if len(peers) == 0 {
@@ -210,6 +223,12 @@ func NewNode(cfg Config, opts ...Option) (*Node, error) {
 				return nil, fmt.Errorf("bootstrap: %w", err)
 			}
 			n.log.Info("bootstrapped a new cluster", zap.Int("voters", len(conf.Servers)))
+			if n.dir != nil {
+				if err := n.dir.mark(cfg.NodeID, "bootstrap"); err != nil {
+					n.runClosers()
+					return nil, err
+				}
+			}
 		}
 	}
 
@@ -234,7 +253,37 @@ func NewNode(cfg Config, opts ...Option) (*Node, error) {
 		defer r.DeregisterObserver(observer)
 		n.watchLeadership(obsCh)
 	}()
+	if n.dir != nil && n.dir.marker == nil {
+		n.wg.Add(1)
+		go func() {
+			defer n.wg.Done()
+			n.markOnceReplicated()
+		}()
+	}
 	return n, nil
+}
+
+// markOnceReplicated writes the data dir's marker once a node that started
+// without Raft state (a node that joins, or a new member started without
+// -join) has its first entries or snapshot from a leader.
+func (n *Node) markOnceReplicated() {
+	t := time.NewTicker(200 * time.Millisecond)
+	defer t.Stop()
+	for {
+		if n.raft.LastIndex() > 0 {
+			if err := n.dir.mark(n.cfg.NodeID, "replicated"); err != nil {
+				n.log.Error("the data dir's marker could not be written; it is written at the next start", zap.Error(err))
+				return
+			}
+			n.log.Info("first Raft entries stored; data dir marked", zap.String("marker", filepath.Join(n.dir.path, markerName)))
+			return
+		}
+		select {
+		case <-n.stop:
+			return
+		case <-t.C:
+		}
+	}
 }
 
 // maxAppendEntries caps the entries of one AppendEntries message (and the
@@ -270,22 +319,45 @@ func raftConfig(cfg Config, log *zap.Logger) *raft.Config {
 	return rc
 }
 
+// openDeps opens the node's stores in its data dir, and its transport. It
+// refuses a data dir whose Raft state is lost or damaged (inspectDataDir,
+// checkState) rather than start from less than the node had, and marks a
+// data dir with state that has no marker yet (one from an older build).
 func (n *Node) openDeps() (*RaftDeps, error) {
 	if n.cfg.DataDir == "" {
-		return nil, fmt.Errorf("data dir is empty: %w", ErrConfig)
+		return nil, fmt.Errorf("DataDir must not be empty: %w", ErrConfig)
 	}
 	if err := os.MkdirAll(n.cfg.DataDir, 0o750); err != nil {
 		return nil, fmt.Errorf("data dir: %w", err)
 	}
-	store, err := raftboltdb.New(raftboltdb.Options{Path: filepath.Join(n.cfg.DataDir, "raft.db")})
+	dir, err := inspectDataDir(n.cfg.DataDir, n.cfg.NodeID)
 	if err != nil {
-		return nil, fmt.Errorf("open raft.db: %w", err)
+		return nil, err
+	}
+	store, st, err := openRaftDB(filepath.Join(n.cfg.DataDir, raftDBName))
+	if err != nil {
+		return nil, err
 	}
 	n.closers = append(n.closers, store.Close)
 	snaps, err := raft.NewFileSnapshotStoreWithLogger(n.cfg.DataDir, 3, newHCLog(n.log, "snapshots"))
 	if err != nil {
 		return nil, fmt.Errorf("open snapshots: %w", err)
 	}
+	metas, err := snaps.List()
+	if err != nil {
+		return nil, fmt.Errorf("list snapshots: %w", err)
+	}
+	if err := dir.checkState(st, metas); err != nil {
+		return nil, err
+	}
+	if dir.marker == nil && hasEntries(st, metas) {
+		// State written by a build that predates the marker.
+		if err := dir.mark(n.cfg.NodeID, "existing"); err != nil {
+			return nil, err
+		}
+		n.log.Info("data dir marked: it holds Raft state", zap.String("marker", filepath.Join(dir.path, markerName)))
+	}
+	n.dir = dir
 	addr, err := net.ResolveTCPAddr("tcp", n.cfg.RaftAddr)
 	if err != nil {
 		return nil, fmt.Errorf("raft address %q: %w", n.cfg.RaftAddr, err)

@@ -1,0 +1,109 @@
+package allocator
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"time"
+
+	"connectrpc.com/connect"
+	"go.uber.org/zap"
+
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+	"github.com/allot-dev/allot/proto/allot/v1/allotv1connect"
+)
+
+// bootstrapProbeTimeout bounds how long a node that bootstraps from an
+// empty data dir waits for its bootstrap peers' answers.
+const bootstrapProbeTimeout = time.Second
+
+// probeRunningCluster asks the other bootstrap peers (their API, GetCluster,
+// all at once, for at most bootstrapProbeTimeout) whether they run a
+// cluster already, before a node with an empty data dir bootstraps. A peer
+// that answers with a published policy runs a cluster that may have granted
+// quotas: this node lost its data dir (restarted with the flags it was
+// founded with) or was never started while the others went on without it.
+// Bootstrapping would make it a voter that forgot the votes and entries it
+// acknowledged, so it refuses (ErrClusterRunning). Peers that do not answer,
+// or answer without a policy (founders starting together), are no reason
+// to refuse: the probe only catches what it can see.
+func probeRunningCluster(cfg Config, log *zap.Logger) error {
+	var others []Peer
+	for _, p := range cfg.Peers {
+		if p.ID != cfg.NodeID {
+			others = append(others, p)
+		}
+	}
+	if len(others) == 0 {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), bootstrapProbeTimeout)
+	defer cancel()
+	hc := NewHTTPClient()
+	defer hc.CloseIdleConnections()
+	type answer struct {
+		peer Peer
+		resp *allotv1.GetClusterResponse
+		err  error
+	}
+	answers := make(chan answer, len(others))
+	for _, p := range others {
+		go func() {
+			op := allotv1connect.NewOperatorServiceClient(hc, "http://"+p.APIAddr)
+			resp, err := op.GetCluster(ctx, connect.NewRequest(&allotv1.GetClusterRequest{}))
+			a := answer{peer: p, err: err}
+			if err == nil {
+				a.resp = resp.Msg
+			}
+			answers <- a
+		}()
+	}
+	var running *answer
+	for range others {
+		a := <-answers
+		if a.err != nil {
+			log.Debug("bootstrap peer did not answer", zap.String("peer", a.peer.ID), zap.Error(a.err))
+			continue
+		}
+		if a.resp.GetPolicyVersion() > 0 && running == nil {
+			running = &a
+		}
+	}
+	if running == nil {
+		return nil
+	}
+	r, p := running.resp, running.peer
+	listed := false
+	for _, m := range r.GetMembers() {
+		listed = listed || m.GetId() == cfg.NodeID
+	}
+	what := fmt.Sprintf("peer %s (%s) answers as a running cluster (policy v%d, term %d, commit index %d, members %s)",
+		p.ID, p.APIAddr, r.GetPolicyVersion(), r.GetTerm(), r.GetCommitIndex(), memberIDs(r.GetMembers()))
+	if listed && r.GetLeaderId() == "" {
+		// A majority lost: no leader can remove this node, and the
+		// survivors need it back (empty, at its address) to elect one.
+		return fmt.Errorf("-bootstrap with an empty data dir %s, but %s that lists this node %q and knows no leader: %w. "+
+			"If a majority of the cluster is lost, start this node with the empty data dir, the same -id and "+
+			"-raft-addr, and -join %s instead of -bootstrap and -peer: the survivors elect a leader with its vote and "+
+			"it catches up (docs/operations.md, \"Recover from a lost majority\")",
+			cfg.DataDir, what, cfg.NodeID, ErrClusterRunning, p.APIAddr)
+	}
+	if listed {
+		return fmt.Errorf("-bootstrap with an empty data dir %s, but %s that lists this node %q: %w. This node lost its data "+
+			"dir, or was never started while the others went on without it; bootstrapping would make it a voter that "+
+			"forgot the votes and entries it acknowledged. Remove it (allotctl -addr %s member remove %s), then start "+
+			"it with the empty data dir and -join %s instead of -bootstrap and -peer: it joins as a non-voter and is "+
+			"promoted once it has caught up (docs/operations.md, \"Recover an allocator node\")",
+			cfg.DataDir, what, cfg.NodeID, ErrClusterRunning, p.APIAddr, cfg.NodeID, p.APIAddr)
+	}
+	return fmt.Errorf("-bootstrap with an empty data dir %s, but %s without this node %q: %w. A node joins a running "+
+		"cluster with -join %s, not -bootstrap", cfg.DataDir, what, cfg.NodeID, ErrClusterRunning, p.APIAddr)
+}
+
+func memberIDs(ms []*allotv1.Member) string {
+	ids := make([]string, len(ms))
+	for i, m := range ms {
+		ids[i] = m.GetId()
+	}
+	return strings.Join(ids, ",")
+}
