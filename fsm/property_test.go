@@ -666,11 +666,41 @@ func (m *model) check(t *rapid.T, prevNow int64) {
 
 func TestPropertyInvariants(t *testing.T) {
 	var tally propTally
+	// A window change that drops grants whose leases are then still live
+	// (tally.carried) or expire inside a window of the new length
+	// (tally.spent) takes a publish, a grant and the right advance of time
+	// in one run: most seeds' 100 runs make dozens of each, about one seed
+	// in fifteen makes none of one. Such a seed runs another round (a fresh
+	// seed unless -rapid.seed fixes it), up to three, so the guard below
+	// fails for a model that stopped making them, not for an unlucky seed.
+	for round := 0; round < 4 && !t.Failed() && (round == 0 || tally.vacuous()); round++ {
+		propertyRound(t, &tally)
+	}
+	// Every valid command is checked to succeed above; this catches a
+	// model that stops sending them. Over the default 100 runs of up to
+	// 120 commands, a run without a grant or a release is common but all
+	// of them without one is practically impossible; with very few runs
+	// (-rapid.checks) it is not, so the check needs some.
+	t.Logf("%d runs: %d grants (%d cut short by a cap), %d releases returned tokens, %d checks of carried tokens, %d of expired ones",
+		tally.runs, tally.grants, tally.capped, tally.releases, tally.carried, tally.spent)
+	if !t.Failed() && tally.runs >= 20 && tally.vacuous() {
+		t.Fatalf("%d runs made %d grants (%d cut short by a cap) and %d releases, %d checks of carried tokens, %d of expired ones: the property checked nothing",
+			tally.runs, tally.grants, tally.capped, tally.releases, tally.carried, tally.spent)
+	}
+}
+
+// vacuous reports whether some kind of check never happened.
+func (p *propTally) vacuous() bool {
+	return p.grants == 0 || p.releases == 0 || p.carried == 0 || p.capped == 0 || p.spent == 0
+}
+
+// propertyRound runs one rapid.Check of the invariants, counting into tally.
+func propertyRound(t *testing.T, tally *propTally) {
 	rapid.Check(t, func(t *rapid.T) {
 		tally.runs++
 		h := newHarness(t)
 		h.strict = true // every rejected command must leave the state untouched
-		m := &model{h: h, stamp: t0, specs: map[string]QuotaSpec{}, lowered: map[windowKey]bool{}, peak: map[windowKey]int64{}, capGen: map[string]int{}, tally: &tally}
+		m := &model{h: h, stamp: t0, specs: map[string]QuotaSpec{}, lowered: map[windowKey]bool{}, peak: map[windowKey]int64{}, capGen: map[string]int{}, tally: tally}
 		m.publish(t)
 		steps := rapid.IntRange(1, 120).Draw(t, "steps")
 		for range steps {
@@ -718,15 +748,4 @@ func TestPropertyInvariants(t *testing.T) {
 			t.Fatalf("restored snapshot differs:\n%s\n%s", got, want)
 		}
 	})
-	// Every valid command is checked to succeed above; this catches a
-	// model that stops sending them. Over the default 100 runs of up to
-	// 120 commands, a run without a grant or a release is common but all
-	// of them without one is practically impossible; with very few runs
-	// (-rapid.checks) it is not, so the check needs some.
-	t.Logf("%d runs: %d grants (%d cut short by a cap), %d releases returned tokens, %d checks of carried tokens, %d of expired ones",
-		tally.runs, tally.grants, tally.capped, tally.releases, tally.carried, tally.spent)
-	if !t.Failed() && tally.runs >= 20 && (tally.grants == 0 || tally.releases == 0 || tally.carried == 0 || tally.capped == 0 || tally.spent == 0) {
-		t.Fatalf("%d runs made %d grants (%d cut short by a cap) and %d releases, %d checks of carried tokens, %d of expired ones: the property checked nothing",
-			tally.runs, tally.grants, tally.capped, tally.releases, tally.carried, tally.spent)
-	}
 }
