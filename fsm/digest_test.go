@@ -9,8 +9,8 @@ import (
 
 // TestPolicyDigests checks that every record, the history's included, carries
 // the SHA-256 of its own document, that a restored replica recomputes it,
-// and that the snapshot format is unchanged (builds without digests, which
-// refuse unknown fields, still restore it).
+// and that snapshots do not hold it (the records are those of builds
+// without digests, which refuse unknown fields).
 func TestPolicyDigests(t *testing.T) {
 	h := newHarness(t)
 	docs := []string{"first document", "second document"}

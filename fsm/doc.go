@@ -129,6 +129,21 @@
 // into one entry (of its template's, for an instance), which goes
 // MaxWindowMs after they end, when no window can reach back to them.
 //
+// # Snapshots
+//
+// A snapshot is the logical state as JSON lines, the same bytes on every
+// replica that applied the same log. Persist seals it (SnapshotFormatV2):
+// the header begins {"format":2, and the last line holds the length and
+// CRC-32C of all the bytes before it. Restore refuses a snapshot whose
+// trailer is missing or does not match, however it arrived: the CRC of
+// raft's snapshot files is computed on the bytes as a follower received
+// them from InstallSnapshot, other paths may have none, and the checks of
+// the records cannot see a changed digit of a count, a time or an id.
+// Restore replaces the state whole, only after the snapshot was read to
+// its end and checked, or not at all. Snapshots of older builds
+// (SnapshotFormatV1: the same records, no trailer) still restore; no
+// snapshot of this build restores on an older build.
+//
 // # Usage
 //
 //	f := fsm.New()
@@ -162,8 +177,8 @@
 //     builds before the carried tokens (see Publish) grant a reset pool in
 //     full, and builds before expired leases were carried leave them out,
 //     so publish no window change or quota removal while replicas of an
-//     older build serve (their snapshots restore on the new build; the new
-//     build's, once such a publish happened, do not restore on them).
+//     older build serve (their snapshots restore on the new build, not the
+//     other way round: see Snapshots).
 //     Likewise, builds before MaxHeldPerRegion refuse a spec that sets it
 //     (an unknown field): publish no cap while they serve.
 //  6. Report demand on every Acquire when a quota uses fair_share: a region

@@ -2,8 +2,10 @@ package fsm
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"io"
 	"testing"
 
@@ -145,17 +147,127 @@ func persistSnapshot(f *FSM) ([]byte, error) {
 }
 
 // roundTrip restores snap into a new FSM, checks that the new FSM's
-// snapshot is byte-identical, and returns it.
+// snapshot is byte-identical (for a snapshot of an older build: the same
+// records, labeled and sealed as this build writes them), and returns it.
 func roundTrip(t tb, snap []byte) *FSM {
 	t.Helper()
 	f := New()
 	if err := restore(f, snap); err != nil {
 		t.Fatalf("Restore: %v", err)
 	}
-	if got := snapshotBytes(t, f); !bytes.Equal(got, snap) {
-		t.Fatalf("restored snapshot differs:\n%s\n%s", got, snap)
+	want := snap
+	if bytes.HasPrefix(snap, []byte(oldPrefix)) {
+		want = upgradeSnapshot(t, snap)
+	}
+	if got := snapshotBytes(t, f); !bytes.Equal(got, want) {
+		t.Fatalf("restored snapshot differs:\n%s\n%s", got, want)
 	}
 	return f
+}
+
+// The first bytes of snapshots of this build and of older ones, and the
+// length of this build's integrity trailer. The test spells the format
+// out on its own rather than reuse snapshot.go's, so it pins it.
+const (
+	newPrefix      = `{"format":2,`
+	oldPrefix      = `{"format":1,`
+	testTrailerLen = len(`{"length":"00000000000000000000","crc32c":"00000000"}` + "\n")
+)
+
+// sealSnapshot appends to body the integrity trailer Persist writes: the
+// length and CRC-32C (Castagnoli) of body.
+func sealSnapshot(body []byte) []byte {
+	sum := crc32.Checksum(body, crc32.MakeTable(crc32.Castagnoli))
+	return fmt.Appendf(bytes.Clone(body), `{"length":"%020d","crc32c":"%08x"}`+"\n", len(body), sum)
+}
+
+// snapshotBody checks the integrity trailer of snap, a snapshot of this
+// build, and returns the bytes before it.
+func snapshotBody(t tb, snap []byte) []byte {
+	t.Helper()
+	if len(snap) < testTrailerLen || !bytes.HasPrefix(snap, []byte(newPrefix)) {
+		t.Fatalf("not a snapshot of this build:\n%s", snap)
+	}
+	body := snap[:len(snap)-testTrailerLen]
+	if got := sealSnapshot(body); !bytes.Equal(got, snap) {
+		t.Fatalf("snapshot trailer %q, want %q", snap[len(body):], got[len(body):])
+	}
+	return body
+}
+
+// upgradeSnapshot returns what this build writes for the state of old, a
+// snapshot of an older build: the same records, the header labeled format
+// 2, then the integrity trailer.
+func upgradeSnapshot(t tb, old []byte) []byte {
+	t.Helper()
+	rest, ok := bytes.CutPrefix(old, []byte(oldPrefix))
+	if !ok {
+		t.Fatalf("not a snapshot of an older build:\n%s", old)
+	}
+	return sealSnapshot(append([]byte(newPrefix), rest...))
+}
+
+// downgradeSnapshot returns what an older build wrote for the state of
+// snap, a snapshot of this build: its records, format 1, no trailer.
+func downgradeSnapshot(t tb, snap []byte) []byte {
+	t.Helper()
+	return append([]byte(oldPrefix), snapshotBody(t, snap)[len(newPrefix):]...)
+}
+
+// snapshotRecords decodes the records of snap, a snapshot of this build,
+// into maps for a test to edit.
+func snapshotRecords(t tb, snap []byte) []map[string]any {
+	t.Helper()
+	var records []map[string]any
+	for _, l := range bytes.Split(bytes.TrimSuffix(snapshotBody(t, snap), []byte("\n")), []byte("\n")) {
+		var m map[string]any
+		if err := json.Unmarshal(l, &m); err != nil {
+			t.Fatalf("%v", err)
+		}
+		records = append(records, m)
+	}
+	return records
+}
+
+// encodeRecords writes records (a header, then the rest) back as a
+// snapshot: sealed, as this build writes one, with the header's format
+// first; or, with sealed false, as an older build did, format 2 written as
+// 1 and no trailer.
+func encodeRecords(t tb, records []map[string]any, sealed bool) []byte {
+	t.Helper()
+	h := make(map[string]any, len(records[0]))
+	for k, v := range records[0] {
+		h[k] = v
+	}
+	format := h["format"]
+	if f, _ := format.(float64); f == 2 && !sealed {
+		format = 1
+	}
+	delete(h, "format")
+	fb, err := json.Marshal(format)
+	if err != nil {
+		t.Fatalf("%v", err)
+	}
+	out := append([]byte(`{"format":`), fb...)
+	hb, err := json.Marshal(h)
+	if err != nil {
+		t.Fatalf("%v", err)
+	}
+	if len(hb) > 2 {
+		out = append(out, ',')
+	}
+	out = append(append(out, hb[1:]...), '\n')
+	for _, m := range records[1:] {
+		b, err := json.Marshal(m)
+		if err != nil {
+			t.Fatalf("%v", err)
+		}
+		out = append(append(out, b...), '\n')
+	}
+	if sealed {
+		out = sealSnapshot(out)
+	}
+	return out
 }
 
 func restore(f *FSM, b []byte) error {

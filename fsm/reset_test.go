@@ -400,15 +400,7 @@ func TestRestoreOldBuildCarries(t *testing.T) {
 }
 
 func TestRestoreRejectsBadCarries(t *testing.T) {
-	good := snapshotBytes(t, resetHarness(t).f)
-	var lines []map[string]any
-	for _, l := range bytes.Split(bytes.TrimSpace(good), []byte("\n")) {
-		var m map[string]any
-		if err := json.Unmarshal(l, &m); err != nil {
-			t.Fatal(err)
-		}
-		lines = append(lines, m)
-	}
+	lines := snapshotRecords(t, snapshotBytes(t, resetHarness(t).f))
 	h := lines[0]
 	n := func(k string) int { v, _ := h[k].(float64); return int(v) }
 	first := 1 + n("policies") + n("quotas") + n("instances") // the first carry
@@ -416,20 +408,11 @@ func TestRestoreRejectsBadCarries(t *testing.T) {
 		t.Fatalf("fixture has %d carries", n("carries"))
 	}
 	edit := func(mod func(l []map[string]any)) []byte {
-		l := make([]map[string]any, len(lines))
-		for i, m := range lines {
-			c := map[string]any{}
-			b, _ := json.Marshal(m)
-			_ = json.Unmarshal(b, &c)
-			l[i] = c
-		}
+		var l []map[string]any
+		b, _ := json.Marshal(lines)
+		_ = json.Unmarshal(b, &l)
 		mod(l)
-		var out []byte
-		for _, m := range l {
-			b, _ := json.Marshal(m)
-			out = append(append(out, b...), '\n')
-		}
-		return out
+		return encodeRecords(t, l, true)
 	}
 	if err := restore(New(), edit(func([]map[string]any) {})); err != nil {
 		t.Fatalf("unedited snapshot rejected: %v", err)

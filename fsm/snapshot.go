@@ -2,10 +2,12 @@ package fsm
 
 import (
 	"bufio"
+	"bytes"
 	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"io"
 	"slices"
 	"strconv"
@@ -14,11 +16,19 @@ import (
 	"github.com/hashicorp/raft"
 )
 
-// SnapshotFormatV1 is the "format" field of snapshots written by Persist.
-const SnapshotFormatV1 = 1
+// Snapshot formats: the "format" field of a snapshot's header.
+const (
+	// SnapshotFormatV1 is the format of snapshots written by builds before
+	// the integrity trailer. Restore still reads them.
+	SnapshotFormatV1 = 1
+	// SnapshotFormatV2 is the format of snapshots written by Persist: the
+	// records of format 1, then the integrity trailer.
+	SnapshotFormatV2 = 2
+)
 
 // ErrBadSnapshot means Restore was given bytes that are not a consistent
-// snapshot of a supported format.
+// snapshot of a supported format, or whose integrity trailer does not
+// match them.
 var ErrBadSnapshot = errors.New("bad snapshot")
 
 // A snapshot is a stream of JSON values, one per line: a snapshotHeader,
@@ -37,6 +47,25 @@ var ErrBadSnapshot = errors.New("bad snapshot")
 // one and stale demand reports, which may linger in memory until collected,
 // are left out, so a restored replica and one that replayed the log write
 // the same bytes.
+//
+// Integrity: the records can be damaged in ways their checks cannot see (a
+// digit of a count, a time or an id), and a snapshot reaches Restore by
+// paths that check nothing (InstallSnapshot streams the leader's), so the
+// snapshot carries its own check. Format 2, which Persist writes, begins
+// with the exact bytes of sealedPrefix (the header, format first) and ends
+// with a trailer line of trailerLen bytes,
+//
+//	{"length":"00000000000000030875","crc32c":"1a2b3c4d"}
+//
+// the number of bytes before the trailer (20 decimal digits) and their
+// CRC-32C (Castagnoli, 8 lowercase hex digits). Format 1, written by older
+// builds, is the same records with format 1 and no trailer. Restore tells
+// them apart by the first bytes: a snapshot that begins with sealedPrefix
+// must end with a trailer that matches it exactly, so one cut anywhere, or
+// whose trailer was damaged, is refused; any other is read as format 1,
+// whose header must then say format 1. No single-bit flip turns the one
+// prefix into the other, and a format 2 snapshot read as format 1 would
+// still fail, on its header or its trailer (trailing data).
 type snapshotHeader struct {
 	Format         int    `json:"format"`
 	NowUnixMs      int64  `json:"now_unix_ms"`
@@ -167,7 +196,7 @@ func (s *state) snapshot() *snapshotDoc {
 	}
 	slices.SortFunc(members, func(a, b snapMember) int { return strings.Compare(a.ID, b.ID) })
 	d.header = snapshotHeader{
-		Format:         SnapshotFormatV1,
+		Format:         SnapshotFormatV2,
 		NowUnixMs:      s.now,
 		TokensGranted:  s.tokensGranted,
 		LastGrantIndex: s.lastGrantIndex,
@@ -208,8 +237,8 @@ type fsmSnapshot struct {
 	doc *snapshotDoc
 }
 
-// Persist writes the snapshot as one JSON document and closes the sink, or
-// cancels it on error.
+// Persist writes the snapshot (format 2: the records, then the integrity
+// trailer) and closes the sink, or cancels it on error.
 func (fs *fsmSnapshot) Persist(sink raft.SnapshotSink) error {
 	if err := fs.write(sink); err != nil {
 		_ = sink.Cancel() // the write error is the one worth returning
@@ -223,7 +252,18 @@ func (fs *fsmSnapshot) Persist(sink raft.SnapshotSink) error {
 
 func (fs *fsmSnapshot) write(w io.Writer) error {
 	bw := bufio.NewWriterSize(w, 1<<16)
-	enc := json.NewEncoder(bw)
+	sw := &sealWriter{w: bw}
+	if err := fs.encode(json.NewEncoder(sw)); err != nil {
+		return err
+	}
+	if _, err := bw.Write(appendTrailer(nil, sw.n, sw.crc)); err != nil {
+		return err
+	}
+	return bw.Flush()
+}
+
+// encode writes the records of the snapshot, one per line.
+func (fs *fsmSnapshot) encode(enc *json.Encoder) error {
 	d := fs.doc
 	if err := enc.Encode(d.header); err != nil {
 		return err
@@ -253,25 +293,22 @@ func (fs *fsmSnapshot) write(w io.Writer) error {
 			return err
 		}
 	}
-	return bw.Flush()
+	return nil
 }
 
 // Release does nothing: the snapshot holds no resources.
 func (fs *fsmSnapshot) Release() {}
 
-// Restore replaces the whole state with a snapshot written by Persist and
-// closes rc. A snapshot that cannot be decoded or is inconsistent returns an
-// error wrapping ErrBadSnapshot and leaves the state as it was.
+// Restore replaces the whole state with a snapshot written by Persist (or
+// by an older build, format 1) and closes rc. A snapshot that cannot be
+// decoded, is inconsistent or does not match its integrity trailer returns
+// an error wrapping ErrBadSnapshot and leaves the state as it was: the
+// state is replaced only once the whole snapshot was read and checked.
 func (f *FSM) Restore(rc io.ReadCloser) error {
 	defer rc.Close()
-	dec := json.NewDecoder(bufio.NewReaderSize(rc, 1<<16))
-	dec.DisallowUnknownFields()
-	s, err := decodeSnapshot(dec)
+	s, err := readSnapshot(bufio.NewReaderSize(rc, 1<<16))
 	if err != nil {
 		return fmt.Errorf("restore: %w: %w", ErrBadSnapshot, err)
-	}
-	if _, err := dec.Token(); err != io.EOF {
-		return fmt.Errorf("restore: %w: trailing data", ErrBadSnapshot)
 	}
 	f.mu.Lock()
 	f.s = s
@@ -279,16 +316,56 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	return nil
 }
 
-// decodeSnapshot rebuilds a state from a snapshot stream, checking every
-// invariant Apply maintains.
-func decodeSnapshot(dec *json.Decoder) (*state, error) {
+// readSnapshot decodes a snapshot of either format from br, whose buffer
+// must hold more than trailerLen bytes.
+func readSnapshot(br *bufio.Reader) (*state, error) {
+	p, err := br.Peek(len(sealedPrefix))
+	if err != nil && err != io.EOF {
+		return nil, err
+	}
+	if string(p) != sealedPrefix {
+		return decodeStream(br, SnapshotFormatV1)
+	}
+	sr := &sealedReader{r: br}
+	s, err := decodeStream(sr, SnapshotFormatV2)
+	// The trailer is checked even when the records were refused: damage is
+	// the likelier cause, and the clearer error.
+	if serr := sr.verify(); serr != nil {
+		return nil, serr
+	}
+	return s, err
+}
+
+// decodeStream decodes the records of a snapshot of the given format,
+// which must be all of r.
+func decodeStream(r io.Reader, format int) (*state, error) {
+	dec := json.NewDecoder(r)
+	dec.DisallowUnknownFields()
+	s, err := decodeSnapshot(dec, format)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return nil, errors.New("trailing data")
+	}
+	return s, nil
+}
+
+// decodeSnapshot rebuilds a state from the records of a snapshot of the
+// given format, checking every invariant Apply maintains.
+func decodeSnapshot(dec *json.Decoder, format int) (*state, error) {
 	var h snapshotHeader
 	if err := dec.Decode(&h); err != nil {
 		return nil, fmt.Errorf("header: %w", err)
 	}
 	switch {
-	case h.Format != SnapshotFormatV1:
+	case h.Format != SnapshotFormatV1 && h.Format != SnapshotFormatV2:
 		return nil, fmt.Errorf("format %d unsupported", h.Format)
+	case h.Format != format && format == SnapshotFormatV1:
+		// Persist writes the header of format 2 as sealedPrefix.
+		return nil, fmt.Errorf("format %d, but the snapshot does not begin with %s as format %[1]d does: damaged?", h.Format, sealedPrefix)
+	case h.Format != format:
+		return nil, fmt.Errorf("format %d in a snapshot that begins as format %d", h.Format, format)
 	case h.NowUnixMs < 0 || h.NowUnixMs > MaxNowUnixMs:
 		return nil, fmt.Errorf("now_unix_ms %d out of range", h.NowUnixMs)
 	case h.TokensGranted < 0:
@@ -628,4 +705,99 @@ func (s *state) restoreIdem(si snapIdem) error {
 // then expiry.
 func compareSnapCarry(a, b snapCarry) int {
 	return cmp.Or(strings.Compare(a.Name, b.Name), cmp.Compare(a.TemplateKeys, b.TemplateKeys), cmp.Compare(a.ExpiresUnixMs, b.ExpiresUnixMs))
+}
+
+// sealedPrefix is how every snapshot of format 2 begins: its header, the
+// format first (snapshotHeader's first field).
+const sealedPrefix = `{"format":2,`
+
+// trailerLen is the length of the integrity trailer: the last line of a
+// snapshot of format 2.
+const trailerLen = len(`{"length":"`) + 20 + len(`","crc32c":"`) + 8 + len(`"}`+"\n")
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// appendTrailer appends the integrity trailer of n bytes whose CRC-32C is
+// crc to b.
+func appendTrailer(b []byte, n int64, crc uint32) []byte {
+	return fmt.Appendf(b, `{"length":"%020d","crc32c":"%08x"}`+"\n", n, crc)
+}
+
+// parseTrailer reads a trailer written by appendTrailer, and reports
+// whether b has its form.
+func parseTrailer(b []byte) (n int64, crc uint32, ok bool) {
+	rest, ok1 := bytes.CutPrefix(b, []byte(`{"length":"`))
+	digits, rest, ok2 := bytes.Cut(rest, []byte(`","crc32c":"`))
+	hex, ok3 := bytes.CutSuffix(rest, []byte(`"}`+"\n"))
+	if !ok1 || !ok2 || !ok3 || len(digits) != 20 || len(hex) != 8 ||
+		bytes.ContainsFunc(digits, func(r rune) bool { return r < '0' || r > '9' }) ||
+		bytes.ContainsFunc(hex, func(r rune) bool { return (r < '0' || r > '9') && (r < 'a' || r > 'f') }) {
+		return 0, 0, false
+	}
+	n, err1 := strconv.ParseInt(string(digits), 10, 64)
+	c, err2 := strconv.ParseUint(string(hex), 16, 32)
+	return n, uint32(c), err1 == nil && err2 == nil
+}
+
+// sealWriter counts the bytes written through it and their CRC-32C.
+type sealWriter struct {
+	w   io.Writer
+	n   int64
+	crc uint32
+}
+
+func (s *sealWriter) Write(p []byte) (int, error) {
+	n, err := s.w.Write(p)
+	s.n += int64(n)
+	s.crc = crc32.Update(s.crc, castagnoli, p[:n])
+	return n, err
+}
+
+// sealedReader reads a snapshot of format 2 but for its last trailerLen
+// bytes, the trailer, which it keeps back, and counts the bytes it passes
+// on and their CRC-32C. It keeps no more than r's buffer.
+type sealedReader struct {
+	r    *bufio.Reader
+	n    int64
+	crc  uint32
+	tail []byte // at the end: the last bytes, up to trailerLen
+	done bool
+}
+
+func (s *sealedReader) Read(p []byte) (int, error) {
+	if s.done {
+		return 0, io.EOF
+	}
+	if len(p) == 0 {
+		return 0, nil
+	}
+	// Peek returns fewer bytes than asked only with an error, never
+	// ErrBufferFull: the buffer holds more than trailerLen bytes.
+	b, err := s.r.Peek(min(len(p), s.r.Size()-trailerLen) + trailerLen)
+	if len(b) > trailerLen {
+		n := copy(p, b[:len(b)-trailerLen])
+		s.n += int64(n)
+		s.crc = crc32.Update(s.crc, castagnoli, p[:n])
+		_, _ = s.r.Discard(n) // buffered: cannot fail
+		return n, nil
+	}
+	if err == io.EOF {
+		s.done, s.tail = true, bytes.Clone(b)
+	}
+	return 0, err
+}
+
+// verify reads the rest of the snapshot and checks it against its trailer.
+func (s *sealedReader) verify() error {
+	if _, err := io.Copy(io.Discard, s); err != nil {
+		return err
+	}
+	if bytes.Equal(s.tail, appendTrailer(nil, s.n, s.crc)) {
+		return nil
+	}
+	n, crc, ok := parseTrailer(s.tail)
+	if !ok {
+		return errors.New("integrity check failed: the snapshot does not end with an integrity trailer (truncated or damaged)")
+	}
+	return fmt.Errorf("integrity check failed: the trailer records %d bytes with CRC-32C %08x, but the %d bytes before it have CRC-32C %08x", n, crc, s.n, s.crc)
 }

@@ -5,8 +5,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"strings"
 	"testing"
+	"testing/iotest"
 )
 
 // busyHarness applies a fixed mix of every command to a fresh FSM.
@@ -47,7 +49,7 @@ func TestSnapshotDeterministic(t *testing.T) {
 	if !bytes.Equal(sa, snapshotBytes(t, a.f)) {
 		t.Fatal("two snapshots of one state differ")
 	}
-	for _, want := range []string{`{"format":1,`, `"author":"alice"`, `"request_id":"req-39"`, `"request_id":"rel-37"`, `"demand":`} {
+	for _, want := range []string{`{"format":2,`, `"author":"alice"`, `"request_id":"req-39"`, `"request_id":"rel-37"`, `"demand":`} {
 		if !bytes.Contains(sa, []byte(want)) {
 			t.Fatalf("snapshot lacks %s", want)
 		}
@@ -89,24 +91,19 @@ func TestSnapshotRestoreRoundTrip(t *testing.T) {
 
 func TestRestoreRejectsBadSnapshots(t *testing.T) {
 	good := snapshotBytes(t, busyHarness(t).f)
-	// edit decodes the snapshot's lines (header, policies, quotas,
-	// idempotency records), lets mod change them and re-encodes them.
-	edit := func(mod func(lines []map[string]any)) []byte {
+	records := snapshotRecords(t, good)
+	// edit lets mod change a copy of the snapshot's records (header,
+	// policies, quotas, idempotency records) and encodes them: sealed, as
+	// this build writes them, or as an older build did. The integrity
+	// trailer is recomputed, so what is refused is the content.
+	edit := func(sealed bool, mod func(lines []map[string]any)) []byte {
 		var lines []map[string]any
-		for _, l := range bytes.Split(bytes.TrimSpace(good), []byte("\n")) {
-			var m map[string]any
-			if err := json.Unmarshal(l, &m); err != nil {
-				t.Fatal(err)
-			}
-			lines = append(lines, m)
+		b, _ := json.Marshal(records)
+		if err := json.Unmarshal(b, &lines); err != nil {
+			t.Fatal(err)
 		}
 		mod(lines)
-		var out []byte
-		for _, m := range lines {
-			b, _ := json.Marshal(m)
-			out = append(append(out, b...), '\n')
-		}
-		return out
+		return encodeRecords(t, lines, sealed)
 	}
 	header := func(l []map[string]any) map[string]any { return l[0] }
 	policy := func(l []map[string]any, i int) map[string]any { return l[1+i] }
@@ -117,38 +114,60 @@ func TestRestoreRejectsBadSnapshots(t *testing.T) {
 	window0 := func(l []map[string]any) map[string]any { return quota0(l)["windows"].([]any)[0].(map[string]any) }
 	grant0 := func(l []map[string]any) map[string]any { return window0(l)["grants"].([]any)[0].(map[string]any) }
 
-	// Control: the editing itself (decode and re-encode) keeps it valid.
-	if err := restore(New(), edit(func([]map[string]any) {})); err != nil {
-		t.Fatalf("unedited snapshot rejected: %v", err)
-	}
-	tests := []struct {
+	body := snapshotBody(t, good)
+	type test struct {
 		name string
 		give []byte
-	}{
+		// sealed: the trailer matches, so the records are what is refused.
+		sealed bool
+	}
+	tests := []test{
 		{name: "empty", give: nil},
 		{name: "garbage", give: []byte("\x00\x01garbage")},
 		{name: "truncated", give: good[:len(good)/2]},
-		{name: "trailing data", give: append(append([]byte{}, good...), []byte(`{}`)...)},
-		{name: "unknown field", give: edit(func(l []map[string]any) { header(l)["extra"] = 1 })},
-		{name: "future format", give: edit(func(l []map[string]any) { header(l)["format"] = 2 })},
-		{name: "negative now", give: edit(func(l []map[string]any) { header(l)["now_unix_ms"] = -5 })},
-		{name: "count too high", give: edit(func(l []map[string]any) { header(l)["idempotency"] = header(l)["idempotency"].(float64) + 1 })},
-		{name: "count too low", give: edit(func(l []map[string]any) { header(l)["idempotency"] = header(l)["idempotency"].(float64) - 1 })},
-		{name: "policy version gap", give: edit(func(l []map[string]any) { policy(l, 1)["version"] = 7 })},
-		{name: "invalid spec", give: edit(func(l []map[string]any) {
+		{name: "trailing data", give: append(bytes.Clone(good), `{}`...)},
+		{name: "unsealed", give: body},
+		{name: "trailing data under the seal", give: sealSnapshot(append(bytes.Clone(body), "{}\n"...)), sealed: true},
+		{name: "sealed twice", give: sealSnapshot(good), sealed: true},
+		{name: "old format sealed", give: sealSnapshot(downgradeSnapshot(t, good))},
+	}
+	edits := []struct {
+		name string
+		mod  func(l []map[string]any)
+	}{
+		{name: "unknown field", mod: func(l []map[string]any) { header(l)["extra"] = 1 }},
+		{name: "future format", mod: func(l []map[string]any) { header(l)["format"] = 3 }},
+		{name: "negative now", mod: func(l []map[string]any) { header(l)["now_unix_ms"] = -5 }},
+		{name: "count too high", mod: func(l []map[string]any) { header(l)["idempotency"] = header(l)["idempotency"].(float64) + 1 }},
+		{name: "count too low", mod: func(l []map[string]any) { header(l)["idempotency"] = header(l)["idempotency"].(float64) - 1 }},
+		{name: "policy version gap", mod: func(l []map[string]any) { policy(l, 1)["version"] = 7 }},
+		{name: "invalid spec", mod: func(l []map[string]any) {
 			policy(l, 1)["quotas"].([]any)[0].(map[string]any)["limit"] = 0
-		})},
-		{name: "quota not in policy", give: edit(func(l []map[string]any) { quota0(l)["name"] = "ghost" })},
-		{name: "over-released grant", give: edit(func(l []map[string]any) { grant0(l)["released"] = 1e9 })},
-		{name: "duplicate grant id", give: edit(func(l []map[string]any) {
+		}},
+		{name: "quota not in policy", mod: func(l []map[string]any) { quota0(l)["name"] = "ghost" }},
+		{name: "over-released grant", mod: func(l []map[string]any) { grant0(l)["released"] = 1e9 }},
+		{name: "duplicate grant id", mod: func(l []map[string]any) {
 			window0(l)["grants"] = append(window0(l)["grants"].([]any), window0(l)["grants"].([]any)[0])
-		})},
-		{name: "window too old", give: edit(func(l []map[string]any) { window0(l)["index"] = window0(l)["index"].(float64) - 10 })},
-		{name: "bad idempotency kind", give: edit(func(l []map[string]any) { idem0(l)["kind"] = 9 })},
-		{name: "members out of order", give: edit(func(l []map[string]any) {
+		}},
+		{name: "window too old", mod: func(l []map[string]any) { window0(l)["index"] = window0(l)["index"].(float64) - 10 }},
+		{name: "bad idempotency kind", mod: func(l []map[string]any) { idem0(l)["kind"] = 9 }},
+		{name: "members out of order", mod: func(l []map[string]any) {
 			ms := header(l)["members"].([]any)
 			ms[0], ms[1] = ms[1], ms[0]
-		})},
+		}},
+	}
+	for _, sealed := range []bool{true, false} {
+		// Control: the editing itself (decode and re-encode) keeps it valid.
+		if err := restore(New(), edit(sealed, func([]map[string]any) {})); err != nil {
+			t.Fatalf("unedited snapshot (sealed %v) rejected: %v", sealed, err)
+		}
+		for _, e := range edits {
+			name := e.name
+			if !sealed {
+				name = "old format/" + name
+			}
+			tests = append(tests, test{name, edit(sealed, e.mod), sealed})
+		}
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -158,10 +177,149 @@ func TestRestoreRejectsBadSnapshots(t *testing.T) {
 			if !errors.Is(err, ErrBadSnapshot) {
 				t.Fatalf("Restore = %v, want ErrBadSnapshot", err)
 			}
+			if tt.sealed && strings.Contains(err.Error(), "integrity") {
+				t.Fatalf("Restore = %v, want the records refused", err)
+			}
 			if after := snapshotBytes(t, h.f); !bytes.Equal(before, after) {
 				t.Fatal("a failed restore changed the state")
 			}
 		})
+	}
+}
+
+// damageHarness is a moderately busy state whose snapshot holds a record
+// of every kind: members, two policy versions, quotas with windows,
+// grants, carried tokens and demand, instances of a template, carry steps
+// and idempotency records.
+func damageHarness(t testing.TB) *harness {
+	h := resetHarness(t)
+	h.apply(Command{Type: CmdSetMember, NowUnixMs: t0 + 3000, Member: &SetMember{ID: "a1", APIAddress: "10.0.0.1:7000"}})
+	h.acquire(t0+3500, "eu", "c", Want{Quota: "g", DemandPerSecond: 2.5}, Want{Quota: "std/y", Tokens: 3})
+	return h
+}
+
+// TestRestoreRefusesDamage: every single-bit flip and every truncation of a
+// snapshot is refused, though many leave a snapshot the decoder alone
+// would accept (a digit of a count, a time or an id changed, a record cut
+// at a line's end), and the state is left as it was. Damage past the
+// format marker is named as such.
+func TestRestoreRefusesDamage(t *testing.T) {
+	snap := snapshotBytes(t, damageHarness(t).f)
+	h := busyHarness(t)
+	before, s := snapshotBytes(t, h.f), h.f.s
+	bad, restored := 0, 0
+	check := func(what string, at int, b []byte) {
+		err := restore(h.f, b)
+		msg := ""
+		switch {
+		case err == nil:
+			msg = "restored"
+			restored++
+		case !errors.Is(err, ErrBadSnapshot):
+			msg = fmt.Sprintf("Restore = %v, want ErrBadSnapshot", err)
+		case at >= len(newPrefix) && !strings.Contains(err.Error(), "integrity"):
+			msg = fmt.Sprintf("Restore = %v, want an integrity error", err)
+		}
+		if h.f.s != s {
+			msg += "; the state was replaced"
+			h.f.s = s
+		}
+		if msg != "" {
+			if bad++; bad <= 10 {
+				t.Errorf("%s: %s", what, msg)
+			}
+		}
+	}
+	b := bytes.Clone(snap)
+	for i := range b {
+		for bit := range 8 {
+			b[i] ^= 1 << bit
+			check(fmt.Sprintf("byte %d bit %d flipped", i, bit), i, b)
+			b[i] ^= 1 << bit
+		}
+	}
+	for n := range len(snap) {
+		check(fmt.Sprintf("truncated to %d of %d bytes", n, len(snap)), n, snap[:n])
+	}
+	if bad > 0 {
+		t.Errorf("%d of %d damaged snapshots not refused as they should be (%d restored)", bad, 9*len(snap), restored)
+	}
+	if !bytes.Equal(before, snapshotBytes(t, h.f)) {
+		t.Fatal("refused restores changed the state")
+	}
+}
+
+// TestSnapshotFormat pins the framing: a snapshot of this build is the
+// records an older build wrote for the same state, format 2 in place of 1,
+// then the integrity trailer; the older build's snapshot restores to the
+// same state.
+func TestSnapshotFormat(t *testing.T) {
+	h := damageHarness(t)
+	snap := snapshotBytes(t, h.f)
+	if !bytes.HasPrefix(snap, []byte(newPrefix)) {
+		t.Fatalf("snapshot does not begin with %s:\n%s", newPrefix, snap)
+	}
+	body := snapshotBody(t, snap)
+	if n := bytes.Count(body, []byte("\n")); n != 13 || body[len(body)-1] != '\n' {
+		t.Fatalf("%d records, want 13:\n%s", n, body)
+	}
+	old := downgradeSnapshot(t, snap)
+	f := roundTrip(t, old)
+	if got := snapshotBytes(t, f); !bytes.Equal(got, snap) {
+		t.Fatalf("the older build's snapshot restores to another state:\n%s\n%s", got, snap)
+	}
+	roundTrip(t, snap)
+}
+
+// TestRestoreLargeSnapshot: a snapshot many times Restore's read buffer
+// restores whatever sizes the reads return, the trailer found at its very
+// end; cut or damaged at the buffer's edges it is refused, and a read error
+// is returned, not taken for the end.
+func TestRestoreLargeSnapshot(t *testing.T) {
+	h := newHarness(t)
+	specs := make([]QuotaSpec, 1000)
+	wants := make([]Want, len(specs))
+	for i := range specs {
+		specs[i] = QuotaSpec{Name: fmt.Sprintf("tenant-%04d", i), Limit: 1000, WindowMs: minute, ChunkTokens: 10, TTLMs: 15_000, Clamp: true}
+		wants[i] = Want{Quota: specs[i].Name, DemandPerSecond: 1}
+	}
+	h.publish(t0, specs...)
+	h.acquire(t0+1, "eu", "big", wants...)
+	snap := snapshotBytes(t, h.f)
+	if len(snap) < 8<<16 {
+		t.Fatalf("snapshot of %d bytes, want one many times the 64 KiB buffer", len(snap))
+	}
+	for name, r := range map[string]func(io.Reader) io.Reader{
+		"whole":         func(r io.Reader) io.Reader { return r },
+		"one byte":      iotest.OneByteReader,
+		"half":          iotest.HalfReader,
+		"EOF with data": iotest.DataErrReader,
+		"odd boundaries": func(r io.Reader) io.Reader {
+			return io.MultiReader(io.LimitReader(r, int64(1<<16-testTrailerLen+1)), r)
+		},
+	} {
+		f := New()
+		if err := f.Restore(io.NopCloser(r(bytes.NewReader(snap)))); err != nil {
+			t.Fatalf("%s: Restore: %v", name, err)
+		}
+		if !bytes.Equal(snapshotBytes(t, f), snap) {
+			t.Fatalf("%s: restored another state", name)
+		}
+	}
+	for _, n := range []int{1<<16 - testTrailerLen, 1<<16 - 1, 1 << 16, 1<<16 + 1, len(snap) - testTrailerLen - 1, len(snap) - testTrailerLen, len(snap) - 1} {
+		if err := restore(New(), snap[:n]); !errors.Is(err, ErrBadSnapshot) {
+			t.Errorf("cut to %d bytes: Restore = %v", n, err)
+		}
+		b := bytes.Clone(snap)
+		b[n] ^= 1
+		if err := restore(New(), b); !errors.Is(err, ErrBadSnapshot) {
+			t.Errorf("byte %d flipped: Restore = %v", n, err)
+		}
+	}
+	gone := errors.New("disk gone")
+	r := io.MultiReader(bytes.NewReader(snap[:len(snap)/2]), iotest.ErrReader(gone))
+	if err := New().Restore(io.NopCloser(r)); !errors.Is(err, ErrBadSnapshot) || !errors.Is(err, gone) {
+		t.Errorf("Restore = %v, want the read error", err)
 	}
 }
 
