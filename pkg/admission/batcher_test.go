@@ -123,12 +123,12 @@ func TestBatcherOverloadAndClose(t *testing.T) {
 func TestRedisStoreRunRespectsContext(t *testing.T) {
 	gate := make(chan struct{})
 	s := &RedisStore{cfg: DefaultRedisConfig()}
-	s.b = newBatcher(s.cfg, func(batch []*op) {
+	s.batchers[0].Store(newBatcher(s.cfg, func(batch []*op) {
 		<-gate
 		for _, o := range batch {
 			o.finish()
 		}
-	})
+	}))
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
 	defer cancel()
 	if err := s.run(ctx, &op{}); !errors.Is(err, context.DeadlineExceeded) {

@@ -53,27 +53,27 @@ func TestBreaker(t *testing.T) {
 // restarted (a probe whose caller gave up, then a fail-closed rule).
 func TestQuotingRetryTakesNoProbe(t *testing.T) {
 	e := &Engine{cfg: Config{UnavailableRetryAfter: 2 * time.Second}}
-	e.brk = breaker{threshold: 1, cooldown: int64(time.Second)}
-	e.brk.done(0, true) // open until 1 s
-	if got := e.unavailableRetry(int64(300 * time.Millisecond)); got != 1 {
+	e.brks[0] = breaker{threshold: 1, cooldown: int64(time.Second)}
+	e.brks[0].done(0, true) // open until 1 s
+	if got := e.unavailableRetry(0, int64(300*time.Millisecond)); got != 1 {
 		t.Fatalf("open breaker: Retry-After %d, want 1 (the rest of the cooldown)", got)
 	}
-	if ok, _ := e.brk.allow(int64(time.Second)); !ok {
+	if ok, _ := e.brks[0].allow(int64(time.Second)); !ok {
 		t.Fatal("no probe after the cooldown")
 	}
-	e.brk.abort() // the probe's caller gave up
+	e.brks[0].abort() // the probe's caller gave up
 	mono := int64(time.Second + time.Millisecond)
-	if got := e.unavailableRetry(mono); got != 2 {
+	if got := e.unavailableRetry(0, mono); got != 2 {
 		t.Fatalf("probe free: Retry-After %d, want the configured 2", got)
 	}
-	if ok, _ := e.brk.allow(mono); !ok {
+	if ok, _ := e.brks[0].allow(mono); !ok {
 		t.Fatal("quoting a Retry-After took the probe: the breaker would stay shut")
 	}
-	if got := e.unavailableRetry(mono); got != 1 {
+	if got := e.unavailableRetry(0, mono); got != 1 {
 		t.Fatalf("probe out: Retry-After %d, want 1 (a cooldown)", got)
 	}
-	e.brk.done(mono, false)
-	if e.brk.isOpen(mono) || e.brk.probeAt(mono) != 0 {
+	e.brks[0].done(mono, false)
+	if e.brks[0].isOpen(mono) || e.brks[0].probeAt(mono) != 0 {
 		t.Fatal("a successful probe did not close the breaker")
 	}
 }

@@ -36,9 +36,11 @@ type Config struct {
 	// another request is decided afresh. Zero disables idempotency.
 	IdempotencyTTL time.Duration
 	// BreakerFailures is the number of consecutive failed store calls that
-	// opens the circuit breaker; while it is open no call is attempted.
+	// opens a circuit breaker; while it is open no call is attempted. There
+	// is one breaker per shard of the store (per master on Redis Cluster,
+	// else one), counting that shard's calls: see the package doc.
 	BreakerFailures int
-	// BreakerCooldown is how long the breaker stays open before one probe
+	// BreakerCooldown is how long a breaker stays open before one probe
 	// call is let through.
 	BreakerCooldown time.Duration
 	// UnavailableRetryAfter is the Retry-After of a 503 when a fail-closed
@@ -70,8 +72,8 @@ type Config struct {
 var standardDescriptors = []string{"tenant", "user", "route", "ip", "auth"}
 
 // DefaultConfig returns the defaults: a 50 ms store timeout, one gateway, a
-// 250 ms negative cache of 4096 keys, 2 minutes of idempotency, a breaker
-// that opens after 5 failures for 1 s.
+// 250 ms negative cache of 4096 keys, 2 minutes of idempotency, breakers
+// that open after 5 failures for 1 s.
 func DefaultConfig() Config {
 	return Config{
 		StoreTimeout:          50 * time.Millisecond,

@@ -51,7 +51,8 @@
 //     Config.IdempotencyTTL (the same request id, descriptors and hits) gets
 //     the earlier decision back and is not charged again.
 //   - Fail modes: when the store does not answer within Config.StoreTimeout,
-//     or the circuit breaker is open, each rule's fail mode decides: closed
+//     or the circuit breaker of the store's shard that holds the rules' keys
+//     is open, each rule's fail mode decides: closed
 //     answers Unavailable (503), open admits (counted), fallback spends an
 //     in-process bucket of the rule divided by Config.Gateways (at least
 //     one request). The caller's
@@ -66,13 +67,33 @@
 //     land (a paused Redis runs it when it resumes): the concurrency slots
 //     it takes are released by the engine a second, ten seconds and a
 //     minute later.
+//   - Circuit breakers: one per shard of the store. On Redis Cluster each
+//     master is a shard (the master that owns a call's slot in the client's
+//     slot map); any other store is one shard. A breaker opens after
+//     Config.BreakerFailures consecutive failed calls of its shard, refuses
+//     that shard's calls for Config.BreakerCooldown, then lets one probe
+//     through; a master that stops answering so opens its own breaker and
+//     the other masters' tenants keep their store. Failures that say
+//     nothing about the node are not counted: the caller leaving, the
+//     caller's deadline passing first, the store's own queue being full,
+//     and Redis Cluster refusing a call for where its keys live (TRYAGAIN
+//     while a slot is being moved, or the caller's timeout passing while
+//     the call waits to be sent again after one; a MOVED or ASK redirect
+//     left over once go-redis's redirects ran out); the fail modes still
+//     decide those calls. CLUSTERDOWN, MASTERDOWN, LOADING, connection errors and
+//     timeouts count.
 //
 // # Stores
 //
 // The same engine runs on the embedded MemoryStore (one process; the
 // reference design's V0 and the demo) and on a RedisStore over a standalone
 // server or a Redis Cluster. A conformance suite runs the same tests on all
-// three. RedisStore batches concurrent calls into pipelines.
+// three. RedisStore batches concurrent calls into pipelines; on Redis
+// Cluster, one batcher per master, so that a master that stops answering
+// holds up only its own calls, and a call that fails on its connection
+// makes the client reload its slot map, so that a replica promoted in a
+// dead master's place is used at once rather than after go-redis's
+// periodic reload (a minute by default).
 //
 // # Counter state
 //

@@ -20,7 +20,8 @@ import (
 // Engine decides requests against one policy version at a time. It is safe
 // for concurrent use. The store is shared; the engine owns the in-process
 // parts: the negative cache, the gateway-local chunks, the fallback buckets
-// and the circuit breaker.
+// and the circuit breakers (one per shard of the store: per master on
+// Redis Cluster, else one).
 type Engine struct {
 	cfg   Config
 	store Store
@@ -35,8 +36,10 @@ type Engine struct {
 
 	neg *negCache    // nil when disabled
 	ids *admittedIDs // ids admitted recently; nil without negative cache or idempotency
-	brk breaker
-	fb  *fallback
+	// brks[i] is the circuit breaker of the store's shard i (Store.shard):
+	// a node that fails opens its own, and the others' calls go on.
+	brks [maxShards]breaker
+	fb   *fallback
 
 	idPrefix string
 	idSeq    atomic.Uint64
@@ -83,8 +86,10 @@ func New(cfg Config, store Store, doc *policy.Document, version uint64, opts ...
 		idPrefix: "d-" + hex.EncodeToString(seed[:]) + "-",
 		done:     make(chan struct{}),
 	}
-	e.brk.threshold = int64(cfg.BreakerFailures)
-	e.brk.cooldown = cfg.BreakerCooldown.Nanoseconds()
+	for i := range e.brks {
+		e.brks[i].threshold = int64(cfg.BreakerFailures)
+		e.brks[i].cooldown = cfg.BreakerCooldown.Nanoseconds()
+	}
 	if cfg.NegativeCacheTTL > 0 {
 		e.neg = newNegCache(cfg.NegativeCacheSize)
 		if cfg.IdempotencyTTL > 0 {
@@ -193,6 +198,7 @@ type group struct {
 	fbIdx  []int
 	fbAt   int64 // wall ms of the fallback debits
 	replay bool
+	shard  int // the store's shard of the group's keys, once a call was tried: its breaker quotes a 503's Retry-After
 }
 
 // Decide answers req. It returns an error only for bad input (wrapping
@@ -590,10 +596,17 @@ func (e *Engine) decideOp(g *group, items []item, req *Request, id, member strin
 	return o
 }
 
-// call runs o on the store through the breaker, within timeout when it is
-// positive. It reports whether the breaker refused the call.
+// call runs o on the store through the breaker of its shard (Store.shard of
+// its first key), within timeout when it is positive. It reports whether
+// the breaker refused the call.
 func (e *Engine) call(ctx context.Context, o *op, mono int64, timeout time.Duration) (refused bool, err error) {
-	if ok, _ := e.brk.allow(mono); !ok {
+	sh := 0
+	if len(o.keys) > 0 {
+		sh = e.store.shard(o.keys[0]) & (maxShards - 1)
+	}
+	o.shard = uint8(sh)
+	brk := &e.brks[sh]
+	if ok, _ := brk.allow(mono); !ok {
 		return true, errRefused
 	}
 	o.timeout = timeout
@@ -601,22 +614,28 @@ func (e *Engine) call(ctx context.Context, o *op, mono int64, timeout time.Durat
 	e.m.storeCalls.Add(1)
 	switch {
 	case err == nil:
-		e.brk.done(mono, false)
+		brk.done(mono, false)
 	case callerLeft(ctx, err):
 		// The caller left before the store answered: neither the store's
 		// failure nor a fail mode's engagement, and counted as neither.
 		e.m.storeCanceled.Add(1)
-		e.brk.abort()
+		brk.abort()
 	case errors.Is(err, ErrOverloaded) || errors.Is(err, ErrClosed) || errors.Is(err, ErrStoreFull) || ctx.Err() != nil:
 		// Our own queue, our own shutdown, the caller's deadline passing
 		// first, or the embedded store refusing a new key at its cap (it
 		// still answers for the keys it holds): not the store failing, so
 		// the breaker does not count it and other tenants keep their store.
 		e.m.storeErrors.Add(1)
-		e.brk.abort()
+		brk.abort()
+	case routingRefusal(err):
+		// Redis Cluster refused the call for where its keys live (a slot
+		// being moved): the node is serving, so the breaker does not count
+		// it either.
+		e.m.storeErrors.Add(1)
+		brk.abort()
 	default:
 		e.m.storeErrors.Add(1)
-		e.brk.done(e.mono(e.clock.Now()), true)
+		brk.done(e.mono(e.clock.Now()), true)
 		e.log.Debug("store call failed", zap.Error(err))
 	}
 	return false, err
@@ -635,7 +654,9 @@ func callerLeft(ctx context.Context, err error) bool {
 func (e *Engine) runStore(ctx context.Context, g *group, items []item, req *Request, d *Decision,
 	member string, now time.Time, mono int64) (Outcome, int, int64) {
 	o := e.decideOp(g, items, req, d.ID, member, now)
-	if _, err := e.call(ctx, o, mono, e.cfg.StoreTimeout); err != nil {
+	_, err := e.call(ctx, o, mono, e.cfg.StoreTimeout)
+	g.shard = int(o.shard)
+	if err != nil {
 		// A decide that may still land takes slots nobody holds: release
 		// them later. One the breaker refused, or the batcher dropped
 		// before sending it, takes none (Unsent covers both).
@@ -794,7 +815,7 @@ func (e *Engine) failGroup(g *group, items []item, now time.Time, mono int64, co
 			it.res.FailMode = policy.FailClosed
 			it.res.Allowed = false
 			add(&e.m.failClosed, 1)
-			return Unavailable, i, e.unavailableRetry(mono)
+			return Unavailable, i, e.unavailableRetry(g.shard, mono)
 		}
 	}
 	wall := now.UnixMilli()
@@ -818,10 +839,10 @@ func (e *Engine) failGroup(g *group, items []item, now time.Time, mono int64, co
 	return Allow, -1, 0
 }
 
-// unavailableRetry is the Retry-After of a 503: until the breaker lets a
-// probe through, or the configured default.
-func (e *Engine) unavailableRetry(mono int64) int64 {
-	if at := e.brk.probeAt(mono); at > mono {
+// unavailableRetry is the Retry-After of a 503: until the breaker of the
+// store's shard lets a probe through, or the configured default.
+func (e *Engine) unavailableRetry(shard int, mono int64) int64 {
+	if at := e.brks[shard&(maxShards-1)].probeAt(mono); at > mono {
 		return retrySeconds(at, mono)
 	}
 	return ceilSeconds(e.cfg.UnavailableRetryAfter.Milliseconds())
@@ -837,6 +858,7 @@ func (e *Engine) runLocal(ctx context.Context, g *group, items []item, now time.
 	it := &items[g.idx[0]]
 	c := it.sp.chunk
 	failMode := func(count bool) (Outcome, int64) {
+		g.shard = e.store.shard(it.sp.poolZ)
 		out, _, retry := e.failGroup(g, items, now, e.mono(now), count)
 		return out, retry
 	}

@@ -82,6 +82,11 @@ var errBreakerOpen = errors.New("circuit breaker open")
 // It is made once: a refusal allocates nothing.
 var errRefused = fmt.Errorf("%w: %w", ErrUnavailable, errBreakerOpen)
 
+// errSlotMoving is wrapped in the error of a store call whose caller gave
+// up while the call waited to be sent again after Redis Cluster refused it
+// with TRYAGAIN: the node was serving, and the breaker does not count it.
+var errSlotMoving = errors.New("refused while its slot was being moved (TRYAGAIN), waiting to be sent again")
+
 // errDropped is wrapped in the error of a store call whose caller gave up
 // (its timeout or its context) while the call still waited in the batcher:
 // the batcher drops such a call instead of sending it.

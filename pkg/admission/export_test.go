@@ -60,3 +60,16 @@ func WithResendPause(d time.Duration) RedisOption { return func(s *RedisStore) {
 // LateReleases returns how many late-slot releases e has scheduled and not
 // yet finished (see Engine.releaseLate).
 func LateReleases(e *Engine) int64 { return e.orphans.Load() }
+
+// BreakerOpensByShard returns how often the breaker of each shard of e's
+// store has opened, by shard index.
+func BreakerOpensByShard(e *Engine) []uint64 {
+	out := make([]uint64, len(e.brks))
+	for i := range e.brks {
+		out[i] = e.brks[i].opens.Load()
+	}
+	return out
+}
+
+// ShardOf returns the index of the shard of s that serves key.
+func ShardOf(s Store, key string) int { return s.shard(key) }

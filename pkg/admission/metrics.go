@@ -22,7 +22,8 @@ type Stats struct {
 	StoreCalls, StoreErrors, StoreCanceled uint64
 	// FailOpen, FailClosed and Fallback count rules decided by each fail mode.
 	FailOpen, FailClosed, Fallback uint64
-	// BreakerOpens counts how often the circuit breaker opened.
+	// BreakerOpens counts how often a circuit breaker opened (the breaker
+	// of any shard of the store: on Redis Cluster each master has its own).
 	BreakerOpens uint64
 	// LocalSpends and LocalTakes count spends from gateway-local chunks and
 	// the store calls that refilled them.
@@ -56,16 +57,34 @@ func (e *Engine) Stats() Stats {
 		FailOpen:          m.failOpen.Load(),
 		FailClosed:        m.failClosed.Load(),
 		Fallback:          m.fallback.Load(),
-		BreakerOpens:      e.brk.opens.Load(),
+		BreakerOpens:      e.breakerOpens(),
 		LocalSpends:       m.localSpends.Load(),
 		LocalTakes:        m.localTakes.Load(),
 		RefundErrors:      m.refundErrors.Load(),
 	}
 }
 
-// BreakerOpen reports whether the circuit breaker currently refuses store
-// calls.
-func (e *Engine) BreakerOpen() bool { return e.brk.isOpen(e.mono(e.clock.Now())) }
+// BreakerOpen reports whether a circuit breaker currently refuses store
+// calls: on Redis Cluster, the breaker of any master (the calls of the
+// others go on); on any other store, the one breaker.
+func (e *Engine) BreakerOpen() bool {
+	now := e.mono(e.clock.Now())
+	for i := range e.brks {
+		if e.brks[i].isOpen(now) {
+			return true
+		}
+	}
+	return false
+}
+
+// breakerOpens sums the openings of every shard's breaker.
+func (e *Engine) breakerOpens() uint64 {
+	var n uint64
+	for i := range e.brks {
+		n += e.brks[i].opens.Load()
+	}
+	return n
+}
 
 // collector exports Stats as Prometheus metrics; it reads the counters at
 // scrape time, so the decision path pays nothing for metrics.
@@ -77,8 +96,8 @@ var (
 	descReplays   = prometheus.NewDesc("allot_admission_replays_total", "Retries answered from an idempotency record.", nil, nil)
 	descStore     = prometheus.NewDesc("allot_admission_store_calls_total", "Store calls by result.", []string{"result"}, nil)
 	descFail      = prometheus.NewDesc("allot_admission_fail_mode_total", "Rules decided by a fail mode.", []string{"mode"}, nil)
-	descBreaker   = prometheus.NewDesc("allot_admission_breaker_opens_total", "Times the circuit breaker opened.", nil, nil)
-	descBrkOpen   = prometheus.NewDesc("allot_admission_breaker_open", "1 while the circuit breaker refuses store calls.", nil, nil)
+	descBreaker   = prometheus.NewDesc("allot_admission_breaker_opens_total", "Times a circuit breaker opened (on Redis Cluster, the breaker of any master).", nil, nil)
+	descBrkOpen   = prometheus.NewDesc("allot_admission_breaker_open", "1 while a circuit breaker refuses store calls (on Redis Cluster, the breaker of any master: the others' calls go on).", nil, nil)
 	descLocal     = prometheus.NewDesc("allot_admission_local_spends_total", "Spends from gateway-local chunks.", nil, nil)
 	descTakes     = prometheus.NewDesc("allot_admission_local_takes_total", "Store calls that refilled gateway-local chunks.", nil, nil)
 	descRefund    = prometheus.NewDesc("allot_admission_refund_errors_total", "Compensations that could not be made.", nil, nil)

@@ -18,6 +18,8 @@ type heldRefundStore struct {
 	keys [][]string // each held refund's keys when it was handed over
 }
 
+func (s *heldRefundStore) shard(string) int { return 0 }
+
 func (s *heldRefundStore) run(ctx context.Context, o *op) error {
 	if o.code == opRefund {
 		s.held = append(s.held, o)

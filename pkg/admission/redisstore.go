@@ -29,7 +29,11 @@ func ScriptSHA() string {
 	return hex.EncodeToString(sum[:])
 }
 
-// RedisConfig configures a RedisStore and its auto-batcher.
+// RedisConfig configures a RedisStore and its auto-batchers. On Redis
+// Cluster the store runs one batcher per master (see RedisStore), and
+// BatchSize, BatchDelay, MaxPipelines and MaxPending apply to each of them:
+// a gateway talking to three masters may have three times MaxPipelines
+// pipelines in flight and three times MaxPending calls waiting.
 type RedisConfig struct {
 	// BatchSize is the most store calls sent in one pipeline.
 	BatchSize int
@@ -37,12 +41,12 @@ type RedisConfig struct {
 	// are already in flight and the batch is not full; 0 sends as soon as a
 	// pipeline slot is free. A call never waits when nothing is in flight.
 	BatchDelay time.Duration
-	// MaxPipelines is the most pipelines in flight at once; more calls wait
-	// for one to return, and are batched meanwhile.
+	// MaxPipelines is the most pipelines in flight at once (per Cluster
+	// master); more calls wait for one to return, and are batched meanwhile.
 	MaxPipelines int
-	// MaxPending is the most calls waiting to be sent; beyond it calls fail
-	// at once with ErrOverloaded (the fail modes decide), so a slow Redis
-	// cannot pile up unbounded work.
+	// MaxPending is the most calls waiting to be sent (per Cluster master);
+	// beyond it calls fail at once with ErrOverloaded (the fail modes
+	// decide), so a slow Redis cannot pile up unbounded work.
 	MaxPending int
 	// PipelineTimeout bounds one pipeline round trip; it protects the batcher
 	// when Redis stops answering. Callers give up earlier, at their own
@@ -115,19 +119,35 @@ func (c RedisConfig) Validate() error {
 // closes the client. Script calls are never retried by go-redis, whatever
 // the client's MaxRetries (see onceCmd): a call whose outcome is unknown
 // fails, and the rules' fail modes decide.
+//
+// On a *redis.ClusterClient each master is a shard of its own (Store.shard,
+// clusterRoute): its calls go through a batcher of their own, so a master
+// that stops answering holds only its own pipelines (a go-redis Cluster
+// pipeline returns when every node it went to has answered), and the
+// engine opens only that master's circuit breaker. A call that fails on its
+// connection (a dead or unreachable node) makes the client reload its slot
+// map, so that a replica promoted in the node's place is used as soon as
+// the cluster has promoted it. Any other client (standalone, Sentinel,
+// Ring) is one shard, with one batcher.
 type RedisStore struct {
 	client redis.UniversalClient
 	sha    string
 	shaArg any // sha, boxed once: a string put in an interface is an allocation
 	cfg    RedisConfig
 	log    *zap.Logger
-	b      *batcher
+	route  *clusterRoute // nil unless the client is a *redis.ClusterClient
 	timers sync.Pool     // of stopped *time.Timer, for call timeouts
 	cmds   sync.Pool     // of *[]any: EVALSHA argument lists, reused once parsed
 	bufs   sync.Pool     // of *pipelineBuf: a pipeline's calls, reused once parsed
 	pipes  sync.Pool     // of redis.Pipeliner after Exec (which empties them): reused
 	dones  sync.Pool     // of op.done channels that were received from: empty
 	pause  time.Duration // before a resend of a call refused for a passing state; see resend
+
+	// batchers[i] batches the calls of shard i (Store.shard); each is made
+	// on first use (see batcher).
+	batchers [maxShards]atomic.Pointer[batcher]
+	bmu      sync.Mutex // makes batchers; guards closed
+	closed   bool
 
 	// reuse is set when commands may be reused (see reusable): not for a
 	// Cluster client. evals[n] holds reusable commands of n arguments.
@@ -164,13 +184,18 @@ func NewRedisStore(client redis.UniversalClient, cfg RedisConfig, opts ...RedisO
 	}
 	s := &RedisStore{client: client, sha: ScriptSHA(), cfg: cfg, log: zap.NewNop(), pause: resendPause}
 	s.shaArg = s.sha
-	_, cluster := client.(*redis.ClusterClient)
+	cc, cluster := client.(*redis.ClusterClient)
 	s.reuse = !cluster
+	if cluster {
+		s.route = newClusterRoute(cc)
+	}
 	for _, o := range opts {
 		o(s)
 	}
+	if s.route != nil {
+		s.route.log = s.log
+	}
 	s.warnUnboundedPipelines()
-	s.b = newBatcher(cfg, s.exec)
 	s.timers.New = func() any {
 		t := time.NewTimer(time.Hour)
 		t.Stop()
@@ -230,7 +255,20 @@ func (s *RedisStore) Load(ctx context.Context) error {
 // Close fails the calls still waiting to be sent with ErrClosed and waits for
 // the pipelines in flight. It does not close the client.
 func (s *RedisStore) Close() error {
-	s.b.close()
+	s.bmu.Lock()
+	s.closed = true
+	s.bmu.Unlock()
+	var wg sync.WaitGroup
+	for i := range s.batchers {
+		if b := s.batchers[i].Load(); b != nil {
+			wg.Add(1)
+			go func() { // each may wait for a pipeline: all at once
+				defer wg.Done()
+				b.close()
+			}()
+		}
+	}
+	wg.Wait()
 	s.deadline.Lock()
 	if s.deadline.cancel != nil {
 		s.deadline.cancel()
@@ -258,9 +296,38 @@ func (s *RedisStore) pipelineCtx() context.Context {
 	return d.ctx
 }
 
+// shard returns the index of key's master on Redis Cluster (clusterRoute),
+// else 0.
+func (s *RedisStore) shard(key string) int {
+	if s.route == nil {
+		return 0
+	}
+	return s.route.shard(key)
+}
+
+// batcher returns shard i's batcher, making it on first use; nil once the
+// store is closed.
+func (s *RedisStore) batcher(i int) *batcher {
+	if b := s.batchers[i%maxShards].Load(); b != nil {
+		return b
+	}
+	s.bmu.Lock()
+	defer s.bmu.Unlock()
+	b := s.batchers[i%maxShards].Load()
+	if b == nil && !s.closed {
+		b = newBatcher(s.cfg, s.exec)
+		s.batchers[i%maxShards].Store(b)
+	}
+	return b
+}
+
 func (s *RedisStore) run(ctx context.Context, o *op) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("redis store: %w: %w", err, errDropped)
+	}
+	b := s.batcher(int(o.shard))
+	if b == nil {
+		return ErrClosed
 	}
 	done, _ := s.dones.Get().(chan struct{})
 	if done == nil {
@@ -268,7 +335,10 @@ func (s *RedisStore) run(ctx context.Context, o *op) error {
 	}
 	o.done = done
 	atomic.StoreInt32(&o.state, opQueued) // a refund is a copy of its decide, taken
-	if err := s.b.submit(o); err != nil {
+	if atomic.LoadInt32(&o.moving) != 0 { // and its decide may have waited out a TRYAGAIN
+		atomic.StoreInt32(&o.moving, 0)
+	}
+	if err := b.submit(o); err != nil {
 		s.dones.Put(done) // never queued, so never signalled: still empty
 		return err
 	}
@@ -298,6 +368,9 @@ func (s *RedisStore) run(ctx context.Context, o *op) error {
 	case <-expired:
 		if o.abandon() {
 			return fmt.Errorf("redis store: no answer within %s: %w: %w", o.timeout, context.DeadlineExceeded, errDropped)
+		}
+		if atomic.LoadInt32(&o.moving) != 0 {
+			return fmt.Errorf("redis store: no answer within %s: %w: %w", o.timeout, context.DeadlineExceeded, errSlotMoving)
 		}
 		return fmt.Errorf("redis store: no answer within %s: %w", o.timeout, context.DeadlineExceeded)
 	}
@@ -335,6 +408,9 @@ func (s *RedisStore) exec(batch []*op) {
 	// size, rather than grown call by call (Exec leaves it nil).
 	_ = pipe.BatchProcess(ctx, cmds...)
 	_, _ = pipe.Exec(ctx) // each command carries its own error
+	if s.route != nil && !s.route.ready.Load() {
+		s.route.prime(ctx, cmds)
+	}
 	refused := false
 	for i, o := range batch {
 		if refusalOf(calls[i].cmd.Err()) == notRefused {
@@ -427,6 +503,9 @@ func (s *RedisStore) resend(ctx context.Context, batch []*op, calls []pipelined)
 			}
 			if r == refusedFor {
 				wait = true
+				if redis.HasErrorPrefix(err, "TRYAGAIN") {
+					atomic.StoreInt32(&batch[i].moving, 1) // see op.moving
+				}
 			}
 			if first == nil {
 				first = err
@@ -466,6 +545,9 @@ func (s *RedisStore) resend(ctx context.Context, batch []*op, calls []pipelined)
 // command back, and finishes o. c.buf is nil afterwards.
 func (s *RedisStore) settle(o *op, c *pipelined) {
 	o.err = parseReply(c.cmd, o)
+	if o.err != nil && s.route != nil && connLevel(c.cmd.Err()) {
+		s.route.reload() // its node may be gone: see clusterRoute.reload
+	}
 	// Drop the references (pointers into o among them) before o is
 	// finished and may be reused, and before the list is.
 	clear(c.args)

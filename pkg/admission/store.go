@@ -19,7 +19,18 @@ type Store interface {
 	// fail mode decides). It returns when o is done, when ctx ends, or when
 	// o.timeout (if positive) has passed.
 	run(ctx context.Context, o *op) error
+	// shard returns the index, in [0, maxShards), of the part of the store
+	// that serves key, an op's first key (all keys of an op share one hash
+	// tag, so one slot): on Redis Cluster the master that owns the key's
+	// slot, elsewhere 0. The engine keeps a circuit breaker per shard, and
+	// a RedisStore a batcher per shard, so that one slow or dead node does
+	// not stop the calls of the others. It never waits on the network.
+	shard(key string) int
 }
+
+// maxShards bounds the shards of a store (Store.shard): a power of two,
+// so that an index masked with maxShards-1 needs no bounds check.
+const maxShards = 64
 
 // Store operation codes; see script.lua.
 const (
@@ -113,6 +124,7 @@ type op struct {
 	n1, n2  int64         // take: want; deposit: tokens, ttl; exhaust: ms; renew: ttl
 	n3      int64         // deposit: ms until a pre-grant's window opens (0: now)
 	timeout time.Duration // the caller stops waiting after it; 0: only ctx
+	shard   uint8         // Store.shard of keys[0], set by Engine.call: the batcher it joins
 
 	out   []int64 // decide: replay, firstDeny, then 4 per rule; others: the script's array
 	outID string  // decide: the decision id (the earlier one on a replay)
@@ -122,6 +134,12 @@ type op struct {
 	// opTaken, opAbandoned); changed only by CAS (claim, abandon), so that
 	// of a caller giving up and the batcher sending, exactly one wins.
 	state int32
+	// moving is set (atomically) by a RedisStore while Redis Cluster has
+	// refused the call with TRYAGAIN (its slot is being moved) and it
+	// waits to be sent again: a caller that stops waiting meanwhile gives
+	// up on a node that was serving (errSlotMoving), which its shard's
+	// breaker does not count.
+	moving int32
 
 	// keys and rules of a small decide use these: with ops reused (see
 	// Engine.recycle), a decision of up to four rules allocates neither.
