@@ -18,6 +18,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"os/signal"
@@ -153,12 +154,13 @@ func run(ctx context.Context, args []string) error {
 		log.Warn("agent clock offset from the machine's (fault injection)", zap.Duration("offset", clockOffset))
 	}
 	if journalPath != "" {
-		f, err := os.OpenFile(journalPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+		f, w, err := openJournal(journalPath)
 		if err != nil {
 			return fmt.Errorf("-lease-journal: %w", err)
 		}
 		defer f.Close()
-		j := agent.NewLeaseJournal(f)
+		j := agent.NewLeaseJournal(w)
+		j.SetLogger(log.With(zap.String("file", journalPath)))
 		j.Record(agent.LeaseEvent{Kind: agent.LeaseEventStart, At: clock.Now().UnixNano(), Region: cfg.Region,
 			ClockOffsetNs: int64(clockOffset), Pid: os.Getpid()})
 		opts = append(opts, agent.WithLeaseObserver(j.Record))
@@ -196,15 +198,26 @@ func run(ctx context.Context, args []string) error {
 	default:
 		return fmt.Errorf("-store: %q is neither redis nor embedded", storeKind)
 	}
+	// Both listeners before the agent: a port taken fails the start before
+	// anything runs that would have to be stopped and waited for (the
+	// agent's Run, the servers).
+	apiLn, err := net.Listen("tcp", apiAddr)
+	if err != nil {
+		return fmt.Errorf("listen api: %w", err)
+	}
+	defer apiLn.Close() // the server closes it too; this is for the early returns
+	var envoyLn net.Listener
+	if envoyAddr != "" {
+		if envoyLn, err = net.Listen("tcp", envoyAddr); err != nil {
+			return fmt.Errorf("listen envoy: %w", err)
+		}
+		defer envoyLn.Close()
+	}
 	a, err := agent.New(cfg, rdb, opts...)
 	if err != nil {
 		return err
 	}
 
-	apiLn, err := net.Listen("tcp", apiAddr)
-	if err != nil {
-		return fmt.Errorf("listen api: %w", err)
-	}
 	// The whole shutdown is bounded by -shutdown-timeout from SIGTERM: the
 	// agent's hand-back of its tokens, and the servers' drain of the calls
 	// in flight, which are cut when it runs out (a client holding a call
@@ -214,12 +227,7 @@ func run(ctx context.Context, args []string) error {
 	g.Go(func() error {
 		return allocator.Serve(gctx, allocator.HTTPServer(apiAddr, agent.Mux(a, reg)), apiLn, cfg.ShutdownTimeout)
 	})
-	if envoyAddr != "" {
-		envoyLn, err := net.Listen("tcp", envoyAddr)
-		if err != nil {
-			apiLn.Close()
-			return fmt.Errorf("listen envoy: %w", err)
-		}
+	if envoyLn != nil {
 		gs := agent.NewGRPCServer(a)
 		g.Go(func() error { return gs.Serve(envoyLn) })
 		g.Go(func() error {
@@ -243,4 +251,63 @@ func run(ctx context.Context, args []string) error {
 	log.Info("region agent listening", zap.String("region", cfg.Region), zap.String("store", storeKind), zap.String("api", apiLn.Addr().String()),
 		zap.String("envoy", envoyAddr), zap.Strings("allocators", cfg.AllocatorEndpoints))
 	return g.Wait()
+}
+
+// openJournal opens the lease journal at path for appending, and returns the
+// file (for the caller to close) and the writer to journal through.
+//
+// The journal is appended without fsync, so a power loss or a full disk can
+// leave its last line torn. The next process's events would then be appended
+// to that line, the first of them (its start event: the process boundary,
+// pid and clock offset) lost with it as one malformed line. So when the file
+// does not end in a newline, the writer puts one before the first event, in
+// the same write: if that write fails, the journal stops there (and says
+// so) rather than the start failing.
+func openJournal(path string) (*os.File, io.Writer, error) {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR|os.O_APPEND, 0o644)
+	if err != nil {
+		return nil, nil, err
+	}
+	torn, err := tornLastLine(f)
+	if err != nil {
+		f.Close()
+		return nil, nil, err
+	}
+	if torn {
+		return f, &newlineFirst{w: f}, nil
+	}
+	return f, f, nil
+}
+
+// tornLastLine reports whether f, a regular file, is not empty and does not
+// end in a newline.
+func tornLastLine(f *os.File) (bool, error) {
+	st, err := f.Stat()
+	if err != nil || !st.Mode().IsRegular() || st.Size() == 0 {
+		return false, err
+	}
+	var last [1]byte
+	if _, err := f.ReadAt(last[:], st.Size()-1); err != nil {
+		return false, fmt.Errorf("reading its last byte: %w", err)
+	}
+	return last[0] != '\n', nil
+}
+
+// newlineFirst writes a newline and its first write's bytes in one write,
+// then passes writes through. The journal makes one write at a time.
+type newlineFirst struct {
+	w    io.Writer
+	done bool
+}
+
+// Write implements io.Writer.
+func (n *newlineFirst) Write(p []byte) (int, error) {
+	if n.done {
+		return n.w.Write(p)
+	}
+	k, err := n.w.Write(append([]byte{'\n'}, p...))
+	if k > 0 {
+		n.done = true
+	}
+	return max(k-1, 0), err
 }

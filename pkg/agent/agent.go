@@ -52,6 +52,11 @@ type Agent struct {
 	current atomic.Uint64 // version in force (0: bootstrap or none)
 	digest  string        // guarded by applyMu
 	engOpts []admission.Option
+	// retired are the engines replaced by one of a record adopted from an
+	// allocator whose history differs (adoptRecord); guarded by applyMu.
+	// Calls that loaded one before the swap finish on it, so they are
+	// closed only by release.
+	retired []*admission.Engine
 }
 
 // idleWorker is how long a goroutine that ran a batch's check waits for
@@ -135,7 +140,7 @@ func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) 
 	a.leases.journal = o.observer
 	a.engOpts = []admission.Option{admission.WithClock(o.clock), admission.WithLogger(log), admission.WithRand(o.rand)}
 	if o.registry != nil {
-		a.engOpts = append(a.engOpts, admission.WithRegisterer(o.registry))
+		a.engOpts = append(a.engOpts, admission.WithRegisterer(&engineRegisterer{reg: o.registry}))
 		if err := a.m.register(o.registry, a.leases); err != nil {
 			return nil, fmt.Errorf("agent: register metrics: %w", err)
 		}
@@ -153,7 +158,7 @@ func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) 
 		// allocator instead, as if there were none.
 		log.Warn("last-known-good policy ignored", zap.Error(err))
 	case rec != nil:
-		if err := a.install(rec.doc, rec.version, rec.digest); err != nil {
+		if err := a.install(rec.doc, rec.version, rec.digest, false); err != nil {
 			return nil, fmt.Errorf("agent: last-known-good policy: %w", err)
 		}
 		log.Info("last-known-good policy in force", zap.Uint64("version", rec.version))
@@ -170,7 +175,7 @@ func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) 
 			}
 		}
 		if doc != nil {
-			if err := a.install(doc, version, policy.Digest(doc)); err != nil {
+			if err := a.install(doc, version, policy.Digest(doc), false); err != nil {
 				return nil, fmt.Errorf("agent: policy: %w", err)
 			}
 		}
@@ -188,6 +193,12 @@ func (a *Agent) release() error {
 	if eng := a.engine.Load(); eng != nil {
 		_ = eng.Close()
 	}
+	a.applyMu.Lock()
+	for _, eng := range a.retired {
+		_ = eng.Close()
+	}
+	a.retired = nil
+	a.applyMu.Unlock()
 	var err error
 	if a.rstore != nil {
 		err = a.rstore.Close()
@@ -200,8 +211,11 @@ func (a *Agent) release() error {
 
 // install puts doc in force as version: it creates the engine on the first
 // policy and swaps the policy atomically afterwards (Engine.Apply), then
-// tells the lease manager.
-func (a *Agent) install(doc *policy.Document, version uint64, digest string) error {
+// tells the lease manager. An engine takes only newer versions; with
+// replace, a version that is not newer than the engine's is put in force by
+// a new engine, which replaces the engine in force (a record adopted from
+// an allocator whose history differs: adoptRecord).
+func (a *Agent) install(doc *policy.Document, version uint64, digest string, replace bool) error {
 	a.applyMu.Lock()
 	defer a.applyMu.Unlock()
 	// The lease manager learns the new quotas before any decision can
@@ -209,7 +223,8 @@ func (a *Agent) install(doc *policy.Document, version uint64, digest string) err
 	a.leases.addQuotas(doc)
 	unready := regionUnready(doc, a.cfg.Region, version)
 	eng := a.engine.Load()
-	if eng == nil {
+	switch {
+	case eng == nil:
 		e, err := admission.New(a.cfg.Engine, a.store, doc, version, a.engOpts...)
 		if err != nil {
 			a.leases.setPolicy(nil, nil)
@@ -218,7 +233,24 @@ func (a *Agent) install(doc *policy.Document, version uint64, digest string) err
 		a.leases.setPolicy(doc, e)
 		a.unready.Store(&unready)
 		a.engine.Store(e)
-	} else {
+	case replace && version <= a.current.Load():
+		// The new engine starts with empty in-process state (negative
+		// cache, gateway-local chunks, fallback buckets, breakers, its
+		// allot_admission_* counters); the counters of the rules and the
+		// leased pools live in the store, which it shares. The old one
+		// stays open for the calls that loaded it before the swap, until
+		// release.
+		e, err := admission.New(a.cfg.Engine, a.store, doc, version, a.engOpts...)
+		if err != nil {
+			old, _ := eng.Policy()
+			a.leases.setPolicy(old, eng)
+			return err
+		}
+		a.leases.setPolicy(doc, e)
+		a.unready.Store(&unready)
+		a.engine.Store(e)
+		a.retired = append(a.retired, eng)
+	default:
 		if err := eng.Apply(doc, version); err != nil {
 			old, _ := eng.Policy()
 			a.leases.setPolicy(old, eng)
@@ -291,28 +323,119 @@ func (a *Agent) applyRecord(p *allotv1.PolicyRecord) {
 		}
 		return
 	}
+	a.takeRecord(p, false)
+}
+
+// adoptRecord puts p in force whatever the version in force: the allocator's
+// history differs from the one that version came from (see syncRecord), and
+// the allocator is the source of truth. It reports whether p is in force.
+func (a *Agent) adoptRecord(p *allotv1.PolicyRecord) bool {
+	if p == nil {
+		return false
+	}
+	a.applyMu.Lock()
+	same := p.GetVersion() == a.current.Load() && p.GetDigest() == a.digest
+	a.applyMu.Unlock()
+	if same { // the record in force, published again
+		return true
+	}
+	return a.takeRecord(p, true)
+}
+
+// takeRecord checks p and puts it in force (with adopt, even when it is not
+// newer than the version in force), then saves it as last-known-good. It
+// reports whether p is in force.
+func (a *Agent) takeRecord(p *allotv1.PolicyRecord, adopt bool) bool {
+	cur := a.current.Load()
 	rec, err := checkRecord(p.GetVersion(), p.GetDigest(), p.GetDocument())
 	if err != nil {
 		a.m.policyUpd.WithLabelValues("malformed").Inc()
 		a.log.Error("malformed policy rejected; keeping the version in force",
 			zap.Uint64("version", p.GetVersion()), zap.Uint64("in_force", cur), zap.Error(err))
-		return
+		return false
 	}
-	if err := a.install(rec.doc, rec.version, rec.digest); err != nil {
+	if err := a.install(rec.doc, rec.version, rec.digest, adopt); err != nil {
 		result := "invalid"
 		if errors.Is(err, admission.ErrStalePolicy) {
 			result = "older"
 		}
 		a.m.policyUpd.WithLabelValues(result).Inc()
 		a.log.Error("policy rejected; keeping the version in force", zap.Uint64("version", rec.version), zap.Error(err))
-		return
+		return false
 	}
-	a.m.policyUpd.WithLabelValues("applied").Inc()
-	a.log.Info("policy applied", zap.Uint64("version", rec.version), zap.String("digest", rec.digest[:12]))
+	if adopt {
+		a.m.policyUpd.WithLabelValues("diverged").Inc()
+		a.log.Info("allocator's policy adopted", zap.Uint64("version", rec.version), zap.String("digest", rec.digest[:12]))
+	} else {
+		a.m.policyUpd.WithLabelValues("applied").Inc()
+		a.log.Info("policy applied", zap.Uint64("version", rec.version), zap.String("digest", rec.digest[:12]))
+	}
 	if err := saveLKG(a.cfg.DataDir, rec, a.clock.Now()); err != nil {
 		a.m.policyUpd.WithLabelValues("persist_error").Inc()
 		a.log.Error("last-known-good policy not saved", zap.Error(err))
 	}
+	return true
+}
+
+// syncRecord reconciles the version in force with the allocator's current
+// record p as GetPolicy answered it when the watch (re)connects (nil: the
+// allocator has published none), and returns the version to watch after
+// and whether to adopt the first record the watch brings (adoptRecord).
+//
+// The allocator is the source of truth. A current record older than the
+// version in force, the same version with another digest, or none at all
+// while a published version is in force, means that the allocator's
+// history differs from the one the version in force came from: its
+// cluster was rebuilt (state lost, policies published again from v1) or
+// restored from an older backup, and the agent kept that version in its
+// last-known-good file or in memory. Left alone, the agent would reject the
+// allocator's versions up to its own as older and never see the one that
+// shares its number, deciding under a document the allocator does not have
+// while reporting the allocator's version number. So the agent logs an
+// error and adopts the allocator's record, then watches from it.
+//
+// A node that is merely behind must not look like that, and cannot:
+// GetPolicy is a leader read. The allocator answers it on the leader only,
+// after a Raft barrier (pkg/allocator, Server.GetPolicy through leaderRead;
+// a follower forwards the call, and a leader that lost its quorum cannot
+// pass the barrier), so the answer includes every version the cluster has
+// committed. Every version the agent had in force came from the allocator
+// as a committed record: from GetPolicy, or from WatchPolicy, which a
+// follower may serve but only with the records it applied, which are
+// committed ones; the last-known-good file holds such a record. So in the
+// same history the leader's answer is never older than the version in
+// force, and a version number never names two digests. Only GetPolicy's
+// answer is acted on so: the records of the stream, which a lagging
+// follower may serve, are taken only when newer (applyRecord). The one
+// exception is the first record streamed after GetPolicy found none
+// published: the leader confirmed the history empty, so every record of
+// the stream belongs to the history that started after it. (Allocators of
+// builds before leader reads took a barrier answered GetPolicy from a
+// leader's state as applied, which right after an election can be behind:
+// against those, an agent could adopt an older version for as long as its
+// stream takes to bring the newer ones again.)
+func (a *Agent) syncRecord(p *allotv1.PolicyRecord) (after uint64, adopt bool) {
+	a.applyMu.Lock()
+	cur, digest := a.current.Load(), a.digest
+	a.applyMu.Unlock()
+	switch {
+	case cur == 0: // no policy in force, or a local one (version 0): no history to differ from
+		a.applyRecord(p)
+	case p == nil:
+		a.log.Error("the allocator's policy history differs from this agent's last-known-good (a rebuilt allocator cluster?): it has no policy, and the version in force was published by one; keeping that version until the allocator publishes one, which replaces it",
+			zap.Uint64("in_force", cur), zap.String("digest", digest[:min(len(digest), 12)]))
+		return 0, true
+	case p.GetVersion() > cur:
+		a.applyRecord(p)
+	case p.GetVersion() == cur && p.GetDigest() == digest:
+		// the same history
+	default:
+		a.log.Error("the allocator's policy history differs from this agent's last-known-good (a rebuilt allocator cluster, or one restored from an older backup?): adopting the allocator's current version, the source of truth",
+			zap.Uint64("in_force", cur), zap.String("digest", digest[:min(len(digest), 12)]),
+			zap.Uint64("allocator_version", p.GetVersion()), zap.String("allocator_digest", p.GetDigest()[:min(len(p.GetDigest()), 12)]))
+		a.adoptRecord(p)
+	}
+	return a.current.Load(), false
 }
 
 // Run follows the policy and renews leases until ctx ends; then it hands
@@ -329,7 +452,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	if a.client != nil {
 		w := &watcher{
 			client: a.client, log: a.log.Named("policy"), backoff: a.cfg.WatchBackoff, max: a.cfg.MaxWatchBackoff,
-			current: a.current.Load, apply: a.applyRecord,
+			sync: a.syncRecord, apply: a.applyRecord, adopt: a.adoptRecord,
 		}
 		g.Go(func() error { return w.Run(gctx) })
 	}

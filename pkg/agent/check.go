@@ -89,7 +89,13 @@ func (a *Agent) Check(ctx context.Context, in *Input) (*Verdict, error) {
 	}
 	req := &admission.Request{Descriptors: in.Descriptors, Hits: in.Cost, RequestID: in.RequestID}
 	var start, deadline time.Time
-	for {
+	for first := true; ; first = false {
+		if !first {
+			// Each decision of a starve wait is made by the engine in force
+			// (one replaced meanwhile stays open until Run ends, see
+			// Agent.install).
+			eng = a.engine.Load()
+		}
 		seen := a.leases.Generation()
 		d, err := eng.Decide(ctx, req)
 		if err != nil {
@@ -114,7 +120,7 @@ func (a *Agent) Check(ctx context.Context, in *Input) (*Verdict, error) {
 					a.m.starveWaits.WithLabelValues("served").Inc()
 				}
 			}
-			return a.finish(d, v, in), nil
+			return a.finish(eng, d, v, in), nil
 		}
 		state, wait, ch := a.leases.starved(pool, seen)
 		if start.IsZero() {
@@ -133,7 +139,7 @@ func (a *Agent) Check(ctx context.Context, in *Input) (*Verdict, error) {
 			if !start.IsZero() {
 				a.m.starveWaits.WithLabelValues("exhausted").Inc()
 			}
-			return a.finish(d, v, in), nil
+			return a.finish(eng, d, v, in), nil
 		case poolCutOff, poolRefused:
 			why := "cut_off"
 			if state == poolRefused {
@@ -143,7 +149,7 @@ func (a *Agent) Check(ctx context.Context, in *Input) (*Verdict, error) {
 			if !start.IsZero() {
 				a.m.starveWaits.WithLabelValues(why).Inc()
 			}
-			return a.finish(d, a.unavailable(d, ceilSeconds(wait)), in), nil
+			return a.finish(eng, d, a.unavailable(d, ceilSeconds(wait)), in), nil
 		}
 		now := a.now()
 		if start.IsZero() {
@@ -153,7 +159,7 @@ func (a *Agent) Check(ctx context.Context, in *Input) (*Verdict, error) {
 		if left <= 0 {
 			a.m.starveWaits.WithLabelValues("timeout").Inc()
 			a.log.Debug("no renewal within the starve wait", zap.String("quota", pool), zap.Duration("waited", now.Sub(start)))
-			return a.finish(d, a.unavailable(d, 1), in), nil
+			return a.finish(eng, d, a.unavailable(d, 1), in), nil
 		}
 		t := time.NewTimer(left)
 		select {
@@ -221,8 +227,8 @@ func (a *Agent) unavailable(d *admission.Decision, retry int64) *Verdict {
 }
 
 // finish records metrics, the sampled decision log and the slots a
-// decision holds in process.
-func (a *Agent) finish(d *admission.Decision, v *Verdict, in *Input) *Verdict {
+// decision of eng holds in process.
+func (a *Agent) finish(eng *admission.Engine, d *admission.Decision, v *Verdict, in *Input) *Verdict {
 	rule := v.Rule
 	if rule == "" {
 		rule = "none"
@@ -238,7 +244,7 @@ func (a *Agent) finish(d *admission.Decision, v *Verdict, in *Input) *Verdict {
 				if id == "" {
 					id = d.ID
 				}
-				a.slots.put(tenantOf(in.Descriptors), id, d)
+				a.slots.put(tenantOf(in.Descriptors), id, heldSlots{eng, d})
 			}
 		}
 	}
@@ -284,13 +290,15 @@ func (a *Agent) ReleaseSlot(ctx context.Context, descriptors []policy.Entry, req
 	// Slots a fallback took live in this process and are freed here even
 	// when the store cannot be reached: left held they would deny the
 	// rule's requests until their slot_ttl ran out.
-	for _, d := range a.slots.take(tenantOf(descriptors), requestID) {
+	for _, h := range a.slots.take(tenantOf(descriptors), requestID) {
+		d := h.d
 		for i := range d.Rules {
 			if r := &d.Rules[i]; r.Kind == policy.KindConcurrency && r.Allowed && r.FailMode != "" {
 				released++
 			}
 		}
-		if err := eng.Release(ctx, d); err != nil {
+		// The engine that took them: their fallback's state is its own.
+		if err := h.eng.Release(ctx, d); err != nil {
 			errs = append(errs, fmt.Errorf("of decision %s: %w", d.ID, err))
 		}
 	}
@@ -331,11 +339,18 @@ func tenantOf(descriptors []policy.Entry) string {
 // so that one tenant cannot release another's slots by reusing an id.
 type slotKey struct{ tenant, id string }
 
+// heldSlots is a decision holding fallback slots, and the engine that made
+// it.
+type heldSlots struct {
+	eng *admission.Engine
+	d   *admission.Decision
+}
+
 // slotEntry is the decisions stored under one slotKey (a retried request
 // id takes slots again while the store is down) and when the key was
 // stored, which names it in the table's fifo.
 type slotEntry struct {
-	ds  []*admission.Decision
+	ds  []heldSlots
 	seq uint64
 }
 
@@ -365,7 +380,7 @@ func newSlotTable(max int) *slotTable {
 
 // put stores d under tenant and id, next to the decisions stored there
 // already.
-func (s *slotTable) put(tenant, id string, d *admission.Decision) {
+func (s *slotTable) put(tenant, id string, d heldSlots) {
 	if s.max == 0 {
 		return
 	}
@@ -392,7 +407,7 @@ func (s *slotTable) put(tenant, id string, d *admission.Decision) {
 }
 
 // take removes and returns every decision stored under tenant and id.
-func (s *slotTable) take(tenant, id string) []*admission.Decision {
+func (s *slotTable) take(tenant, id string) []heldSlots {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	k := slotKey{tenant, id}

@@ -11,9 +11,15 @@
 //     parses and validates; the engine swaps the compiled policy atomically,
 //     so every decision is made under one version, which it records. The
 //     accepted record is persisted (Config.DataDir/policy.json, written
-//     atomically) and put back in force at the next start, before the
-//     allocator is reached: last-known-good. Shadow rules are evaluated
-//     beside live ones under their own keys and only report would_deny.
+//     atomically, with a sum over its version and digest) and put back in
+//     force at the next start, before the allocator is reached:
+//     last-known-good. The one exception to "newer only": when the watch
+//     (re)connects and the allocator's current version, read on the leader,
+//     is older than the one in force, shares its number with another
+//     digest, or does not exist, the allocator's history differs (a rebuilt
+//     cluster): the agent logs an error and adopts the allocator's record.
+//     Shadow rules are evaluated beside live ones under their own keys and
+//     only report would_deny.
 //   - Leases. For every global quota the region leases, the lease manager
 //     reads the regional pool (pkg/admission PoolStats: available, consumed,
 //     starved) and measures demand = consumption rate + requests starved for

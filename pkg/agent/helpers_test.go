@@ -694,3 +694,15 @@ func (c *cluster) publish(doc *policy.Document, expected uint64) {
 		c.t.Fatalf("publish: %v", err)
 	}
 }
+
+// current returns the allocator's current record.
+func (fa *fakeAllocator) current(t testing.TB) *allotv1.PolicyRecord {
+	t.Helper()
+	fa.mu.Lock()
+	defer fa.mu.Unlock()
+	r, ok := fa.f.Policy()
+	if !ok {
+		t.Fatal("nothing published")
+	}
+	return recordOf(r)
+}

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"go.uber.org/zap"
 
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
 )
@@ -149,18 +150,27 @@ type LeaseJournal struct {
 	mu  sync.Mutex
 	w   io.Writer
 	err error
+	log *zap.Logger // nil: errors are not logged (SetLogger)
 }
 
 // NewLeaseJournal returns a journal writing to w (typically a file opened
 // with O_APPEND, which the caller closes after the agent's Run returned).
 func NewLeaseJournal(w io.Writer) *LeaseJournal { return &LeaseJournal{w: w} }
 
+// SetLogger makes the journal log the error that stops it (Record) as a
+// warning, once, when it happens.
+func (j *LeaseJournal) SetLogger(log *zap.Logger) {
+	j.mu.Lock()
+	j.log = log
+	j.mu.Unlock()
+}
+
 // errJournalClosed is kept after Close.
 var errJournalClosed = errors.New("lease journal closed")
 
 // Record writes ev. After the first write error it writes nothing more and
-// Err returns that error: the journal is an observer, never a reason for
-// the agent to stop deciding.
+// Err returns that error (logged then, with SetLogger): the journal is an
+// observer, never a reason for the agent to stop deciding.
 func (j *LeaseJournal) Record(ev LeaseEvent) {
 	b, err := json.Marshal(ev)
 	j.mu.Lock()
@@ -168,12 +178,17 @@ func (j *LeaseJournal) Record(ev LeaseEvent) {
 	if j.err != nil {
 		return
 	}
+	if err == nil {
+		b = append(b, '\n')
+		_, err = j.w.Write(b)
+	}
 	if err != nil {
 		j.err = err
-		return
+		if j.log != nil {
+			j.log.Warn("lease journal stopped: an event could not be written, and no later one is journaled",
+				zap.String("kind", ev.Kind), zap.Error(err))
+		}
 	}
-	b = append(b, '\n')
-	_, j.err = j.w.Write(b)
 }
 
 // Err returns the first error Record met, if any.

@@ -5,9 +5,15 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
+	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/allot-dev/allot/pkg/agent"
 )
@@ -132,5 +138,38 @@ func TestLeaseJournal(t *testing.T) {
 	}
 	if rel.GrantID != g.GrantID || rel.Tokens != 9 || rel.Returned != 9 || rel.Outcome != agent.LeaseOK || rel.RequestID != "release-"+g.GrantID {
 		t.Fatalf("release %+v: want the 9 unspent tokens of %s handed back", rel, g.GrantID)
+	}
+}
+
+// failingWriter fails every write after ok of them.
+type failingWriter struct{ ok int }
+
+func (w *failingWriter) Write(p []byte) (int, error) {
+	if w.ok == 0 {
+		return 0, errors.New("no space left on device")
+	}
+	w.ok--
+	return len(p), nil
+}
+
+// TestLeaseJournalLogsItsFirstError: with SetLogger, the write error that
+// stops the journal is logged as a warning when it happens, once; Err and
+// Close still return it.
+func TestLeaseJournalLogsItsFirstError(t *testing.T) {
+	core, logs := observer.New(zapcore.InfoLevel)
+	j := agent.NewLeaseJournal(&failingWriter{ok: 1})
+	j.SetLogger(zap.New(core))
+	j.Record(agent.LeaseEvent{Kind: agent.LeaseEventStart})
+	if n := logs.Len(); n != 0 {
+		t.Fatalf("%d messages after a write that succeeded: %v", n, logs.All())
+	}
+	j.Record(agent.LeaseEvent{Kind: agent.LeaseEventAcquire})
+	j.Record(agent.LeaseEvent{Kind: agent.LeaseEventDeposit})
+	warned := logs.FilterLevelExact(zapcore.WarnLevel).FilterMessageSnippet("lease journal stopped")
+	if warned.Len() != 1 || logs.Len() != 1 {
+		t.Fatalf("logged %v, want one warning that the journal stopped", logs.All())
+	}
+	if err := j.Close(); err == nil || !strings.Contains(err.Error(), "no space") {
+		t.Fatalf("Close: %v, want the write error", err)
 	}
 }

@@ -143,7 +143,9 @@ type template struct {
 
 // maxInstances bounds the managed instances of one template: the
 // allocator's bound (fsm.MaxInstancesPerTemplate). Requests for further
-// instances are answered unavailable until idle ones are forgotten.
+// instances are answered unavailable (counted as refused in
+// allot_agent_fail_mode_total: the allocator is not cut off) until idle ones
+// are forgotten.
 const maxInstances = 1_000_000
 
 // maxAcquireBytes bounds the estimated size of one Acquire request: within
@@ -203,6 +205,8 @@ type leases struct {
 	maxWants   int
 	shutdownIn time.Duration
 	journal    LeaseObserver // nil: no lease journal
+	// maxInstances is maxInstances (tests lower it).
+	maxInstances int
 }
 
 func newLeases(cfg LeaseConfig, region string, client *allocator.Client, clock admission.Clock, log *zap.Logger,
@@ -212,6 +216,7 @@ func newLeases(cfg LeaseConfig, region string, client *allocator.Client, clock a
 		shutdownIn: shutdownIn,
 		quotas:     map[string]*quota{}, templates: map[string]*template{}, unleased: map[string]bool{}, cutOff: client == nil,
 		storeDelay: cfg.MinStoreDelay, acquireRTT: 10 * time.Millisecond, maxWants: max(cfg.MaxWantsPerCall, 1),
+		maxInstances: maxInstances,
 	}
 }
 
@@ -342,27 +347,28 @@ func instanceOf(name string, t *template) bool {
 // lookup returns the managed pool name, activating it when it is an
 // instance of a template this region leases: the lease manager learns of
 // instances from the requests that need them. It returns nil for a pool
-// that is not (or cannot be) managed. The caller holds l.mu.
-func (l *leases) lookup(name string, now time.Time) *quota {
+// that is not (or cannot be) managed; full says that name is an instance
+// its template has no room for (maxInstances). The caller holds l.mu.
+func (l *leases) lookup(name string, now time.Time) (q *quota, full bool) {
 	if q := l.quotas[name]; q != nil {
-		return q
+		return q, false
 	}
 	tmpl, _, ok := strings.Cut(name, string(policy.InstanceSeparator))
 	t := l.templates[tmpl]
 	if !ok || t == nil || !instanceOf(name, t) {
-		return nil
+		return nil, false
 	}
-	if t.instances >= maxInstances {
+	if t.instances >= l.maxInstances {
 		if now.Sub(t.warnedAt) >= time.Minute {
 			t.warnedAt = now
 			l.log.Warn("too many active instances: requests for new ones are answered unavailable", zap.String("template", tmpl),
 				zap.Int("instances", t.instances))
 		}
-		return nil
+		return nil, true
 	}
-	q := l.newQuota(name, tmpl, now)
+	q = l.newQuota(name, tmpl, now)
 	q.spec, q.rule, q.cost = t.spec, t.rule, t.cost
-	return q
+	return q, false
 }
 
 // idleFor is how long an instance must go unused before it is forgotten:
@@ -443,15 +449,16 @@ func (l *leases) starved(name string, seen uint64) (poolState, time.Duration, <-
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	now := l.clock.Now()
-	q := l.lookup(name, now)
+	q, full := l.lookup(name, now)
 	if q == nil {
-		if l.notLeased(name) {
-			// The policy does not lease the pool to this region: no
-			// renewal will come (the allocator would refuse one), and
-			// the allocator is not cut off. Agent.install logs it.
+		if l.notLeased(name) || full {
+			// The policy does not lease the pool to this region, or its
+			// template has as many active instances as it may (lookup
+			// warns): no renewal will come for it, and the allocator is
+			// not cut off. Agent.install logs the first.
 			return poolRefused, time.Second, nil
 		}
-		return poolCutOff, time.Second, nil // not managed (a policy being swapped, too many instances)
+		return poolCutOff, time.Second, nil // not managed (a policy being swapped)
 	}
 	q.lastActive = now
 	l.waiting(q)
@@ -493,7 +500,7 @@ func (l *leases) touch(names []string) {
 	defer l.mu.Unlock()
 	now := l.clock.Now()
 	for _, n := range names {
-		if q := l.lookup(n, now); q != nil {
+		if q, _ := l.lookup(n, now); q != nil {
 			q.kicked, q.starving, q.lastActive = true, true, now
 			l.waiting(q)
 		}

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"go.uber.org/zap"
 
 	"github.com/allot-dev/allot/internal/redistest"
@@ -173,7 +174,7 @@ func TestStarvedCutOffSeesTheAllowance(t *testing.T) {
 // evicted by its earlier place in the fifo.
 func TestSlotTableBound(t *testing.T) {
 	s := newSlotTable(3)
-	d := func(id string) *admission.Decision { return &admission.Decision{ID: id} }
+	d := func(id string) heldSlots { return heldSlots{d: &admission.Decision{ID: id}} }
 	s.put("acme", "a", d("a1"))
 	s.take("acme", "a")
 	s.put("acme", "a", d("a2")) // a's first place in the fifo is stale
@@ -183,7 +184,7 @@ func TestSlotTableBound(t *testing.T) {
 	if got := s.take("acme", "a"); got != nil {
 		t.Fatalf("a after the table filled: %v, want evicted", got)
 	}
-	if got := s.take("acme", "b"); len(got) != 2 || got[0].ID != "b1" || got[1].ID != "b2" {
+	if got := s.take("acme", "b"); len(got) != 2 || got[0].d.ID != "b1" || got[1].d.ID != "b2" {
 		t.Fatalf("b: %v, want both of its decisions in order", got)
 	}
 	if got := s.take("beta", "c"); got != nil {
@@ -194,5 +195,70 @@ func TestSlotTableBound(t *testing.T) {
 	}
 	if s.n != 0 || len(s.m) != 0 {
 		t.Fatalf("after every take: %d decisions under %d keys, want none", s.n, len(s.m))
+	}
+}
+
+// TestInstanceLimitIsRefusedNotCutOff: a request for an instance its
+// template has no room for (maxInstances active ones) is answered
+// unavailable and counted as refused: the allocator is not what failed, so
+// it is not counted as cut off (which reads as the allocator unreachable).
+func TestInstanceLimitIsRefusedNotCutOff(t *testing.T) {
+	ms, err := admission.NewMemoryStore(admission.DefaultMemoryConfig(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc, err := policy.Parse([]byte(`
+name: plans
+regions: [eu]
+rules:
+  - name: plan
+    scope: tenant
+    match: [{key: tenant}]
+    kind: global_quota
+    limit: 1000
+    window: 1h
+    lease: {chunk: 10, ttl: 30s}
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := DefaultConfig()
+	cfg.Region = "eu"
+	cfg.StarveWait = 0
+	a, err := New(cfg, nil, WithStore(ms), WithPolicy(doc, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = a.release() })
+	a.leases.mu.Lock()
+	a.leases.maxInstances = 1
+	a.leases.mu.Unlock()
+	// The pools are empty and no allocator is configured: the first
+	// tenant's instance is made active and answered as cut off.
+	check := func(tenant string) {
+		t.Helper()
+		v, err := a.Check(context.Background(), &Input{Descriptors: []policy.Entry{{Key: "tenant", Value: tenant}}, Cost: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !v.Unavailable {
+			t.Fatalf("tenant %s: %+v, want unavailable", tenant, v)
+		}
+	}
+	mode := func(m string) float64 { return testutil.ToFloat64(a.m.failMode.WithLabelValues("plan", m)) }
+	check("a")
+	if got := len(a.Leases()); got != 1 {
+		t.Fatalf("%d managed pools after tenant a, want its instance", got)
+	}
+	cutOff, refused := mode("cut_off"), mode("refused")
+	check("b") // no room for its instance
+	if got := len(a.Leases()); got != 1 {
+		t.Fatalf("%d managed pools after tenant b, want a's instance only", got)
+	}
+	if d := mode("cut_off") - cutOff; d != 0 {
+		t.Errorf("the request for an instance over the limit counted %v as cut_off, want 0", d)
+	}
+	if d := mode("refused") - refused; d != 1 {
+		t.Errorf("the request for an instance over the limit counted %v as refused, want 1", d)
 	}
 }

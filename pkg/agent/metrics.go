@@ -1,6 +1,8 @@
 package agent
 
 import (
+	"sync"
+
 	"connectrpc.com/connect"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -34,7 +36,7 @@ type metrics struct {
 // quota: per-tenant rules make them unbounded) get series as events name
 // them.
 var (
-	policyUpdateResults = []string{"applied", "older", "malformed", "invalid", "persist_error"}
+	policyUpdateResults = []string{"applied", "older", "malformed", "invalid", "persist_error", "diverged"}
 	renewFailReasons    = []string{"unreachable", "refused", "malformed", "deposit", "deposit_unknown", "too_late"}
 	starveWaitResults   = []string{"served", "timeout", "exhausted", "cut_off", "refused"}
 	storeErrorOps       = []string{"stats", "deposit", "exhaust", "withdraw"}
@@ -63,7 +65,7 @@ func newMetrics() *metrics {
 		}, []string{"api", "code"}),
 		failMode: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "allot_agent_fail_mode_total",
-			Help: "Rules decided by their fail mode (the store could not answer), by rule and mode; cut_off counts leased pools answered unavailable because the allocator was unreachable, refused those answered unavailable while quarantined after the allocator refused them, or because the policy does not lease them to this agent's region.",
+			Help: "Rules decided by their fail mode (the store could not answer), by rule and mode; cut_off counts leased pools answered unavailable because the allocator was unreachable, refused those answered unavailable while quarantined after the allocator refused them, because the policy does not lease them to this agent's region, or because their template has as many active instances as it may.",
 		}, []string{"rule", "mode"}),
 		starveWaits: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "allot_agent_starve_waits_total",
@@ -79,7 +81,7 @@ func newMetrics() *metrics {
 		}),
 		policyUpd: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "allot_agent_policy_updates_total",
-			Help: "Policy records received, by result (applied, older, malformed, invalid, persist_error).",
+			Help: "Policy records received, by result (applied, older, malformed, invalid, persist_error; diverged: the allocator's history differed from the version in force, and its record replaced it).",
 		}, []string{"result"}),
 		renewal: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "allot_agent_renewal_duration_seconds",
@@ -241,3 +243,78 @@ func (c *leaseCollector) Collect(ch chan<- prometheus.Metric) {
 }
 
 var _ prometheus.Collector = (*leaseCollector)(nil)
+
+// engineRegisterer is the registerer the agent gives its admission engines
+// (admission.WithRegisterer). The first engine's collector is registered
+// with the agent's registry behind a forwarding collector; an engine that
+// replaces it (a policy adopted from an allocator whose history differs,
+// see Agent.adoptRecord) takes its place there instead of registering the
+// same metrics twice, which the registry would refuse. Its counters start
+// again from 0: a counter reset to Prometheus.
+type engineRegisterer struct {
+	reg prometheus.Registerer
+
+	mu  sync.Mutex
+	cur prometheus.Collector // the engine in force's; nil before the first
+}
+
+// Register implements prometheus.Registerer.
+func (r *engineRegisterer) Register(c prometheus.Collector) error {
+	r.mu.Lock()
+	first := r.cur == nil
+	r.cur = c
+	r.mu.Unlock()
+	if !first {
+		return nil
+	}
+	// Unlocked: the registry describes the forwarder, which reads cur.
+	if err := r.reg.Register(&engineCollector{r: r}); err != nil {
+		r.mu.Lock()
+		r.cur = nil
+		r.mu.Unlock()
+		return err
+	}
+	return nil
+}
+
+// MustRegister implements prometheus.Registerer.
+func (r *engineRegisterer) MustRegister(cs ...prometheus.Collector) {
+	for _, c := range cs {
+		if err := r.Register(c); err != nil {
+			panic(err)
+		}
+	}
+}
+
+// Unregister implements prometheus.Registerer: an engine's collector stays
+// registered until another replaces it.
+func (r *engineRegisterer) Unregister(prometheus.Collector) bool { return false }
+
+// current returns the collector of the engine in force.
+func (r *engineRegisterer) current() prometheus.Collector {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.cur
+}
+
+// engineCollector forwards to the collector of the engine in force.
+type engineCollector struct{ r *engineRegisterer }
+
+// Describe implements prometheus.Collector.
+func (c *engineCollector) Describe(ch chan<- *prometheus.Desc) {
+	if cur := c.r.current(); cur != nil {
+		cur.Describe(ch)
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (c *engineCollector) Collect(ch chan<- prometheus.Metric) {
+	if cur := c.r.current(); cur != nil {
+		cur.Collect(ch)
+	}
+}
+
+var (
+	_ prometheus.Registerer = (*engineRegisterer)(nil)
+	_ prometheus.Collector  = (*engineCollector)(nil)
+)

@@ -28,7 +28,7 @@ func TestCountersStartAtZero(t *testing.T) {
 		labels []string // label name, then its values
 		with   []string // fixed labels of the series
 	}{
-		{"allot_agent_policy_updates_total", []string{"result", "applied", "older", "malformed", "invalid", "persist_error"}, nil},
+		{"allot_agent_policy_updates_total", []string{"result", "applied", "older", "malformed", "invalid", "persist_error", "diverged"}, nil},
 		{"allot_agent_renewal_failures_total", []string{"reason", "unreachable", "refused", "malformed", "deposit", "deposit_unknown", "too_late"}, nil},
 		{"allot_agent_starve_waits_total", []string{"result", "served", "timeout", "exhausted", "cut_off", "refused"}, nil},
 		{"allot_agent_store_errors_total", []string{"op", "stats", "deposit", "exhaust", "withdraw"}, []string{"kind", "timeout"}},
@@ -49,7 +49,7 @@ func TestCountersStartAtZero(t *testing.T) {
 	waitFor(t, 10*time.Second, "the malformed record's refusal", func() bool {
 		return metricValue(t, reg, "allot_agent_policy_updates_total", "result", "malformed") == 1
 	})
-	for _, r := range []string{"invalid", "persist_error"} {
+	for _, r := range []string{"invalid", "persist_error", "diverged"} {
 		if v, n := metricSeries(t, reg, "allot_agent_policy_updates_total", "result", r); n != 1 || v != 0 {
 			t.Errorf("policy_updates_total{result=%s}: %d series at %v, want one at 0", r, n, v)
 		}

@@ -33,11 +33,25 @@ const lkgFile = "policy.json"
 // encoding/json re-escaped (<, > and & as \u003c, \u003e and \u0026), so a
 // document with those characters failed its own digest when loaded; such a
 // file still loads (see decodeLKG).
+//
+// Sum covers what the digest does not: the version, with the digest (which
+// covers the document). Without it a damaged version byte loaded as another
+// version: a lower one put the record in force under a number it was never
+// published as, and a higher one made the agent reject the allocator's
+// next versions as older. Files of earlier builds have no sum and load
+// without that check.
 type lkg struct {
 	Version  uint64          `json:"version"`
 	Digest   string          `json:"digest"`
 	Document json.RawMessage `json:"document"`
 	SavedMs  int64           `json:"saved_unix_ms"`
+	Sum      string          `json:"sum,omitempty"`
+}
+
+// lkgSum is the Sum of a last-known-good file of version and digest.
+func lkgSum(version uint64, digest string) string {
+	s := sha256.Sum256(fmt.Appendf(nil, "allot last-known-good policy\x00%d\x00%s", version, digest))
+	return hex.EncodeToString(s[:])
 }
 
 // record is a policy version checked and parsed.
@@ -85,15 +99,19 @@ func loadLKG(dir string) (*record, error) {
 	return rec, nil
 }
 
-// decodeLKG checks and parses the contents of a last-known-good file: the
-// document in base64, or in the earlier form, its JSON itself. The earlier
-// form was written re-escaped (see lkg): when its bytes do not match the
-// digest, they are tried with <, > and & restored, which the digest then
-// confirms or refutes.
+// decodeLKG checks and parses the contents of a last-known-good file: its
+// sum when it has one, then the document in base64, or in the earlier
+// form, its JSON itself. The earlier form was written re-escaped (see lkg):
+// when its bytes do not match the digest, they are tried with <, > and &
+// restored, which the digest then confirms or refutes.
 func decodeLKG(b []byte) (*record, error) {
 	var f lkg
 	if err := json.Unmarshal(b, &f); err != nil {
 		return nil, err
+	}
+	if f.Sum != "" && f.Sum != lkgSum(f.Version, f.Digest) {
+		// (No sum at all: a file of an earlier build.)
+		return nil, fmt.Errorf("version %d and digest %.12q do not match the file's sum (a damaged file): %w", f.Version, f.Digest, ErrPolicyRejected)
 	}
 	doc := []byte(f.Document)
 	if len(doc) > 0 && doc[0] == '"' {
@@ -129,7 +147,8 @@ func saveLKG(dir string, rec *record, now time.Time) error {
 	if err != nil {
 		return err
 	}
-	b, err := json.Marshal(lkg{Version: rec.version, Digest: rec.digest, Document: doc, SavedMs: now.UnixMilli()})
+	b, err := json.Marshal(lkg{Version: rec.version, Digest: rec.digest, Document: doc, SavedMs: now.UnixMilli(),
+		Sum: lkgSum(rec.version, rec.digest)})
 	if err != nil {
 		return err
 	}
@@ -165,16 +184,25 @@ func saveLKG(dir string, rec *record, now time.Time) error {
 	return d.Sync()
 }
 
-// watcher follows the allocator's policy: it reads the current version,
-// then streams newer ones, and hands each to apply. It reconnects with
-// backoff (through another endpoint when the client's failover picks one).
+// watcher follows the allocator's policy: it reads the current version and
+// hands it to sync, then streams the versions after the one sync returns,
+// and hands each to apply. It reconnects with backoff (through another
+// endpoint when the client's failover picks one).
 type watcher struct {
 	client  *allocator.Client
 	log     *zap.Logger
 	backoff time.Duration
 	max     time.Duration
-	current func() uint64
-	apply   func(*allotv1.PolicyRecord)
+	// sync takes the allocator's current record as GetPolicy, a leader
+	// read, answered it (nil: none published yet); it returns the version
+	// to watch after, and whether the first record streamed is to be
+	// adopted (Agent.syncRecord).
+	sync func(*allotv1.PolicyRecord) (after uint64, adopt bool)
+	// apply takes a record of the stream: a newer version, or rejected.
+	apply func(*allotv1.PolicyRecord)
+	// adopt takes a record of the stream whatever its version, and
+	// reports whether it is in force.
+	adopt func(*allotv1.PolicyRecord) bool
 }
 
 // Run follows the policy until ctx ends.
@@ -212,21 +240,33 @@ func (w *watcher) once(ctx context.Context) (lasted time.Duration, err error) {
 	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	cur, err := w.client.Operator().GetPolicy(cctx, &allotv1.GetPolicyRequest{})
 	cancel()
+	var (
+		after uint64
+		adopt bool
+	)
 	switch {
+	case err == nil && cur.GetPolicy() == nil:
+		// Not to be taken for "none published" (sync acts on that).
+		return 0, errors.New("get policy: an answer without a record")
 	case err == nil:
-		w.apply(cur.GetPolicy())
+		after, adopt = w.sync(cur.GetPolicy())
 	case connect.CodeOf(err) == connect.CodeNotFound:
 		// nothing published yet: the watch will bring the first version
+		after, adopt = w.sync(nil)
 	default:
 		return 0, fmt.Errorf("get policy: %w", err)
 	}
-	stream, err := w.client.Operator().WatchPolicy(ctx, w.current())
+	stream, err := w.client.Operator().WatchPolicy(ctx, after)
 	if err != nil {
 		return 0, fmt.Errorf("watch policy: %w", err)
 	}
 	defer stream.Close()
 	opened := time.Now()
 	for stream.Receive() {
+		if adopt {
+			adopt = !w.adopt(stream.Msg().GetPolicy())
+			continue
+		}
 		w.apply(stream.Msg().GetPolicy())
 	}
 	if err := stream.Err(); err != nil {

@@ -130,3 +130,55 @@ func TestSaveLastKnownGoodRefusesWhatWouldNotLoad(t *testing.T) {
 		t.Fatalf("temporary files left: %v", left)
 	}
 }
+
+// TestLastKnownGoodVersionIsChecked: the version of a last-known-good file
+// is covered by its sum, so a damaged version byte is refused (the agent
+// then waits for the allocator) instead of loading the record as another
+// version: 7 read as 6, 5 or 3 put it in force under a number it was never
+// published as, and a higher number would reject the allocator's next
+// versions as older. A file of an earlier build (no sum) still loads.
+func TestLastKnownGoodVersionIsChecked(t *testing.T) {
+	rec := lkgRecord(t, 7, "good")
+	dir := t.TempDir()
+	if err := saveLKG(dir, rec, time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(dir, lkgFile)
+	good, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	at := strings.Index(string(good), `"version":7`) + len(`"version":`)
+	if at < len(`"version":`) {
+		t.Fatalf("no version 7 in %s", good)
+	}
+	for bit := range 8 {
+		b := []byte(string(good))
+		b[at] ^= 1 << bit
+		if err := os.WriteFile(path, b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if got, err := loadLKG(dir); err == nil {
+			t.Errorf("version byte %q (bit %d flipped) loaded as version %d, want the file refused", b[at], bit, got.version)
+		}
+	}
+
+	// An earlier build's file: the document in base64, no sum.
+	doc, err := json.Marshal(rec.raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := json.Marshal(lkg{Version: rec.version, Digest: rec.digest, Document: doc, SavedMs: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(b), `"sum"`) {
+		t.Fatalf("earlier form %s has a sum", b)
+	}
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := loadLKG(dir); err != nil || got == nil || got.version != 7 || got.digest != rec.digest {
+		t.Fatalf("earlier build's file: %+v %v, want version 7 loaded", got, err)
+	}
+}

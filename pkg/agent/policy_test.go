@@ -2,6 +2,8 @@ package agent_test
 
 import (
 	"context"
+	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -10,6 +12,9 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/allot-dev/allot/pkg/agent"
 	"github.com/allot-dev/allot/pkg/policy"
@@ -199,4 +204,126 @@ func counterVec(t testing.TB, reg *prometheus.Registry, name, label string) prom
 	c := prometheus.NewCounter(prometheus.CounterOpts{Name: "snapshot"})
 	c.Add(v)
 	return c
+}
+
+// TestRebuiltAllocatorHistoryIsAdopted: an agent whose last-known-good
+// policy came from an allocator cluster that was since rebuilt (its state
+// lost, policies published again from v1) adopts the rebuilt allocator's
+// current record when it connects, with an error logged, and follows the
+// allocator from there. It used to reject the allocator's versions up to
+// its own as older and never see the one sharing its number: it went on
+// deciding under the lost cluster's document while reporting the
+// allocator's version.
+func TestRebuiltAllocatorHistoryIsAdopted(t *testing.T) {
+	rdb := sharedRedis(t)
+	for _, tt := range []struct {
+		name string
+		// publish fills the rebuilt allocator before the agent connects,
+		// and returns the version and limit the agent must end under.
+		publish func(fb *fakeAllocator) (uint64, int64)
+		// later publishes once the agent runs (nil: nothing).
+		later func(fb *fakeAllocator) (uint64, int64)
+	}{
+		{name: "same version, another digest", publish: func(fb *fakeAllocator) (uint64, int64) {
+			fb.publish(userPolicy(t, "7"))
+			return fb.publish(userPolicy(t, "20000")), 20000
+		}},
+		{name: "an older version", publish: func(fb *fakeAllocator) (uint64, int64) {
+			return fb.publish(userPolicy(t, "20000")), 20000
+		}},
+		{name: "nothing published yet", publish: func(*fakeAllocator) (uint64, int64) { return 2, 100000 },
+			later: func(fb *fakeAllocator) (uint64, int64) { return fb.publish(userPolicy(t, "30000")), 30000 }},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			// Cluster A: v2 has a user limit of 100000, saved as
+			// last-known-good.
+			fa := startFakeAllocator(t)
+			fa.publish(userPolicy(t, "5"))
+			fa.publish(userPolicy(t, "100000"))
+			cfg := testConfig("eu", fa.addr)
+			cfg.DataDir = dir
+			a := runAgent(t, newAgent(t, cfg, rdb))
+			waitFor(t, 10*time.Second, "policy v2 of cluster A", func() bool { return a.PolicyVersion() == 2 })
+			if err := a.stop(); err != nil {
+				t.Fatal(err)
+			}
+
+			// Cluster B, rebuilt.
+			fb := startFakeAllocator(t)
+			version, limit := tt.publish(fb)
+			core, logs := observer.New(zapcore.InfoLevel)
+			reg := prometheus.NewRegistry()
+			cfg.AllocatorEndpoints = []string{fb.addr}
+			b := newAgent(t, cfg, rdb, agent.WithLogger(zap.New(core)), agent.WithRegisterer(reg))
+			if v := b.PolicyVersion(); v != 2 {
+				t.Fatalf("restarted agent starts under v%d, want the last-known-good v2", v)
+			}
+			rb := runAgent(t, b)
+			s := serve(t, rb.Agent)
+			diverged := func() float64 {
+				return testutil.ToFloat64(counterVec(t, reg, "allot_agent_policy_updates_total", "diverged"))
+			}
+			if tt.later != nil {
+				waitFor(t, 10*time.Second, "the error saying the allocator has none", func() bool {
+					return logs.FilterLevelExact(zapcore.ErrorLevel).FilterMessageSnippet("history differs").Len() > 0
+				})
+				if b.PolicyVersion() != 2 || diverged() != 0 {
+					t.Fatalf("before the rebuilt allocator publishes: v%d, %v adopted; want v2 kept", b.PolicyVersion(), diverged())
+				}
+				version, limit = tt.later(fb)
+			}
+			// The allocator's current record is in force, and saved as
+			// last-known-good.
+			want := fb.current(t)
+			waitFor(t, 10*time.Second, fmt.Sprintf("the allocator's v%d %.12s in force", want.GetVersion(), want.GetDigest()), func() bool {
+				v, d := savedLKG(t, dir)
+				return v == want.GetVersion() && d == want.GetDigest() && b.PolicyVersion() == want.GetVersion()
+			})
+			if want.GetVersion() != version {
+				t.Fatalf("the allocator is at v%d, want v%d", want.GetVersion(), version)
+			}
+			req := &allotv1.CheckRequest{Entries: entries("tenant", "beta", "user", "u-"+namespace())}
+			if r := check(t, s.connect, req); !r.Allowed || r.PolicyVersion != version || r.Remaining != limit-1 {
+				t.Fatalf("decided %+v, want allowed under v%d with the allocator's limit (remaining %d)", r, version, limit-1)
+			}
+			if n := logs.FilterLevelExact(zapcore.ErrorLevel).FilterMessageSnippet("history differs").Len(); n == 0 {
+				t.Errorf("no error logged about the allocator's history: %v", logs.All())
+			}
+			if got := diverged(); got != 1 {
+				t.Errorf("policy_updates_total{result=\"diverged\"} = %v, want 1", got)
+			}
+			if _, err := reg.Gather(); err != nil {
+				t.Fatalf("metrics after the engine was replaced: %v", err)
+			}
+
+			// The agent follows the allocator from there.
+			next := fb.publish(userPolicy(t, "40000"))
+			waitFor(t, 10*time.Second, "the next version", func() bool { return b.PolicyVersion() == next })
+			if r := check(t, s.connect, req); r.PolicyVersion != next || r.Remaining != 40000-2 {
+				t.Fatalf("decided %+v, want v%d with remaining %d", r, next, 40000-2)
+			}
+		})
+	}
+}
+
+// savedLKG returns the version and digest of the last-known-good file in
+// dir (0 and "" when there is none).
+func savedLKG(t testing.TB, dir string) (uint64, string) {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(dir, "policy.json"))
+	if os.IsNotExist(err) {
+		return 0, ""
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	var saved struct {
+		Version uint64 `json:"version"`
+		Digest  string `json:"digest"`
+	}
+	if err := json.Unmarshal(b, &saved); err != nil {
+		t.Fatal(err)
+	}
+	return saved.Version, saved.Digest
 }
