@@ -532,6 +532,9 @@ func (s *RedisStore) resend(ctx context.Context, batch []*op, calls []pipelined)
 		}
 		pipe := s.client.Pipeline()
 		for _, i := range again {
+			// Sent again now: a caller that gives up from here waited
+			// for a node, not for a slot to move (op.moving).
+			atomic.StoreInt32(&batch[i].moving, 0)
 			c := &calls[i]
 			c.args[0], c.args[1] = "eval", scriptSource
 			c.cmd = evalCmd(ctx, c.args)

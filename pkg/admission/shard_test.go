@@ -313,6 +313,40 @@ func TestSlotMoveOpensNoBreaker(t *testing.T) {
 	e.Close()
 	st.Close() // waits for the resends, which must not land after the move
 
+	// A resend that went out to a node that then stopped answering: the
+	// caller gave up on the node, not on the move, and its breaker counts
+	// it (one failure opens it here).
+	st, err = admission.NewRedisStore(client, rc, admission.WithResendPause(150*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.StoreTimeout, cfg.BreakerFailures = 600*time.Millisecond, 1
+	e, err = admission.New(cfg, st, parse(t, reshardPolicy), 1, admission.WithClock(h.clock))
+	if err != nil {
+		t.Fatal(err)
+	}
+	admission.UseStoreClock(e)
+	paused := make(chan error, 1)
+	go func() {
+		time.Sleep(60 * time.Millisecond) // after the TRYAGAIN, before the resend
+		paused <- m.Src.Pause()
+	}()
+	d, err := e.Decide(context.Background(), &admission.Request{Descriptors: entries("tenant", "birch", "user", "u1")})
+	if perr := <-paused; perr != nil {
+		t.Fatal(perr)
+	}
+	if rerr := m.Src.Resume(); rerr != nil {
+		t.Fatal(rerr)
+	}
+	if err != nil || d.Outcome != admission.Unavailable {
+		t.Fatalf("a decision whose resend met a stopped node: %+v, %v; want unavailable", d, err)
+	}
+	if s := e.Stats(); s.BreakerOpens != 1 {
+		t.Errorf("a caller gave up on a resend sent to a stopped node: %d breaker openings; want 1 (the node's failure counts)", s.BreakerOpens)
+	}
+	e.Close()
+	st.Close()
+
 	if err := m.Finish(context.Background(), rest); err != nil {
 		t.Fatal(err)
 	}
