@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -592,5 +593,32 @@ func TestMarkerIsWrittenWhole(t *testing.T) {
 	}
 	if _, err := readMarker(dir); err == nil {
 		t.Error("a torn marker was read")
+	}
+}
+
+// TestCleanShutdownTakesASnapshot: a node stopped cleanly snapshots what it
+// applied, so a restart (on an upgraded build, say) applies no entry again.
+func TestCleanShutdownTakesASnapshot(t *testing.T) {
+	dir := t.TempDir()
+	cfg := diskConfig(t, dir, "a1")
+	d, err := openDiskNode(t, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.waitLeader(t)
+	publishTest(t, []string{cfg.APIAddr}, clusterPolicy, 1)
+	acquireOn(t, d.Node, "eu", "r1", 100)
+	applied := d.Raft().AppliedIndex()
+	d.stop()
+	ss, err := raft.NewFileSnapshotStore(dir, 3, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	metas, err := ss.List()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(metas) == 0 || metas[0].Index < applied {
+		t.Fatalf("snapshots after a clean shutdown: %+v; want one at index %d or later", metas, applied)
 	}
 }
