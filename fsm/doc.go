@@ -13,7 +13,7 @@
 // # Commands
 //
 // A log entry is one byte of format version (FormatV1) followed by a JSON
-// Command (see Encode and Decode). There are four commands:
+// Command (see Encode and Decode). There are five commands:
 //
 //   - Acquire grants a region chunks of up to MaxWants quotas in one entry.
 //     Each grant is at most the pool at that instant (and, for a fair_share
@@ -77,9 +77,12 @@
 //     versions are kept for audit.
 //   - SetMember records (or removes) the API address of an allocator
 //     member, so that every replica can direct clients to the leader.
+//   - Batch carries up to MaxBatch Acquire and Release commands the leader
+//     group-committed into one entry; each is applied on its own, as if it
+//     had an entry of its own, and has its own result or error.
 //
-// Apply returns *AcquireResult, *ReleaseResult, *PublishResult or
-// *SetMemberResult through
+// Apply returns *AcquireResult, *ReleaseResult, *PublishResult,
+// *SetMemberResult or *BatchResult through
 // ApplyFuture.Response, or an error wrapping ErrUnknownQuota,
 // ErrInvalidArgument, ErrStaleVersion, ErrUnknownGrant, ErrResourceExhausted
 // or ErrMalformedCommand whose message names the offending field. A command is

@@ -499,8 +499,8 @@ func (c *cli) window(ctx context.Context, args []string) error {
 		clock(resp.GetWindowStartUnixMs()), clock(resp.GetWindowEndUnixMs()),
 		resp.GetLimit(), resp.GetGranted(), resp.GetReleased(), resp.GetExpired(), resp.GetRemaining())
 	if n := resp.GetCarried(); n > 0 {
-		// Leases of pools a publish reset, still live when this window
-		// opened: without this line remaining would not add up.
+		// Grants of pools a publish reset whose leases reach this window,
+		// expired or not: without this line remaining would not add up.
 		fmt.Fprintf(c.out, "carried %d (grants from before a window change or re-add whose leases reach this window; the pool leaves room for them)\n", n)
 	}
 	var rows [][]string

@@ -32,7 +32,8 @@
 // function: such a caller is limited as anonymous (by address), never left
 // unlimited, and the fault is logged. Likewise a descriptor the gateway adds
 // (WithDescriptors) that no rule uses is the gateway's fault: 500, logged,
-// not a 400 blaming the client.
+// not a 400 blaming the client; so is a tenant or user the engine refuses
+// (over MaxValueLen bytes, not printable UTF-8).
 package httpmw
 
 import (
