@@ -54,6 +54,14 @@ func TestBadInput(t *testing.T) {
 			if !strings.Contains(err.Error(), tt.wantField) {
 				t.Fatalf("error %q does not name %q", err, tt.wantField)
 			}
+			// A descriptor's error says which one, for callers that built
+			// them from several sources.
+			var de *admission.DescriptorError
+			if got, want := errors.As(err, &de), strings.HasPrefix(tt.wantField, "descriptors["); got != want {
+				t.Fatalf("error %q: a DescriptorError %v, want %v", err, got, want)
+			} else if got && !strings.HasPrefix(tt.wantField, "descriptors["+itoa(de.Index)+"]") {
+				t.Fatalf("error %q: DescriptorError index %d, want the one of %s", err, de.Index, tt.wantField)
+			}
 		})
 	}
 	// Nothing was debited: the first export sees a full bucket.

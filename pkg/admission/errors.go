@@ -115,6 +115,24 @@ func Unsent(err error) bool {
 	return errors.As(err, &op) && op.Op == "dial"
 }
 
+// DescriptorError is the error Decide returns for a request refused for one
+// of its descriptors (its key or value): Index is its position in
+// Request.Descriptors, for a caller that built them from several sources
+// (the HTTP middleware answers 500 for the ones it added itself). It wraps
+// the specific error (ErrBadDescriptor, ErrTooLarge, ErrUnknownDescriptor).
+type DescriptorError struct {
+	Index int
+	Err   error
+}
+
+// Error returns the message, which names the descriptor by its index.
+func (e *DescriptorError) Error() string { return e.Err.Error() }
+
+// Unwrap returns the specific error.
+func (e *DescriptorError) Unwrap() error { return e.Err }
+
+func descriptorError(i int, err error) error { return &DescriptorError{Index: i, Err: err} }
+
 type invalidError struct{ msg string }
 
 func wrapInvalid(msg string) error { return &invalidError{msg: msg} }

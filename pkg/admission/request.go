@@ -111,19 +111,19 @@ func (r *Request) validate(known map[string]bool) (int64, error) {
 	for i, e := range r.Descriptors {
 		switch {
 		case len(e.Key) > MaxKeyLen:
-			return 0, fmt.Errorf("descriptors[%d].key: %d bytes, the limit is %d: %w", i, len(e.Key), MaxKeyLen, ErrTooLarge)
+			return 0, descriptorError(i, fmt.Errorf("descriptors[%d].key: %d bytes, the limit is %d: %w", i, len(e.Key), MaxKeyLen, ErrTooLarge))
 		case !validKey(e.Key):
-			return 0, fmt.Errorf("descriptors[%d].key: %q is not a key of [A-Za-z0-9_.-]: %w", i, e.Key, ErrBadDescriptor)
+			return 0, descriptorError(i, fmt.Errorf("descriptors[%d].key: %q is not a key of [A-Za-z0-9_.-]: %w", i, e.Key, ErrBadDescriptor))
 		case !known[e.Key]:
-			return 0, fmt.Errorf("descriptors[%d].key: %q is used by no rule: %w", i, e.Key, ErrUnknownDescriptor)
+			return 0, descriptorError(i, fmt.Errorf("descriptors[%d].key: %q is used by no rule: %w", i, e.Key, ErrUnknownDescriptor))
 		case len(e.Value) > MaxValueLen:
-			return 0, fmt.Errorf("descriptors[%d].value: %d bytes, the limit is %d: %w", i, len(e.Value), MaxValueLen, ErrTooLarge)
+			return 0, descriptorError(i, fmt.Errorf("descriptors[%d].value: %d bytes, the limit is %d: %w", i, len(e.Value), MaxValueLen, ErrTooLarge))
 		case !printable(e.Value):
-			return 0, fmt.Errorf("descriptors[%d].value: not printable UTF-8: %w", i, ErrBadDescriptor)
+			return 0, descriptorError(i, fmt.Errorf("descriptors[%d].value: not printable UTF-8: %w", i, ErrBadDescriptor))
 		}
 		for j := 0; j < i; j++ {
 			if r.Descriptors[j].Key == e.Key {
-				return 0, fmt.Errorf("descriptors[%d].key: %q also at descriptors[%d]: %w", i, e.Key, j, ErrBadDescriptor)
+				return 0, descriptorError(i, fmt.Errorf("descriptors[%d].key: %q also at descriptors[%d]: %w", i, e.Key, j, ErrBadDescriptor))
 			}
 		}
 		switch e.Key {

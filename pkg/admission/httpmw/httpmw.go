@@ -32,8 +32,9 @@
 // function: such a caller is limited as anonymous (by address), never left
 // unlimited, and the fault is logged. Likewise a descriptor the gateway adds
 // (WithDescriptors) that no rule uses is the gateway's fault: 500, logged,
-// not a 400 blaming the client; so is a tenant or user the engine refuses
-// (over MaxValueLen bytes, not printable UTF-8).
+// not a 400 blaming the client; so is any descriptor the gateway built that
+// the engine refuses (a tenant or user over MaxValueLen bytes or not
+// printable UTF-8, a bad WithDescriptors entry).
 package httpmw
 
 import (
@@ -238,7 +239,7 @@ func (m *middleware) wrap(next http.Handler) http.Handler {
 		req := m.request(r, id)
 		d, err := m.decide(r.Context(), req)
 		if err != nil {
-			m.fail(w, err, id)
+			m.fail(w, err, req)
 			return
 		}
 		defer m.recycle(d) // runs last: after the handler and the slots' release
@@ -334,19 +335,27 @@ func (m *middleware) release(ctx context.Context, d *admission.Decision) {
 // descriptor no rule uses can only come from the gateway (the standard keys
 // are always known), so it is a 500 and logged. A cost beyond a rule's
 // capacity is a 400 that names no rule or limit: the details, which would
-// tell an anonymous caller the plan, go to the log. A tenant or user the
-// engine refuses (too long, unprintable) came from the identity function,
-// from verified credentials, so it too is a 500 and logged: the client
-// cannot correct it, and the descriptor it would name is internal.
-func (m *middleware) fail(w http.ResponseWriter, err error, id Identity) {
+// tell an anonymous caller the plan, go to the log. Any other descriptor the
+// engine refuses (too long, unprintable, given twice) was built by the
+// gateway too: the address, the identity function's tenant and user (from
+// verified credentials), the route function's label, WithDescriptors'
+// entries. The client cannot correct it, and the descriptor index the
+// engine names is internal: a 500, logged with the descriptor's key.
+func (m *middleware) fail(w http.ResponseWriter, err error, req *admission.Request) {
+	var de *admission.DescriptorError
 	switch {
-	case errors.Is(err, admission.ErrInvalidRequest) && id.Authenticated && (!validIdentity(id.Tenant) || !validIdentity(id.User)):
-		m.log.Error("identity: a tenant or user the limiter cannot use as a descriptor value (printable UTF-8, at most admission.MaxValueLen bytes)",
-			zap.Int("tenant_bytes", len(id.Tenant)), zap.Int("user_bytes", len(id.User)), zap.Error(err))
-		reject(w, http.StatusInternalServerError, 0, body{Error: "limiter_misconfigured"})
-		return
 	case errors.Is(err, admission.ErrUnknownDescriptor):
 		m.log.Error("a descriptor the gateway adds is used by no rule", zap.Error(err))
+		reject(w, http.StatusInternalServerError, 0, body{Error: "limiter_misconfigured"})
+		return
+	case errors.As(err, &de):
+		var key string
+		var size int
+		if de.Index >= 0 && de.Index < len(req.Descriptors) {
+			key, size = req.Descriptors[de.Index].Key, len(req.Descriptors[de.Index].Value)
+		}
+		m.log.Error("a descriptor the gateway built is refused by the engine (printable UTF-8, at most admission.MaxValueLen bytes, each key once)",
+			zap.String("key", key), zap.Int("value_bytes", size), zap.Error(err))
 		reject(w, http.StatusInternalServerError, 0, body{Error: "limiter_misconfigured"})
 		return
 	case errors.Is(err, admission.ErrBadCost):
@@ -360,12 +369,6 @@ func (m *middleware) fail(w http.ResponseWriter, err error, id Identity) {
 	}
 	m.log.Error("admission failed", zap.Error(err))
 	reject(w, http.StatusServiceUnavailable, 1, body{Error: "limiter_unavailable"})
-}
-
-// validIdentity reports whether v, a tenant or user from the identity
-// function, is a descriptor value the engine accepts.
-func validIdentity(v string) bool {
-	return len(v) <= admission.MaxValueLen && admission.ValidValue(v)
 }
 
 // body is the JSON of a refusal: the scope and decision id, for support;

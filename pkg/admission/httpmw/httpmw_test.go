@@ -356,6 +356,16 @@ func TestBadRequest(t *testing.T) {
 			t.Fatalf("identity %.12q...: %d %v; want 500 limiter_misconfigured without a message", token, resp.StatusCode, b)
 		}
 	}
+	// So is a bad entry of the gateway's own WithDescriptors.
+	for _, extra := range [][]policy.Entry{{{Key: "plan tier", Value: "gold"}}, {{Key: "tenant", Value: "cedar"}}} {
+		bad := httpmw.WithDescriptors(func(*http.Request) []policy.Entry { return extra })
+		g = newGatewayWith(t, examples.Northstar, []httpmw.Option{bad}, memStore(t, clock), admission.DefaultConfig(), admission.WithClock(clock))
+		resp := g.do(t, "GET", "/catalog", "cedar/U-1")
+		b := decode(t, resp)
+		if resp.StatusCode != http.StatusInternalServerError || b["error"] != "limiter_misconfigured" || b["message"] != nil {
+			t.Fatalf("gateway descriptor %v: %d %v; want 500 limiter_misconfigured without a message", extra, resp.StatusCode, b)
+		}
+	}
 	if _, err := httpmw.New(nil, httpmw.DefaultConfig()); err == nil {
 		t.Fatal("nil decider accepted")
 	}
