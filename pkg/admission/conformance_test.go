@@ -684,6 +684,18 @@ func testShadow(t *testing.T, b backend) {
 	if err != nil || len(calls) != 1 || len(calls[0].Keys) != 3 || calls[0].Keys[1] == calls[0].Keys[2] {
 		t.Fatalf("script calls %v, %v: want one call whose two rule keys differ", calls, err)
 	}
+	// A request the shadow rule could never admit (6 hits, capacity 5) is
+	// not refused for it: the shadow rule reports would_deny, the live
+	// rule decides.
+	d, err = h.e.Decide(context.Background(), &admission.Request{Descriptors: entries("tenant", "cedar", "user", "U-18"), Hits: 6})
+	if err != nil {
+		t.Fatalf("6 hits against a shadow capacity of 5: %v; want a decision", err)
+	}
+	wantAllowed(t, d, "6 hits: over the shadow rule's capacity, within the live one")
+	if !d.WouldDeny || rule(t, d, "tighter").Allowed || rule(t, d, "live").Remaining != 14 {
+		t.Fatalf("6 hits: would_deny %v, tighter allowed %v, live remaining %d; want would_deny, denied, 14",
+			d.WouldDeny, rule(t, d, "tighter").Allowed, rule(t, d, "live").Remaining)
+	}
 }
 
 // testIdempotency: a retry with the same request id within the TTL returns

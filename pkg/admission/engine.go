@@ -441,11 +441,18 @@ func (e *Engine) plan(snap *snapshot, req *Request, ibuf []item, rbuf []RuleResu
 		it := &items[i]
 		it.sp = sp
 		if sp.kind != kindSlots {
-			if hits > sp.ceiling/sp.unit {
+			switch {
+			case hits <= sp.ceiling/sp.unit:
+				it.cost = sp.unit * hits
+			case sp.shadow && !sp.local:
+				// A shadow rule only reports: one that could never admit
+				// the request would deny it (the store sees a cost just
+				// over all it can hold), and the request goes on.
+				it.cost = sp.ceiling + 1
+			default:
 				return nil, nil, fmt.Errorf("hits: %d x cost %d exceeds what rule %s can ever admit (%d): %w",
 					hits, sp.rule.Cost, sp.name, sp.ceiling/sp.unit*sp.rule.Cost, ErrBadCost)
 			}
-			it.cost = sp.unit * hits
 		}
 		switch {
 		case sp.kind == kindPool && sp.template:
