@@ -11,6 +11,14 @@
 //
 //	regionagent -region eu -allocators 127.0.0.1:8001,127.0.0.1:8002,127.0.0.1:8003 \
 //	  -redis 127.0.0.1:6379 -data-dir /var/lib/allot/eu -api-addr :8081 -envoy-addr :8082
+//
+// Secrets come from the environment, which ps does not show:
+// ALLOT_KEY_SALT, the salt of principal hashes in Redis key names (the same
+// secret on every agent and gateway of the region; without it the agent
+// warns at start, as principals can then be recovered from the key names),
+// ALLOT_LOG_SALT (decision logs), ALLOT_REDIS_PASSWORD and
+// ALLOT_REDIS_SENTINEL_PASSWORD. The flags -key-salt and -log-salt still
+// work, with a warning; given with its variable, each must agree with it.
 package main
 
 import (
@@ -38,10 +46,14 @@ import (
 	"github.com/allot-dev/allot/pkg/allocator"
 )
 
-// Secrets come from the environment, never from flags (which ps shows).
+// Secrets come from the environment, never from flags: ps and
+// /proc/<pid>/cmdline show a process's flags to every local user. The salts'
+// flags remain for the deployments that used them (see secretSetting).
 const (
 	redisPasswordEnv    = "ALLOT_REDIS_PASSWORD"
 	sentinelPasswordEnv = "ALLOT_REDIS_SENTINEL_PASSWORD"
+	keySaltEnv          = "ALLOT_KEY_SALT"
+	logSaltEnv          = "ALLOT_LOG_SALT"
 )
 
 func main() {
@@ -95,7 +107,7 @@ func run(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.EnvoyDomain, "envoy-domain", "", "the only Envoy rate limit domain accepted (empty: any)")
 	fs.StringVar(&cfg.EnvoyRequestIDKey, "envoy-request-id-key", "", "Envoy descriptor key whose value is the request id (idempotency, concurrency slot names), e.g. "+agent.RequestIDKey+"; only for ids your own edge generates per request, never clients' (a repeated id is replayed uncharged); empty: none, every entry is a descriptor entry")
 	fs.StringVar(&cfg.Engine.Namespace, "namespace", cfg.Engine.Namespace, "Redis key namespace")
-	fs.StringVar(&cfg.Engine.KeySalt, "key-salt", "", "salt of principal hashes in Redis keys (the same for the whole region)")
+	fs.StringVar(&cfg.Engine.KeySalt, "key-salt", "", "deprecated, shown by ps: set $"+keySaltEnv+" instead. Secret salt of principal hashes in Redis keys: the same on every agent and gateway of the region, or counters split; changing it starts every counter afresh")
 	fs.IntVar(&cfg.Engine.Gateways, "gateways", cfg.Engine.Gateways, "gateways sharing the region's Redis (sizes fallback buckets)")
 	fs.DurationVar(&cfg.Engine.StoreTimeout, "store-timeout", cfg.Engine.StoreTimeout, "bound on one Redis call on the decision path")
 	fs.DurationVar(&cfg.Engine.NegativeCacheTTL, "negative-cache", cfg.Engine.NegativeCacheTTL, "negative cache ceiling (0: off, see package agent)")
@@ -109,7 +121,7 @@ func run(ctx context.Context, args []string) error {
 	fs.DurationVar(&cfg.StarveWait, "starve-wait", cfg.StarveWait, "longest wait of a request for a lease renewal")
 	fs.IntVar(&cfg.MaxRequestBytes, "max-request-bytes", cfg.MaxRequestBytes, "largest request message")
 	fs.Float64Var(&cfg.DecisionLogSample, "log-sample", cfg.DecisionLogSample, "fraction of decisions logged")
-	fs.StringVar(&cfg.LogSalt, "log-salt", "", "secret salt of principal hashes in decision logs; empty: a random one per process, so hashes do not correlate across restarts or agents")
+	fs.StringVar(&cfg.LogSalt, "log-salt", "", "deprecated, shown by ps: set $"+logSaltEnv+" instead. Secret salt of principal hashes in decision logs; empty: a random one per process, so hashes do not correlate across restarts or agents")
 	fs.StringVar(&clearKeys, "log-clear-keys", strings.Join(cfg.LogClearKeys, ","), "descriptor keys logged in clear")
 	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", cfg.ShutdownTimeout, "bound on the shutdown, from SIGTERM: handing unspent tokens back, and draining the calls in flight")
 	fs.StringVar(&journalPath, "lease-journal", "", "append every Acquire, grant, deposit and Release to this file as JSON lines (audits, the chaos suite)")
@@ -122,6 +134,20 @@ func run(ctx context.Context, args []string) error {
 		// Flags stop at the first word that is not one: what follows it
 		// would be silently ignored.
 		return fmt.Errorf("unexpected arguments %q (every setting is a -flag)", fs.Args())
+	}
+	var notes []string
+	for _, sec := range []struct {
+		dst       *string
+		flag, env string
+	}{{&cfg.Engine.KeySalt, "key-salt", keySaltEnv}, {&cfg.LogSalt, "log-salt", logSaltEnv}} {
+		v, note, err := secretSetting(*sec.dst, sec.flag, sec.env, os.Getenv)
+		if err != nil {
+			return err
+		}
+		*sec.dst = v
+		if note != "" {
+			notes = append(notes, note)
+		}
 	}
 	if allocatorsGRPC != "" {
 		cfg.AllocatorGRPCEndpoints = strings.Split(allocatorsGRPC, ",")
@@ -143,6 +169,9 @@ func run(ctx context.Context, args []string) error {
 		return fmt.Errorf("logger: %w", err)
 	}
 	defer func() { _ = log.Sync() }()
+	for _, n := range notes {
+		log.Warn(n)
+	}
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -251,6 +280,24 @@ func run(ctx context.Context, args []string) error {
 	log.Info("region agent listening", zap.String("region", cfg.Region), zap.String("store", storeKind), zap.String("api", apiLn.Addr().String()),
 		zap.String("envoy", envoyAddr), zap.Strings("allocators", cfg.AllocatorEndpoints))
 	return g.Wait()
+}
+
+// secretSetting returns the secret that comes from the environment variable
+// env, or (for the deployments that set it before the variable existed) from
+// the flag named flagName, whose value is fromFlag. Given both, they must be
+// the same, or neither wins: a region whose agents disagree on the key salt
+// splits its counters without a word. note, when not empty, is a warning
+// to log: the flag shows the secret to every local user (ps,
+// /proc/<pid>/cmdline), the environment only to the process's user and root.
+func secretSetting(fromFlag, flagName, env string, getenv func(string) string) (value, note string, err error) {
+	fromEnv := getenv(env)
+	switch {
+	case fromFlag == "":
+		return fromEnv, "", nil
+	case fromEnv != "" && fromEnv != fromFlag:
+		return "", "", fmt.Errorf("-%s and $%s are both set and differ: set $%s only", flagName, env, env)
+	}
+	return fromFlag, fmt.Sprintf("-%s shows its secret to every local user (ps, /proc/<pid>/cmdline): set $%s instead", flagName, env), nil
 }
 
 // openJournal opens the lease journal at path for appending, and returns the

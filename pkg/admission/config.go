@@ -60,8 +60,10 @@ type Config struct {
 	// several deployments can share one Redis; 1-32 of [a-z0-9_-].
 	Namespace string
 	// KeySalt is mixed into the hash of principals in store key names, so a
-	// store dump does not reveal user ids or addresses by dictionary attack.
-	// Every gateway of a region must use the same salt.
+	// store dump does not reveal user ids or addresses by dictionary attack
+	// (empty: no secret; the region agent warns). Every agent and gateway of
+	// a region must use the same salt (the agent's $ALLOT_KEY_SALT), or their
+	// counters split; changing it starts every rule counter afresh.
 	KeySalt string
 }
 

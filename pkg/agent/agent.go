@@ -95,8 +95,14 @@ func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) 
 		// secret, so it comes from crypto/rand, not WithRand's source.
 		salt = rand.Text()
 		if cfg.DecisionLogSample > 0 {
-			log.Info("decision logs hash principals with a random salt of this process: the hashes do not correlate across restarts or agents (set LogSalt, regionagent -log-salt, for that)")
+			log.Info("decision logs hash principals with a random salt of this process: the hashes do not correlate across restarts or agents (set LogSalt, regionagent $ALLOT_LOG_SALT, for that)")
 		}
+	}
+	if _, redisStore := o.store.(*admission.RedisStore); cfg.Engine.KeySalt == "" && (rdb != nil || redisStore) {
+		// Not refused: a region already running without a salt would have
+		// to start its counters afresh (new key names) to set one.
+		log.Warn("Redis key names hash principals without a secret salt: the client addresses and user ids in them can be recovered by hashing candidates (an IPv4 /24 takes 256 tries)",
+			zap.String("fix", "set one secret key salt on every agent and gateway of the region: regionagent $ALLOT_KEY_SALT, Go SDK admission.Config.KeySalt; setting or changing it starts every counter afresh (new key names)"))
 	}
 	var (
 		store  = o.store

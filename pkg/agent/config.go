@@ -42,6 +42,15 @@ type Config struct {
 	// Engine configures the admission engine. DefaultConfig turns its
 	// negative cache off: a pool denied for lack of leased tokens must be
 	// spendable the moment a renewal lands (see doc.go).
+	//
+	// Engine.KeySalt is the secret mixed into the hashes of principals
+	// (client addresses, user ids) in the store's key names. Every agent and
+	// gateway sharing the region's Redis must use the same one, or their
+	// counters split silently; changing it starts every counter afresh (new
+	// key names). Empty, anyone who can list the keys recovers principals
+	// by hashing candidates, so New warns once when it is empty with a
+	// Redis store (not with the embedded one: its keys never leave the
+	// process). regionagent reads it from $ALLOT_KEY_SALT.
 	Engine admission.Config
 	// Store configures the Redis store: its auto-batcher and the form of
 	// counter state it writes. The default is DefaultStoreConfig.
@@ -86,6 +95,7 @@ type Config struct {
 	// logs. Empty, each agent draws a random salt when it starts: its hashes
 	// then match no other agent's, nor its own after a restart. Set it,
 	// and keep it secret, to follow a principal across agents and restarts.
+	// regionagent reads it from $ALLOT_LOG_SALT.
 	LogSalt string
 	// LogClearKeys are the descriptor keys logged in clear; every other
 	// value (users, addresses, keys) is logged as a salted hash.

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/goleak"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
@@ -226,6 +227,54 @@ func TestDecisionLogSalt(t *testing.T) {
 	}
 	if nc != 0 {
 		t.Fatalf("random salt noted %d times with LogSalt set, want never", nc)
+	}
+}
+
+// TestKeySaltWarning: an agent on Redis without Engine.KeySalt warns once at
+// start that the principals hashed into its key names can be recovered (an
+// empty salt is a key everyone knows: an address is found again by hashing
+// its /24), and says how to set one; it still starts, since setting a salt
+// starts every counter afresh. With a salt, or on the embedded store (whose
+// keys never leave the process), it says nothing.
+func TestKeySaltWarning(t *testing.T) {
+	rdb := sharedRedis(t)
+	warnings := func(t *testing.T, salt string, rdb redis.UniversalClient, opts ...agent.Option) []observer.LoggedEntry {
+		t.Helper()
+		cfg := testConfig("eu")
+		cfg.Engine.KeySalt = salt
+		core, logs := observer.New(zap.WarnLevel)
+		a, err := agent.New(cfg, rdb, append(opts, agent.WithPolicy(mustParse(t, apiPolicy), 0), agent.WithLogger(zap.New(core)))...)
+		if err != nil {
+			t.Fatalf("New with KeySalt %q: %v, want an agent", salt, err)
+		}
+		closeAtEnd(t, a)
+		return logs.FilterMessageSnippet("without a secret salt").All()
+	}
+	es := warnings(t, "", rdb)
+	if len(es) != 1 {
+		t.Fatalf("%d warnings on Redis without a key salt (%v), want one", len(es), es)
+	}
+	if fix, _ := es[0].ContextMap()["fix"].(string); !strings.Contains(fix, "ALLOT_KEY_SALT") || !strings.Contains(fix, "admission.Config.KeySalt") ||
+		!strings.Contains(fix, "every agent and gateway") {
+		t.Fatalf("warning %q %v: want it to name $ALLOT_KEY_SALT, admission.Config.KeySalt and who must share it", es[0].Message, es[0].ContextMap())
+	}
+	rs, err := admission.NewRedisStore(rdb, agent.DefaultStoreConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rs.Close() })
+	if es := warnings(t, "", nil, agent.WithStore(rs)); len(es) != 1 {
+		t.Fatalf("%d warnings on a Redis store given WithStore without a key salt (%v), want one", len(es), es)
+	}
+	if es := warnings(t, "pepper", rdb); len(es) != 0 {
+		t.Fatalf("warned with a key salt: %v", es)
+	}
+	ms, err := admission.NewMemoryStore(admission.DefaultMemoryConfig(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if es := warnings(t, "", nil, agent.WithStore(ms)); len(es) != 0 {
+		t.Fatalf("warned on the embedded store: %v", es)
 	}
 }
 

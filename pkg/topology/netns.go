@@ -270,8 +270,14 @@ func (h *Host) Command(bin string, args ...string) (string, []string) {
 // StartProcess starts bin with args inside h (see StartProcess). `ip netns
 // exec` execs bin in place, so the Process's pid and signals are bin's.
 func (h *Host) StartProcess(name, bin string, args []string, out io.Writer) (*Process, error) {
+	return h.startProcess(name, bin, args, nil, out)
+}
+
+// startProcess starts bin with args inside h, with env added to its
+// environment (`ip netns exec` passes the environment on).
+func (h *Host) startProcess(name, bin string, args, env []string, out io.Writer) (*Process, error) {
 	prog, argv := h.Command(bin, args...)
-	return StartProcess(name, prog, argv, out)
+	return startProcess(name, prog, argv, env, out)
 }
 
 // Run runs bin with args inside h and returns its combined output.

@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -108,6 +109,10 @@ func TestRegionInNamespace(t *testing.T) {
 	}
 	if err := r.WaitReady(ctx); err != nil {
 		t.Fatal(err)
+	}
+	// `ip netns exec` passes the key salt on to the agent.
+	if salt := agentKeySalt(t, r.Agent); salt == "" || salt != r.KeySalt || strings.Contains(r.Agent.Output(), "without a secret salt") {
+		t.Fatalf("agent in a namespace with $ALLOT_KEY_SALT %q (the region's: %q); logged %s", salt, r.KeySalt, r.Agent.Output())
 	}
 	req := &allotv1.CheckRequest{Entries: []*allotv1.DescriptorEntry{{Key: "tenant", Value: "t"}}}
 	decide := func() *allotv1.CheckResponse {

@@ -31,7 +31,17 @@ type Process struct {
 
 // StartProcess runs bin with args. out (may be nil) receives its output.
 func StartProcess(name, bin string, args []string, out io.Writer) (*Process, error) {
+	return startProcess(name, bin, args, nil, out)
+}
+
+// startProcess runs bin with args, in this process's environment plus env
+// ("KEY=value" entries, which win over this process's): secrets go there,
+// not in args, which ps shows to every local user.
+func startProcess(name, bin string, args, env []string, out io.Writer) (*Process, error) {
 	p := &Process{Name: name, cmd: exec.Command(bin, args...), tail: &tailBuffer{max: 64 << 10}, done: make(chan struct{})}
+	if len(env) > 0 {
+		p.cmd.Env = append(os.Environ(), env...)
+	}
 	w := io.Writer(p.tail)
 	if out != nil {
 		w = io.MultiWriter(p.tail, out)

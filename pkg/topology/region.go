@@ -2,6 +2,7 @@ package topology
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"io"
@@ -49,6 +50,12 @@ type RegionConfig struct {
 	// AgentArgs are extra regionagent flags (for example "-lease-margin",
 	// "50ms" to match the allocators' -lease-margin).
 	AgentArgs []string
+	// KeySalt is the secret salt of principal hashes in the region's Redis
+	// keys, given to the agent in $ALLOT_KEY_SALT (not as -key-salt, which
+	// ps shows), as docs/operations.md recommends. Empty, StartRegion
+	// draws a random one. Every agent and gateway of the region must share
+	// it: Region.KeySalt is the one in force.
+	KeySalt string
 	// Output receives both processes' output (nil: kept for diagnostics).
 	Output io.Writer
 }
@@ -68,11 +75,23 @@ type Region struct {
 	Redis, Agent *Process
 	// Args are the agent's arguments.
 	Args []string
+	// KeySalt is the region's key salt (RegionConfig.KeySalt, or the one
+	// StartRegion drew): a gateway embedding the SDK on the region's Redis
+	// sets it as admission.Config.KeySalt.
+	KeySalt string
+	// Env is what the agent's environment adds to this process's
+	// ($ALLOT_KEY_SALT); StartAgent keeps it, so a restarted agent finds
+	// its counters under the same key names.
+	Env []string
 
 	cfg       RegionConfig
 	redisArgs []string
 	dial      func(ctx context.Context, network, addr string) (net.Conn, error)
 }
+
+// KeySaltEnv is the environment variable regionagent reads its key salt
+// from.
+const KeySaltEnv = "ALLOT_KEY_SALT"
 
 // The ports of a region in a Lab host (RegionConfig.Netns).
 const (
@@ -95,6 +114,11 @@ func StartRegion(ctx context.Context, cfg RegionConfig) (*Region, error) {
 		cfg.Host = "127.0.0.1"
 	}
 	r := &Region{Name: cfg.Name, cfg: cfg, DataDir: filepath.Join(cfg.Dir, "agent"), dial: (&net.Dialer{}).DialContext}
+	r.KeySalt = cfg.KeySalt
+	if r.KeySalt == "" {
+		r.KeySalt = rand.Text()
+	}
+	r.Env = []string{KeySaltEnv + "=" + r.KeySalt}
 	if h := cfg.Netns; h != nil {
 		r.cfg.Host = "127.0.0.1" // Redis's bind address: the namespace's loopback
 		r.APIAddr = net.JoinHostPort(h.IP, strconv.Itoa(LabAgentAPIPort))
@@ -167,7 +191,7 @@ func (r *Region) startRedis(ctx context.Context) error {
 // runRedis starts redis-server with the region's arguments and waits until
 // it answers.
 func (r *Region) runRedis(ctx context.Context) error {
-	p, err := r.start(r.Name+"-redis", r.cfg.RedisBin, r.redisArgs)
+	p, err := r.start(r.Name+"-redis", r.cfg.RedisBin, r.redisArgs, nil)
 	if err != nil {
 		return err
 	}
@@ -192,11 +216,11 @@ func (r *Region) RestartRedis(ctx context.Context) error {
 }
 
 // start starts a process of the region, inside its namespace if it has one.
-func (r *Region) start(name, bin string, args []string) (*Process, error) {
+func (r *Region) start(name, bin string, args, env []string) (*Process, error) {
 	if h := r.cfg.Netns; h != nil {
-		return h.StartProcess(name, bin, args, r.cfg.Output)
+		return h.startProcess(name, bin, args, env, r.cfg.Output)
 	}
-	return StartProcess(name, bin, args, r.cfg.Output)
+	return startProcess(name, bin, args, env, r.cfg.Output)
 }
 
 func (r *Region) waitRedis(ctx context.Context) error {
@@ -220,11 +244,12 @@ func (r *Region) waitRedis(ctx context.Context) error {
 	}
 }
 
-// StartAgent (re)starts the agent with its recorded arguments (its data dir
-// keeps the last-known-good policy across restarts) and waits until it
+// StartAgent (re)starts the agent with its recorded arguments and
+// environment (its data dir keeps the last-known-good policy across
+// restarts, its key salt the key names of its counters) and waits until it
 // answers /healthz.
 func (r *Region) StartAgent(ctx context.Context) error {
-	p, err := r.start(r.Name+"-agent", r.cfg.AgentBin, r.Args)
+	p, err := r.start(r.Name+"-agent", r.cfg.AgentBin, r.Args, r.Env)
 	if err != nil {
 		return err
 	}

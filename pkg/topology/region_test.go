@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
@@ -72,6 +73,12 @@ func TestRegionProcesses(t *testing.T) {
 	if err := r.WaitReady(ctx); err != nil {
 		t.Fatal(err)
 	}
+	// The agent took its key salt from the environment StartRegion gave it:
+	// on Redis without one it would have warned at start.
+	salt := agentKeySalt(t, r.Agent)
+	if salt == "" || strings.Contains(r.Agent.Output(), "without a secret salt") {
+		t.Fatalf("agent on Redis with $ALLOT_KEY_SALT %q; logged %s", salt, r.Agent.Output())
+	}
 	// A route outside P-GLOBAL and P-READ: only Birch's minute quota applies.
 	// (P-GLOBAL's 1 s window cannot be leased in time when a loaded machine
 	// makes Acquire slower than the window, which is not what this tests.)
@@ -103,9 +110,13 @@ func TestRegionProcesses(t *testing.T) {
 		t.Fatalf("p-tenant-birch ledger after shutdown: granted %d released %d; want all but the 1 spent token released",
 			after.GetGranted(), after.GetReleased())
 	}
-	// The agent restarts from its last-known-good policy.
+	// The agent restarts from its last-known-good policy, and with the same
+	// key salt: its counters keep their key names.
 	if err := r.StartAgent(ctx); err != nil {
 		t.Fatal(err)
+	}
+	if again := agentKeySalt(t, r.Agent); again != salt {
+		t.Fatalf("$ALLOT_KEY_SALT %q after the restart, %q before: want the same", again, salt)
 	}
 	if err := r.WaitReady(ctx); err != nil && !errors.Is(err, context.Canceled) {
 		t.Fatal(err)
@@ -145,4 +156,72 @@ func TestStartRegionStopsAnAgentThatNeverGetsHealthy(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// TestRegionAgentGetsAKeySalt: StartRegion gives the agent a secret key
+// salt in its environment ($ALLOT_KEY_SALT), never on its command line
+// (which ps shows): a random one per region unless RegionConfig.KeySalt
+// names it. The agents used to run without one, so the demo and the chaos
+// suite ran with principals recoverable from the Redis key names.
+func TestRegionAgentGetsAKeySalt(t *testing.T) {
+	// A stand-in agent that writes its key salt and arguments beside itself
+	// (named by its -region) and exits.
+	dir := t.TempDir()
+	bin := filepath.Join(dir, "agent.sh")
+	script := "#!/bin/sh\nprintf '%s' \"$ALLOT_KEY_SALT\" > \"$0.$2.salt\"\nprintf '%s ' \"$@\" > \"$0.$2.args\"\nexit 1\n"
+	if err := os.WriteFile(bin, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	started := func(cfg topology.RegionConfig) (salt, args string) {
+		t.Helper()
+		cfg.AgentBin, cfg.Dir, cfg.EmbeddedStore = bin, filepath.Join(dir, cfg.Name), true
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if r, err := topology.StartRegion(ctx, cfg); err == nil {
+			_ = r.Close(time.Second)
+			t.Fatal("StartRegion succeeded with an agent that exits")
+		}
+		s, err := os.ReadFile(bin + "." + cfg.Name + ".salt")
+		if err != nil {
+			t.Fatalf("the stand-in agent never ran: %v", err)
+		}
+		a, err := os.ReadFile(bin + "." + cfg.Name + ".args")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return string(s), string(a)
+	}
+	eu, euArgs := started(topology.RegionConfig{Name: "eu"})
+	us, usArgs := started(topology.RegionConfig{Name: "us"})
+	if len(eu) < 16 || len(us) < 16 || eu == us {
+		t.Fatalf("$ALLOT_KEY_SALT of eu's and us's agents: %q and %q, want a random secret each", eu, us)
+	}
+	for _, args := range []string{euArgs, usArgs} {
+		if strings.Contains(args, "-key-salt") || strings.Contains(args, eu) || strings.Contains(args, us) {
+			t.Fatalf("agent arguments %q: want the salt only in the environment", args)
+		}
+	}
+	if ap, _ := started(topology.RegionConfig{Name: "ap", KeySalt: "the-region-s-own"}); ap != "the-region-s-own" {
+		t.Fatalf("$ALLOT_KEY_SALT %q with RegionConfig.KeySalt set, want it", ap)
+	}
+}
+
+// agentKeySalt is the $ALLOT_KEY_SALT p was started with, read from
+// /proc/<pid>/environ ("" elsewhere than Linux, where the test is then
+// skipped).
+func agentKeySalt(t *testing.T, p *topology.Process) string {
+	t.Helper()
+	if runtime.GOOS != "linux" {
+		t.Skip("reads /proc/<pid>/environ")
+	}
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(p.Pid()) + "/environ")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for kv := range strings.SplitSeq(string(b), "\x00") {
+		if v, ok := strings.CutPrefix(kv, "ALLOT_KEY_SALT="); ok {
+			return v
+		}
+	}
+	return ""
 }

@@ -146,19 +146,31 @@ func (x *CheckRequest) GetRequestId() string {
 	return ""
 }
 
-// CheckResponse is the decision.
+// CheckResponse is the decision, for the gateway. What a gateway may pass
+// on to the end user is its own answer (429 or 503 with Retry-After from
+// retry_after_seconds) and decision_id; rule, scope, remaining and
+// would_deny describe the policy and pools other callers spend too, and are
+// never to be forwarded to end users.
 type CheckResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// allowed is the verdict.
 	Allowed bool `protobuf:"varint,1,opt,name=allowed,proto3" json:"allowed,omitempty"`
-	// rule that denied (or, when allowed, the tightest rule).
+	// rule that denied (or, when allowed, the tightest rule). It may be a
+	// shared or fleet-wide rule (scope global or ip): for the gateway and its
+	// logs, not for end users.
 	Rule string `protobuf:"bytes,2,opt,name=rule,proto3" json:"rule,omitempty"`
 	// scope of that rule: ip, global, tenant, user or route.
 	Scope string `protobuf:"bytes,3,opt,name=scope,proto3" json:"scope,omitempty"`
 	// retry_after_seconds is a hint rounded up, never a reservation (denials
 	// and unavailable answers only); -1 means waiting will not help.
 	RetryAfterSeconds int64 `protobuf:"varint,4,opt,name=retry_after_seconds,json=retryAfterSeconds,proto3" json:"retry_after_seconds,omitempty"`
-	// remaining units of the reported rule after this decision; -1 when unknown.
+	// remaining units of the reported rule after this decision; -1 when
+	// unknown. The rule may count a shared or fleet-wide pool (a global quota
+	// every tenant spends, an ip rule everyone behind one address shares), so
+	// the number is for the gateway and is never to be forwarded to end
+	// users: a gateway that advertises limits (RateLimit headers) advertises
+	// only the caller's own tenant, user and route rules, as the Go SDK's
+	// httpmw does.
 	Remaining int64 `protobuf:"varint,5,opt,name=remaining,proto3" json:"remaining,omitempty"`
 	// decision_id identifies this decision in logs.
 	DecisionId string `protobuf:"bytes,6,opt,name=decision_id,json=decisionId,proto3" json:"decision_id,omitempty"`
