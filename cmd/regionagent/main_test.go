@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -259,42 +258,8 @@ func TestLeaseJournalWriteErrorIsLoggedAtOnce(t *testing.T) {
 	if _, err := os.Stat("/dev/full"); err != nil {
 		t.Skip("no /dev/full:", err)
 	}
-	r, w, err := os.Pipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var (
-		mu  sync.Mutex
-		out bytes.Buffer
-	)
-	copied := make(chan struct{})
-	go func() {
-		defer close(copied)
-		b := make([]byte, 4096)
-		for {
-			n, err := r.Read(b)
-			mu.Lock()
-			out.Write(b[:n])
-			mu.Unlock()
-			if err != nil {
-				return
-			}
-		}
-	}()
-	stderr := os.Stderr
-	os.Stderr = w // the agent's logger writes to os.Stderr as it is when run builds it
-	defer func() {
-		os.Stderr = stderr
-		w.Close()
-		<-copied
-		r.Close()
-	}()
+	logged := captureStderr(t) // the agent's logger writes to os.Stderr as it is when run builds it
 	stop := startStandalone(t, "-lease-journal", "/dev/full", "-log-level", "warn")
-	logged := func() string {
-		mu.Lock()
-		defer mu.Unlock()
-		return out.String()
-	}
 	deadline := time.Now().Add(10 * time.Second)
 	for !strings.Contains(logged(), "lease journal stopped") {
 		if time.Now().After(deadline) {
