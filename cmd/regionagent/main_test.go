@@ -60,19 +60,8 @@ func TestShutdownBoundsTheServersDrain(t *testing.T) {
 		errc <- run(ctx, []string{"-region", "eu", "-store", "embedded", "-policy", pf, "-api-addr", api, "-envoy-addr", envoy,
 			"-shutdown-timeout", timeout.String(), "-log-level", "error"})
 	}()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		resp, err := http.Get("http://" + api + "/readyz")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				break
-			}
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("agent not ready: %v", err)
-		}
-		time.Sleep(10 * time.Millisecond)
+	if err := waitReady(api); err != nil {
+		t.Fatal(err)
 	}
 
 	c, err := net.Dial("tcp", api)
@@ -108,6 +97,25 @@ func TestShutdownBoundsTheServersDrain(t *testing.T) {
 }
 
 // writePolicy writes standalonePolicy to a file and returns its path.
+// waitReady waits up to 10 s for the agent serving api to answer /readyz
+// with 200.
+func waitReady(api string) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		resp, err := http.Get("http://" + api + "/readyz")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("agent not ready: %v", err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
 func writePolicy(t *testing.T) string {
 	t.Helper()
 	pf := filepath.Join(t.TempDir(), "policy.yaml")

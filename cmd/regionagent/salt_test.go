@@ -108,19 +108,8 @@ func TestKeySaltFromTheEnvironment(t *testing.T) {
 			}
 		}
 		defer stop()
-		deadline := time.Now().Add(10 * time.Second)
-		for {
-			resp, err := http.Get("http://" + api + "/readyz")
-			if err == nil {
-				resp.Body.Close()
-				if resp.StatusCode == http.StatusOK {
-					break
-				}
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("agent not ready: %v; logged %s", err, logged())
-			}
-			time.Sleep(10 * time.Millisecond)
+		if err := waitReady(api); err != nil {
+			t.Fatalf("%v; logged %s", err, logged())
 		}
 		body := `{"entries":[{"key":"tenant","value":"acme"},{"key":"user","value":"` + user + `"}]}`
 		resp, err := http.Post("http://"+api+"/allot.v1.AdmissionService/Check", "application/json", strings.NewReader(body))
