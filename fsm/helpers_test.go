@@ -165,6 +165,21 @@ func roundTrip(t tb, snap []byte) *FSM {
 	return f
 }
 
+// checkReplay asserts that replaying h's log into a fresh FSM reaches h's
+// state (a byte-identical snapshot) and that the snapshot round-trips.
+func checkReplay(t tb, h *harness) {
+	t.Helper()
+	snap := snapshotBytes(t, h.f)
+	replica := newHarness(t)
+	for _, b := range h.log {
+		replica.applyBytes(b)
+	}
+	if !bytes.Equal(snapshotBytes(t, replica.f), snap) {
+		t.Fatalf("replayed log gives a different snapshot")
+	}
+	roundTrip(t, snap)
+}
+
 // The first bytes of snapshots of this build and of older ones, and the
 // length of this build's integrity trailer. The test spells the format
 // out on its own rather than reuse snapshot.go's, so it pins it.

@@ -1,7 +1,6 @@
 package fsm
 
 import (
-	"bytes"
 	"fmt"
 	"testing"
 )
@@ -85,15 +84,7 @@ func runTransition(t *testing.T, c transitionCase) (overlap, drained int64) {
 		}
 	}
 	// Replaying the log and restoring the snapshot reach the same state.
-	snap := snapshotBytes(t, h.f)
-	replica := newHarness(t)
-	for _, b := range h.log {
-		replica.applyBytes(b)
-	}
-	if !bytes.Equal(snapshotBytes(t, replica.f), snap) {
-		t.Fatal("replayed log gives a different snapshot")
-	}
-	roundTrip(t, snap)
+	checkReplay(t, h)
 	return overlap, drained
 }
 
