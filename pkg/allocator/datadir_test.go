@@ -18,7 +18,9 @@ import (
 	"github.com/hashicorp/raft"
 	raftboltdb "github.com/hashicorp/raft-boltdb/v2"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest"
+	"go.uber.org/zap/zaptest/observer"
 )
 
 // diskNode is a node on the production stores (BoltDB, file snapshots, TCP)
@@ -620,5 +622,40 @@ func TestCleanShutdownTakesASnapshot(t *testing.T) {
 	}
 	if len(metas) == 0 || metas[0].Index < applied {
 		t.Fatalf("snapshots after a clean shutdown: %+v; want one at index %d or later", metas, applied)
+	}
+}
+
+// TestIdleShutdownLogsNoError: a node that applied nothing since its last
+// snapshot stops without raft's "failed to take snapshot" error (and its
+// stack trace) in the log, which would page whoever alerts on errors at
+// every restart of an idle node.
+func TestIdleShutdownLogsNoError(t *testing.T) {
+	dir := t.TempDir()
+	cfg := diskConfig(t, dir, "a1")
+	d, err := openDiskNode(t, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.waitLeader(t)
+	publishTest(t, []string{cfg.APIAddr}, clusterPolicy, 1)
+	d.stop() // snapshots what it applied
+
+	core, logs := observer.New(zapcore.InfoLevel)
+	log := zap.New(zapcore.NewTee(core, zaptest.NewLogger(t).Core()))
+	n, err := NewNode(cfg, WithLogger(log), WithMetrics(NewMetrics(nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for !n.IsLeader() && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := n.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range logs.All() {
+		if e.Level >= zapcore.ErrorLevel {
+			t.Errorf("idle restart and shutdown logged %s %q %v", e.Level, e.Message, e.ContextMap())
+		}
 	}
 }

@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/hashicorp/raft"
@@ -134,6 +136,7 @@ type Node struct {
 	log     *zap.Logger
 	now     func() time.Time
 	fsm     *fsm.FSM
+	raftFSM *usedFSM // n.fsm as raft sees it
 	raft    *raft.Raft
 	trans   raft.Transport
 	closers []func() error
@@ -232,7 +235,9 @@ func NewNode(cfg Config, opts ...Option) (*Node, error) {
 		}
 	}
 
-	r, err := raft.NewRaft(rc, n.fsm, deps.Logs, deps.Stable, deps.Snapshots, deps.Transport)
+	n.raftFSM = &usedFSM{FSM: n.fsm}
+	r, err := raft.NewRaft(rc, n.raftFSM, deps.Logs, deps.Stable, deps.Snapshots, deps.Transport)
+	n.raftFSM.started.Store(true)
 	if err != nil {
 		n.runClosers()
 		return nil, fmt.Errorf("start raft: %w", err)
@@ -674,6 +679,12 @@ func (n *Node) snapshotForShutdown() {
 	if n.cfg.DataDir == "" {
 		return // in-memory stores: nothing survives the shutdown
 	}
+	if !n.raftFSM.used.Load() {
+		// raft refuses (ErrNothingNewToSnapshot), but logs the refusal as
+		// an error with a stack trace first: every restart of an idle node
+		// would look like a failure to whoever alerts on errors.
+		return
+	}
 	err := n.raft.Snapshot().Error()
 	switch {
 	case err == nil:
@@ -696,4 +707,28 @@ func (n *Node) otherVoters() int {
 		}
 	}
 	return c
+}
+
+// usedFSM is the FSM as raft drives it, noting whether raft applied an
+// entry or restored a snapshot since the node started: only then can raft
+// take a snapshot (its FSM loop refuses with ErrNothingNewToSnapshot
+// otherwise, even when a no-op entry moved the applied index).
+type usedFSM struct {
+	*fsm.FSM
+	used    atomic.Bool
+	started atomic.Bool // raft.NewRaft returned: a restore is no longer its start-up restore
+}
+
+func (u *usedFSM) Apply(l *raft.Log) any {
+	u.used.Store(true)
+	return u.FSM.Apply(l)
+}
+
+func (u *usedFSM) Restore(rc io.ReadCloser) error {
+	// raft.NewRaft restores the newest snapshot itself, outside its FSM
+	// loop, which then still has nothing to snapshot.
+	if u.started.Load() {
+		u.used.Store(true)
+	}
+	return u.FSM.Restore(rc)
 }
