@@ -208,3 +208,22 @@ func TestReleaseRequiresRequestID(t *testing.T) {
 		t.Fatalf("window after the refused release: released %d remaining %d, want 0 and 900", w.Released, w.Remaining)
 	}
 }
+
+// TestAcquireStatesLeaseMargin: an Acquire answer carries the margin the
+// stated bound assumes, so that an agent configured with a shorter one
+// still ends its grants early enough for the bound to hold.
+func TestAcquireStatesLeaseMargin(t *testing.T) {
+	tc := newTestCluster(t, 1)
+	publishTest(t, tc.addrs, clusterPolicy, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	raw := allotv1connect.NewAllocatorServiceClient(NewHTTPClient(), "http://"+tc.addrs[0])
+	acq, err := raw.Acquire(ctx, connect.NewRequest(&allotv1.AcquireRequest{Region: "eu", RequestId: "a", Wants: []*allotv1.Want{{Quota: "atlas", Tokens: 100}}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := tc.leader().Config().LeaseMargin.Milliseconds()
+	if got := acq.Msg.GetLeaseMarginMs(); got != want || got <= 0 {
+		t.Fatalf("lease_margin_ms %d, want the allocator's %d", got, want)
+	}
+}

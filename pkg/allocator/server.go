@@ -256,6 +256,7 @@ func (s *Server) Acquire(ctx context.Context, req *connect.Request[allotv1.Acqui
 		return nil, s.toConnect(method, fmt.Errorf("acquire: unexpected result %T", out))
 	}
 	resp := AcquireAnswer(res)
+	resp.LeaseMarginMs = s.node.cfg.LeaseMargin.Milliseconds()
 	for _, g := range res.Grants {
 		if !res.Replayed {
 			if g.Tokens > 0 {

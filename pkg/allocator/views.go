@@ -96,6 +96,7 @@ func boundToProto(b bound.Bound) *allotv1.QuotaBound {
 	out := &allotv1.QuotaBound{
 		Quota: b.Name, Limit: b.Limit, WindowMs: b.Window.Milliseconds(), Overshoot: b.Total,
 		MaxAdmittedPerWindow: b.Ceiling(), StrandedTokens: b.Stranded.Fleet, StrandedAssumption: b.Stranded.Assumption,
+		StrandedParkedTokens: b.Stranded.Parked,
 	}
 	for _, t := range b.Terms {
 		out.Terms = append(out.Terms, &allotv1.BoundTerm{Name: t.Name, Tokens: t.Tokens, Assumption: t.Assumption, HowToZero: t.HowToZero})

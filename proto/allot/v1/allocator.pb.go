@@ -296,7 +296,12 @@ type AcquireResponse struct {
 	// leader_now_unix_ms is the time the leader stamped on the entry.
 	LeaderNowUnixMs int64 `protobuf:"varint,2,opt,name=leader_now_unix_ms,json=leaderNowUnixMs,proto3" json:"leader_now_unix_ms,omitempty"`
 	// replayed is true when this answers a retry of an earlier request_id.
-	Replayed      bool `protobuf:"varint,3,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	Replayed bool `protobuf:"varint,3,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	// lease_margin_ms is the expiry margin the allocator's stated bound
+	// assumes (its -lease-margin): a region stops spending each grant at least
+	// this long before the grant's expiry. An agent uses the larger of this and
+	// its own margin. 0 from an allocator that predates the field.
+	LeaseMarginMs int64 `protobuf:"varint,4,opt,name=lease_margin_ms,json=leaseMarginMs,proto3" json:"lease_margin_ms,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -350,6 +355,13 @@ func (x *AcquireResponse) GetReplayed() bool {
 		return x.Replayed
 	}
 	return false
+}
+
+func (x *AcquireResponse) GetLeaseMarginMs() int64 {
+	if x != nil {
+		return x.LeaseMarginMs
+	}
+	return 0
 }
 
 // ReleaseRequest returns unspent tokens of a grant.
@@ -572,11 +584,12 @@ const file_allot_v1_allocator_proto_rawDesc = "" +
 	"\x0fexpires_unix_ms\x18\x06 \x01(\x03R\rexpiresUnixMs\x12\x15\n" +
 	"\x06ttl_ms\x18\a \x01(\x03R\x05ttlMs\x12%\n" +
 	"\x0epool_exhausted\x18\b \x01(\bR\rpoolExhausted\x12+\n" +
-	"\x12not_before_unix_ms\x18\t \x01(\x03R\x0fnotBeforeUnixMs\"\x83\x01\n" +
+	"\x12not_before_unix_ms\x18\t \x01(\x03R\x0fnotBeforeUnixMs\"\xab\x01\n" +
 	"\x0fAcquireResponse\x12'\n" +
 	"\x06grants\x18\x01 \x03(\v2\x0f.allot.v1.GrantR\x06grants\x12+\n" +
 	"\x12leader_now_unix_ms\x18\x02 \x01(\x03R\x0fleaderNowUnixMs\x12\x1a\n" +
-	"\breplayed\x18\x03 \x01(\bR\breplayed\"z\n" +
+	"\breplayed\x18\x03 \x01(\bR\breplayed\x12&\n" +
+	"\x0flease_margin_ms\x18\x04 \x01(\x03R\rleaseMarginMs\"z\n" +
 	"\x0eReleaseRequest\x12\x16\n" +
 	"\x06region\x18\x01 \x01(\tR\x06region\x12\x19\n" +
 	"\bgrant_id\x18\x02 \x01(\tR\agrantId\x12\x16\n" +

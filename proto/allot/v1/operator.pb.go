@@ -547,7 +547,8 @@ func (x *GetBoundRequest) GetQuota() string {
 // BoundTerm is one term of the stated overshoot bound.
 type BoundTerm struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// name of the term: carry_over, fallback, lost_grants, timing, store_rollback.
+	// name of the term: carry_over, fallback, store_fallback, lost_grants,
+	// timing, store_rollback.
 	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// tokens the term may add to one window.
 	Tokens int64 `protobuf:"varint,2,opt,name=tokens,proto3" json:"tokens,omitempty"`
@@ -637,8 +638,12 @@ type QuotaBound struct {
 	StrandedTokens int64 `protobuf:"varint,7,opt,name=stranded_tokens,json=strandedTokens,proto3" json:"stranded_tokens,omitempty"`
 	// stranded_assumption says when stranded_tokens applies.
 	StrandedAssumption string `protobuf:"bytes,8,opt,name=stranded_assumption,json=strandedAssumption,proto3" json:"stranded_assumption,omitempty"`
-	unknownFields      protoimpl.UnknownFields
-	sizeCache          protoimpl.SizeCache
+	// stranded_parked_tokens is the most tokens that can sit in gateways'
+	// in-process chunks (gateways x lease.gateway_chunk, at most the limit):
+	// spent or expired there, never handed back to the pool.
+	StrandedParkedTokens int64 `protobuf:"varint,9,opt,name=stranded_parked_tokens,json=strandedParkedTokens,proto3" json:"stranded_parked_tokens,omitempty"`
+	unknownFields        protoimpl.UnknownFields
+	sizeCache            protoimpl.SizeCache
 }
 
 func (x *QuotaBound) Reset() {
@@ -725,6 +730,13 @@ func (x *QuotaBound) GetStrandedAssumption() string {
 		return x.StrandedAssumption
 	}
 	return ""
+}
+
+func (x *QuotaBound) GetStrandedParkedTokens() int64 {
+	if x != nil {
+		return x.StrandedParkedTokens
+	}
+	return 0
 }
 
 // GetBoundResponse lists the bounds.
@@ -1663,7 +1675,7 @@ const file_allot_v1_operator_proto_rawDesc = "" +
 	"\n" +
 	"assumption\x18\x03 \x01(\tR\n" +
 	"assumption\x12\x1e\n" +
-	"\vhow_to_zero\x18\x04 \x01(\tR\thowToZero\"\xaf\x02\n" +
+	"\vhow_to_zero\x18\x04 \x01(\tR\thowToZero\"\xe5\x02\n" +
 	"\n" +
 	"QuotaBound\x12\x14\n" +
 	"\x05quota\x18\x01 \x01(\tR\x05quota\x12\x14\n" +
@@ -1673,7 +1685,8 @@ const file_allot_v1_operator_proto_rawDesc = "" +
 	"\tovershoot\x18\x05 \x01(\x03R\tovershoot\x125\n" +
 	"\x17max_admitted_per_window\x18\x06 \x01(\x03R\x14maxAdmittedPerWindow\x12'\n" +
 	"\x0fstranded_tokens\x18\a \x01(\x03R\x0estrandedTokens\x12/\n" +
-	"\x13stranded_assumption\x18\b \x01(\tR\x12strandedAssumption\"g\n" +
+	"\x13stranded_assumption\x18\b \x01(\tR\x12strandedAssumption\x124\n" +
+	"\x16stranded_parked_tokens\x18\t \x01(\x03R\x14strandedParkedTokens\"g\n" +
 	"\x10GetBoundResponse\x12%\n" +
 	"\x0epolicy_version\x18\x01 \x01(\x04R\rpolicyVersion\x12,\n" +
 	"\x06bounds\x18\x02 \x03(\v2\x14.allot.v1.QuotaBoundR\x06bounds\"K\n" +
