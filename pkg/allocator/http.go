@@ -86,7 +86,8 @@ func HTTPServer(addr string, h http.Handler) *http.Server {
 	}
 }
 
-// Serve runs srv on ln until ctx ends, then shuts it down gracefully within grace.
+// Serve runs srv on ln until ctx ends, then shuts it down gracefully within
+// grace, and closes the connections still open after it.
 func Serve(ctx context.Context, srv *http.Server, ln net.Listener, grace time.Duration) error {
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
@@ -98,6 +99,11 @@ func Serve(ctx context.Context, srv *http.Server, ln net.Listener, grace time.Du
 	sctx, cancel := context.WithTimeout(context.Background(), grace)
 	defer cancel()
 	err := srv.Shutdown(sctx)
+	if err != nil {
+		// Shutdown leaves the connections it could not drain open, and their
+		// handlers running against whatever the caller closes next.
+		_ = srv.Close()
+	}
 	if serr := <-errc; serr != nil && !errors.Is(serr, http.ErrServerClosed) {
 		err = errors.Join(err, serr)
 	}

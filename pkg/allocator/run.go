@@ -109,10 +109,10 @@ func Run(ctx context.Context, cfg Config, ro RunOptions, log *zap.Logger) error 
 	}
 	log.Info("shutting down", zap.String("node", cfg.NodeID))
 	node.TransferLeadership()
+	stopServe() // the HTTP drain runs while gRPC drains: one grace period for both
 	if grpcSrv != nil {
 		stopGRPC(grpcSrv, ro.ShutdownGrace)
 	}
-	stopServe()
 	if !served {
 		runErr = errors.Join(runErr, <-serveErr)
 	}
