@@ -158,22 +158,16 @@ func testExportRetry(t *testing.T, b backend) {
 func testFixedWindowBurst(t *testing.T, b backend) {
 	h := newHarness(t, b, northstar(t), nil)
 	h.clock.Set(9900 * time.Millisecond)
-	admitted := 0
 	for i := 0; i < 20; i++ {
-		d := h.decide(anon("203.0.113.7")...)
-		wantAllowed(t, d, "window 1")
-		admitted++
+		wantAllowed(t, h.decide(anon("203.0.113.7")...), "window 1")
 	}
 	d := h.decide(anon("203.0.113.7")...)
 	wantDenied(t, d, "21st in window 1", "p-anon", policy.ScopeIP, 1) // 100 ms to the boundary, rounded up
 	h.clock.Set(10100 * time.Millisecond)
 	for i := 0; i < 20; i++ {
 		wantAllowed(t, h.decide(anon("203.0.113.7")...), "window 2")
-		admitted++
 	}
-	if admitted != 40 {
-		t.Fatalf("admitted %d in 0.2 s, want 40 (2 x the limit: the fixed window's flaw)", admitted)
-	}
+	// 40 admitted in 0.2 s, twice the limit: the fixed window's flaw.
 	wantDenied(t, h.decide(anon("203.0.113.7")...), "21st in window 2", "p-anon", policy.ScopeIP, 10)
 	// Another address has its own counter.
 	wantAllowed(t, h.decide(anon("198.51.100.1")...), "other address")
