@@ -104,7 +104,9 @@ func parseFlags(args []string) (allocator.Config, allocator.RunOptions, zapcore.
 	fs.Int64Var(&cfg.MaxDriftPPM, "max-drift-ppm", cfg.MaxDriftPPM, "assumed max clock drift between machines (feeds the stated bound)")
 	fs.DurationVar(&cfg.MaxOneWayDelay, "max-store-delay", cfg.MaxOneWayDelay, "assumed max agent-to-store delay (feeds the stated bound)")
 	fs.DurationVar(&cfg.MaxLeaderSkew, "max-leader-skew", cfg.MaxLeaderSkew, "assumed max clock offset between allocator nodes (feeds the stated bound)")
-	fs.BoolVar(&cfg.StoreAsyncFailover, "store-async-failover", false, "regional stores fail over asynchronously (feeds the stated bound)")
+	fs.BoolVar(&cfg.StoreAsyncFailover, "store-async-failover", false, "regional stores fail over asynchronously, or restart from an RDB or AOF file (feeds the stated bound)")
+	fs.IntVar(&cfg.GatewaysPerRegion, "gateways-per-region", cfg.GatewaysPerRegion,
+		"most gateways any region runs; every gateway's admission Config.Gateways must be at least this (feeds the stated bound)")
 	fs.Var(&logLevel, "log-level", "log level: debug, info, warn, error")
 	if err := fs.Parse(args); err != nil {
 		return cfg, ro, logLevel, err
@@ -147,7 +149,7 @@ var flagOf = map[string]string{
 	"CommitDelay": "-commit-delay", "CommitSiblings": "-commit-siblings", "SnapshotThreshold": "-snapshot-threshold",
 	"MaxWatchStreams": "-max-watch-streams", "WatchSendTimeout": "-watch-send-timeout",
 	"LeaseMargin": "-lease-margin", "MaxDriftPPM": "-max-drift-ppm", "MaxOneWayDelay": "-max-store-delay",
-	"MaxLeaderSkew": "-max-leader-skew", "StoreAsyncFailover": "-store-async-failover",
+	"MaxLeaderSkew": "-max-leader-skew", "StoreAsyncFailover": "-store-async-failover", "GatewaysPerRegion": "-gateways-per-region",
 }
 
 // flagErrors splits err, the joined errors of Config.Validate, and words

@@ -139,6 +139,8 @@ func TestBadSettingsNameTheirFlags(t *testing.T) {
 			[]string{"-leader-lease-timeout 2s exceeds -heartbeat-timeout 500ms"}, []string{"LeaderLeaseTimeout", "HeartbeatTimeout"}},
 		{"bound assumptions", []string{"-max-store-delay", "-1s", "-max-drift-ppm", "-3"},
 			[]string{"-max-store-delay must not be negative", "-max-drift-ppm must not be negative"}, []string{"MaxOneWayDelay", "MaxDriftPPM"}},
+		{"gateways per region", []string{"-gateways-per-region", "0"},
+			[]string{"-gateways-per-region must be at least 1, got 0"}, []string{"GatewaysPerRegion"}},
 		{"bootstrap peers twice", []string{"-bootstrap", "-peer", a1, "-peer", a1},
 			[]string{`-peer: "a1" listed twice`}, []string{"Peers"}},
 	}
@@ -179,5 +181,20 @@ func TestWatchFlags(t *testing.T) {
 	def := allocator.DefaultConfig()
 	if cfg, _, _, _ = parseFlags(nil); cfg.MaxWatchStreams != def.MaxWatchStreams || cfg.WatchSendTimeout != def.WatchSendTimeout {
 		t.Errorf("defaults %d, %s; want %d, %s", cfg.MaxWatchStreams, cfg.WatchSendTimeout, def.MaxWatchStreams, def.WatchSendTimeout)
+	}
+}
+
+// TestGatewaysPerRegionFlag checks that the gateway count the bound states
+// is settable and defaults to one.
+func TestGatewaysPerRegionFlag(t *testing.T) {
+	cfg, _, _, err := parseFlags(nil)
+	if err != nil || cfg.GatewaysPerRegion != 1 {
+		t.Fatalf("default: %d, %v; want 1", cfg.GatewaysPerRegion, err)
+	}
+	if cfg, _, _, err = parseFlags([]string{"-gateways-per-region", "12"}); err != nil || cfg.GatewaysPerRegion != 12 {
+		t.Fatalf("-gateways-per-region 12: %d, %v", cfg.GatewaysPerRegion, err)
+	}
+	if cfg.BoundConfig().Gateways != 12 {
+		t.Fatalf("the bound states %d gateways per region, want 12", cfg.BoundConfig().Gateways)
 	}
 }

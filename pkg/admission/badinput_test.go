@@ -129,6 +129,9 @@ func TestConfigValidate(t *testing.T) {
 		{"cooldown", func(c *admission.Config) { c.BreakerCooldown = 0 }, "BreakerCooldown"},
 		{"namespace", func(c *admission.Config) { c.Namespace = "A{b}" }, "Namespace"},
 		{"extra", func(c *admission.Config) { c.ExtraDescriptors = []string{"a b"} }, "ExtraDescriptors[0]"},
+		{"negative pool fallback margin", func(c *admission.Config) { c.PoolFallbackMargin = -time.Millisecond }, "PoolFallbackMargin must be in [0, 1m], got -1ms"},
+		{"pool fallback margin over a minute", func(c *admission.Config) { c.PoolFallbackMargin = time.Hour }, "PoolFallbackMargin"},
+		{"no pool fallback margin", func(c *admission.Config) { c.PoolFallbackMargin = 0 }, ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -242,7 +242,7 @@ func fallbackFixture(keys int) (bucket, slots *spec, f *fallback, decide func(sp
 	slots = &spec{kind: kindSlots, fbLimit: 1, b: 10 * 60_000}
 	f = newFallback(keys)
 	decide = func(sp *spec, hash uint64, now int64) bool {
-		deny, _, _ := f.decide([]fbItem{{sp: sp, hash: hash, cost: 1000}}, now)
+		deny, _, _, _ := f.decide([]fbItem{{sp: sp, hash: hash, cost: 1000}}, now)
 		return deny < 0
 	}
 	return bucket, slots, f, decide

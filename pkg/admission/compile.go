@@ -47,6 +47,9 @@ type spec struct {
 	tenantAt int
 	// fallback sizing: the per-gateway share of the rule.
 	fbCap, fbRefill, fbLimit, fbWindow int64
+	// fbMargin (wall ms) keeps a global quota's fallback share off both
+	// ends of its window (Config.PoolFallbackMargin).
+	fbMargin int64
 	// quota and window (seconds) advertised in RateLimit-Policy; 0 = none.
 	quota, window int64
 	slotTTL       time.Duration
@@ -156,6 +159,7 @@ func compile(doc *policy.Document, version uint64, cfg *Config) (*snapshot, erro
 			if r.Lease != nil {
 				sp.fbLimit, raised = share(r.Lease.FallbackPerRegion, g, r.Cost)
 				sp.fbWindow = r.Window.Milliseconds()
+				sp.fbMargin = (cfg.PoolFallbackMargin.Nanoseconds() + int64(time.Millisecond) - 1) / int64(time.Millisecond)
 				if r.Lease.GatewayChunk > 0 {
 					sp.local, sp.gatewayChunk = true, r.Lease.GatewayChunk
 					sp.ceiling = r.Lease.GatewayChunk

@@ -59,6 +59,19 @@ type Config struct {
 	// Namespace prefixes every store key ("<namespace>:{tag}:..."), so that
 	// several deployments can share one Redis; 1-32 of [a-z0-9_-].
 	Namespace string
+	// PoolFallbackMargin is how far inside each window a global quota's
+	// in-process fallback (fail_mode fallback, while the store fails or is
+	// slow) spends: the gateway's share of the window [S, E), by its wall
+	// clock, is spendable only within [S + margin, E - margin), and outside
+	// that span the quota answers Unavailable (503, as fail closed would)
+	// with a Retry-After to the next span's start. A gateway clock within
+	// the margin of true time then spends each window's share inside that
+	// window, never two shares in one, which the stated bound's
+	// store_fallback term assumes. A window no longer than twice the margin
+	// has no span: its fallback always answers Unavailable. It must not be
+	// less than the gateway clock's error; the default, 250 ms, is the
+	// default lease margin (the allocator's -lease-margin). 0 to 1 minute.
+	PoolFallbackMargin time.Duration
 	// KeySalt is mixed into the hash of principals in store key names, so a
 	// store dump does not reveal user ids or addresses by dictionary attack
 	// (empty: no secret; the region agent warns). Every agent and gateway of
@@ -75,7 +88,7 @@ var standardDescriptors = []string{"tenant", "user", "route", "ip", "auth"}
 
 // DefaultConfig returns the defaults: a 50 ms store timeout, one gateway, a
 // 250 ms negative cache of 4096 keys, 2 minutes of idempotency, breakers
-// that open after 5 failures for 1 s.
+// that open after 5 failures for 1 s, a pool fallback margin of 250 ms.
 func DefaultConfig() Config {
 	return Config{
 		StoreTimeout:          50 * time.Millisecond,
@@ -88,6 +101,7 @@ func DefaultConfig() Config {
 		UnavailableRetryAfter: time.Second,
 		FallbackKeys:          100_000,
 		Namespace:             "al",
+		PoolFallbackMargin:    250 * time.Millisecond,
 	}
 }
 
@@ -121,6 +135,9 @@ func (c Config) Validate() error {
 	}
 	if c.FallbackKeys < 1 {
 		bad("FallbackKeys must be at least 1, got %d", c.FallbackKeys)
+	}
+	if c.PoolFallbackMargin < 0 || c.PoolFallbackMargin > time.Minute {
+		bad("PoolFallbackMargin must be in [0, 1m], got %s", c.PoolFallbackMargin)
 	}
 	if !validNamespace(c.Namespace) {
 		bad("Namespace must be 1-32 of [a-z0-9_-], got %q", c.Namespace)

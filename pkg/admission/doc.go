@@ -55,7 +55,13 @@
 //     is open, each rule's fail mode decides: closed
 //     answers Unavailable (503), open admits (counted), fallback spends an
 //     in-process bucket of the rule divided by Config.Gateways (at least
-//     one request). The caller's
+//     one request). A global quota's fallback is its
+//     lease.fallback_per_region divided so, once per epoch-aligned window
+//     of the gateway's wall clock, and only Config.PoolFallbackMargin inside
+//     it (250 ms by default; outside that span it answers Unavailable with
+//     a Retry-After to the span), so that a clock within the margin of true
+//     time spends one share per true window: the stated bound counts it as
+//     store_fallback. The caller's
 //     context bounds the wait too: when its deadline passes first the fail
 //     modes decide the same way. A caller that leaves (its context canceled)
 //     also gets the fail modes' decision, but the call is counted as

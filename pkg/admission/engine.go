@@ -794,7 +794,9 @@ func (e *Engine) remember(hash uint64, retryMs, mono int64) {
 
 // failGroup decides group g by its rules' fail modes: the first rule in
 // order that does not admit decides; closed answers Unavailable, a fallback
-// bucket that is empty answers Deny; open admits (counted). Fallback debits
+// bucket that is empty answers Deny, a global quota's fallback outside its
+// window's span (Config.PoolFallbackMargin) answers Unavailable; open
+// admits (counted). Fallback debits
 // happen only when the whole group admits. The fail-mode counters count
 // the rules decided unless count is false (the caller has left).
 func (e *Engine) failGroup(g *group, items []item, now time.Time, mono int64, count bool) (Outcome, int, int64) {
@@ -827,12 +829,21 @@ func (e *Engine) failGroup(g *group, items []item, now time.Time, mono int64, co
 	}
 	wall := now.UnixMilli()
 	if len(fbItems) > 0 {
-		deny, retryMs, states := e.fb.decide(fbItems, wall)
+		deny, retryMs, closed, states := e.fb.decide(fbItems, wall)
 		if deny >= 0 {
 			it := &items[fbIdx[deny]]
 			it.res.Allowed = false
-			it.res.RetryAfter = msToRetry(retryMs)
 			add(&e.m.fallback, 1)
+			if closed {
+				// A global quota's fallback outside its window's span
+				// cannot decide: 503, as fail closed, until the span.
+				it.res.RetryAfter = msToRetry(retryMs)
+				if retryMs < 0 {
+					it.res.RetryAfter = e.unavailableRetry(g.shard, mono)
+				}
+				return Unavailable, fbIdx[deny], it.res.RetryAfter
+			}
+			it.res.RetryAfter = msToRetry(retryMs)
 			return Deny, fbIdx[deny], it.res.RetryAfter
 		}
 		g.fb, g.fbIdx, g.fbAt = states, fbIdx, wall

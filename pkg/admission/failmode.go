@@ -107,8 +107,9 @@ func (b *breaker) isOpen(now int64) bool {
 // the rule, and fewer if it does not. It is a reduced guarantee, stated as
 // such. A share under one request is raised to one: with more gateways than
 // the rule has requests, the fleet may admit one per gateway. Global quotas
-// use their lease's fallback_per_region instead. Sliding windows fall back
-// to a fixed window of the same share.
+// use their lease's fallback_per_region instead, per window of the quota,
+// spendable only Config.PoolFallbackMargin inside each window (poolSpan).
+// Sliding windows fall back to a fixed window of the same share.
 type fallback struct {
 	mu  sync.Mutex
 	m   map[uint64]*fbState
@@ -219,25 +220,57 @@ func (f *fallback) unlinkLocked(s *fbState) {
 
 // decide checks items in order and, when all admit, debits them all. It
 // returns the index of the first item that denies (-1 when none) with its
-// retry hint in milliseconds, and the states debited (for slot release).
-func (f *fallback) decide(items []fbItem, now int64) (int, int64, []*fbState) {
+// retry hint in milliseconds (-1: none), whether that item is closed (a
+// global quota outside its window's span, see poolSpan: the fallback
+// cannot decide it, as opposed to a share spent), and the states debited
+// (for slot release).
+func (f *fallback) decide(items []fbItem, now int64) (int, int64, bool, []*fbState) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	states := make([]*fbState, len(items))
 	for i, it := range items {
+		if it.sp.kind == kindPool {
+			if ok, retry := poolSpan(it.sp, now); !ok {
+				return i, retry, true, nil
+			}
+		}
 		s := f.state(it.hash, now, it.sp)
 		if s == nil {
-			return i, scriptEmptyRetry, nil
+			return i, scriptEmptyRetry, false, nil
 		}
 		states[i] = s
 		if ok, retry := s.check(it.sp, it.cost, now); !ok {
-			return i, retry, nil
+			return i, retry, false, nil
 		}
 	}
 	for i, it := range items {
 		states[i].debit(it.sp, it.cost, now)
 	}
-	return -1, 0, states
+	return -1, 0, false, states
+}
+
+// poolSpan reports whether a global quota's fallback share may be spent at
+// now (wall ms): only within [S + margin, E - margin) of the epoch-aligned
+// window [S, E) that holds now, so that a gateway clock within the margin
+// of true time spends each window's share inside that window and never two
+// shares in one true window. When it may not, it returns the milliseconds
+// to the next span's start (-1 when windows are too short to have one).
+func poolSpan(sp *spec, now int64) (bool, int64) {
+	w, m := sp.fbWindow, sp.fbMargin
+	if w <= 0 || m <= 0 {
+		return true, 0
+	}
+	if 2*m >= w {
+		return false, -1
+	}
+	start := now - now%w // now is positive: wall time after the epoch
+	switch {
+	case now < start+m:
+		return false, start + m - now
+	case now >= start+w-m:
+		return false, start + w + m - now
+	}
+	return true, 0
 }
 
 // release gives back the fallback concurrency slot of s that expires at
@@ -325,7 +358,8 @@ func (s *fbState) check(sp *spec, cost, now int64) (bool, int64) {
 		if s.c+cost <= sp.fbLimit {
 			return true, 0
 		}
-		return false, (s.w+1)*sp.fbWindow - now
+		// A pool's next share opens a margin into the next window.
+		return false, (s.w+1)*sp.fbWindow + sp.fbMargin - now
 	case kindSlots:
 		if int64(s.held(now)) < sp.fbLimit {
 			return true, 0

@@ -75,6 +75,9 @@ func TestFailModesUnreachable(t *testing.T) {
 		t.Fatal(err)
 	}
 	h, _ := failHarness(t, addr, northstar(t), nil)
+	// Mid-window: P-GLOBAL's fallback share is spendable only the pool
+	// fallback margin (250 ms) inside its 1 s windows.
+	h.clock.Set(500 * time.Millisecond)
 
 	// P-EXPORT is fail closed: 503 with a Retry-After, never an unmetered export.
 	d := h.decide(export("cedar")...)
@@ -172,6 +175,7 @@ func TestFallbackShareFloor(t *testing.T) {
 	}
 	t.Cleanup(func() { e.Close() })
 	h := &harness{t: t, e: e, clock: clock, ns: cfg.Namespace}
+	clock.Set(500 * time.Millisecond) // inside P-GLOBAL's fallback span
 
 	d := h.decide(catalog("cedar", "U-17")...)
 	wantAllowed(t, d, "first read in the outage")

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/allot-dev/allot/fsm"
+	"github.com/allot-dev/allot/pkg/lease"
 )
 
 // Peer is one member of the initial cluster configuration.
@@ -131,6 +132,11 @@ type Config struct {
 	StoreAsyncFailover bool
 	// StoreReplicationLag is the assumed replication lag of such a failover.
 	StoreReplicationLag time.Duration
+	// GatewaysPerRegion is the most gateways (admission engines) any region
+	// runs. It feeds the stated bound: the tokens parked in gateways'
+	// in-process chunks, and the store_fallback term, which assumes every
+	// gateway's admission Config.Gateways is at least this. Default 1.
+	GatewaysPerRegion int
 }
 
 // DefaultConfig returns the shipped defaults: elections in well under 1.5 s on
@@ -152,10 +158,11 @@ func DefaultConfig() Config {
 		CommitDelay:         time.Millisecond,
 		CommitSiblings:      8,
 		LeaseMargin:         250 * time.Millisecond,
-		MaxDriftPPM:         200,
+		MaxDriftPPM:         lease.DefaultMaxDriftPPM,
 		MaxOneWayDelay:      100 * time.Millisecond,
 		MaxLeaderSkew:       100 * time.Millisecond,
 		StoreReplicationLag: time.Second,
+		GatewaysPerRegion:   1,
 	}
 }
 
@@ -228,6 +235,9 @@ func (c Config) Validate() error {
 	}
 	if c.MaxDriftPPM < 0 {
 		bad("MaxDriftPPM must not be negative, got %d", c.MaxDriftPPM)
+	}
+	if c.GatewaysPerRegion < 1 {
+		bad("GatewaysPerRegion must be at least 1, got %d", c.GatewaysPerRegion)
 	}
 	if !c.Bootstrap && len(c.Peers) > 0 {
 		bad("Peers: %d initial members given without Bootstrap, which alone reads them", len(c.Peers))

@@ -37,6 +37,8 @@ func TestConfigValidateNamesFields(t *testing.T) {
 			[]string{"MaxWatchStreams must be positive, got 0", "WatchSendTimeout must be positive, got -1s"}},
 		{"drift", func(c *Config) { c.MaxDriftPPM = -5 },
 			[]string{"MaxDriftPPM must not be negative, got -5"}},
+		{"gateways", func(c *Config) { c.GatewaysPerRegion = 0 },
+			[]string{"GatewaysPerRegion must be at least 1, got 0"}},
 		{"every bound assumption", func(c *Config) {
 			c.LeaseMargin, c.MaxDriftPPM, c.MaxOneWayDelay = -time.Millisecond, -1, -2*time.Millisecond
 			c.MaxLeaderSkew, c.StoreReplicationLag = -3*time.Millisecond, -time.Second

@@ -44,6 +44,7 @@ func (c Config) BoundConfig() bound.Config {
 	b.MaxLeaderSkew = c.MaxLeaderSkew
 	b.StoreAsyncFailover = c.StoreAsyncFailover
 	b.StoreReplicationLag = c.StoreReplicationLag
+	b.Gateways = c.GatewaysPerRegion
 	return b
 }
 

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/allot-dev/allot/pkg/lease"
 	"github.com/allot-dev/allot/pkg/policy"
 )
 
@@ -21,6 +22,9 @@ const (
 	TermCarryOver = "carry_over"
 	// TermFallback counts local admissions of regions cut off from the allocator.
 	TermFallback = "fallback"
+	// TermStoreFallback counts the admissions gateways make in process while
+	// their regional store fails or is slow.
+	TermStoreFallback = "store_fallback"
 	// TermLostGrants counts grants an allocator failover forgets and re-grants.
 	TermLostGrants = "lost_grants"
 	// TermTiming counts tokens spent past the allocator's expiry because of
@@ -49,7 +53,10 @@ type Config struct {
 	// Regions is how many regions lease the quota.
 	Regions int
 	// FallbackPerRegion is the tokens per window a region admits on its own
-	// while cut off from the allocator; 0 means fail closed.
+	// while cut off from the allocator, and again in its gateways' processes
+	// while its regional store fails or is slow (policy
+	// lease.fallback_per_region, which fail_mode fallback requires); 0 means
+	// fail closed.
 	FallbackPerRegion int64
 	// MaxHeldPerRegion is the most unexpired, unreleased tokens of the pool
 	// the allocator lets one region hold at once (policy
@@ -75,7 +82,9 @@ type Config struct {
 	// nodes: a new leader whose clock is ahead opens the next window early.
 	MaxLeaderSkew time.Duration
 	// StoreAsyncFailover says a regional store can fail over to an
-	// asynchronous replica and lose acknowledged debits.
+	// asynchronous replica, or restart from an RDB or AOF file, and lose
+	// acknowledged debits. False assumes a store that does neither: a
+	// restart without persistence comes back empty and rolls nothing back.
 	StoreAsyncFailover bool
 	// StoreReplicationLag is the assumed maximum replication lag of the
 	// regional store; debits within it can be lost by a failover.
@@ -84,8 +93,10 @@ type Config struct {
 	// quota across the fleet; 0 means unknown, and held tokens bound the
 	// timing and store_rollback terms instead.
 	PeakAdmissionRate int64
-	// Gateways is how many gateways hold in-process chunks (for stranded
-	// capacity only); 0 when GatewayChunk is 0.
+	// Gateways is how many gateways each region runs (the allocator's
+	// -gateways-per-region): it sizes the tokens parked in gateways'
+	// in-process chunks (Stranded.Parked) and is named in the store_fallback
+	// assumption; 0 when not stated.
 	Gateways int
 	// GatewayChunk is the tokens a gateway takes at once from its region's
 	// store (policy lease.gateway_chunk); 0 for none.
@@ -102,7 +113,7 @@ func DefaultConfig() Config {
 		Clamp:          true,
 		QuorumCommit:   true,
 		ExpiryMargin:   250 * time.Millisecond,
-		MaxDriftPPM:    200,
+		MaxDriftPPM:    lease.DefaultMaxDriftPPM,
 		MaxOneWayDelay: 100 * time.Millisecond,
 		MaxLeaderSkew:  100 * time.Millisecond,
 	}
@@ -199,7 +210,8 @@ type Stranded struct {
 	// Fleet is the most tokens all regions together can hold unspent:
 	// regions x the cap, at most G.
 	Fleet int64
-	// Parked is the most tokens sitting in gateways' in-process chunks.
+	// Parked is the most tokens sitting in gateways' in-process chunks:
+	// regions x gateways per region x the gateway chunk.
 	Parked int64
 	// Assumption states what the values rest on.
 	Assumption string
@@ -275,6 +287,7 @@ func Calculate(c Config) Bound {
 	b.Terms = []Term{
 		carryOver(c, g, regions),
 		fallback(c, regions),
+		storeFallback(c, regions),
 		lostGrants(c, g),
 		timing(c, g, regions),
 		storeRollback(c, g),
@@ -285,7 +298,7 @@ func Calculate(c Config) Bound {
 	b.Stranded = Stranded{
 		PerRegion: g,
 		Fleet:     g,
-		Parked:    satMul(int64(max(c.Gateways, 0)), max(c.GatewayChunk, 0)),
+		Parked:    satMul(satMul(regions, int64(max(c.Gateways, 0))), max(c.GatewayChunk, 0)),
 		Assumption: fmt.Sprintf("A region cut off from the allocator spends only what it holds; the allocator caps no region's holdings, "+
 			"so up to a window's whole pool, %d tokens, can expire unspent in %d regions together while callers elsewhere are denied. "+
 			"Smaller chunks and shorter TTLs strand less, at the cost of more Acquire calls.",
@@ -420,6 +433,35 @@ func fallback(c Config, regions int64) Term {
 	return t
 }
 
+// storeFallback is the term of the SDK's own fallback for a leased pool: a
+// gateway whose store call fails (or outlasts StoreTimeout) admits the
+// quota from an in-process share of FallbackPerRegion, divided by its
+// admission Config.Gateways, once per window. The store never sees those
+// admissions, so they come on top of everything the pool and the agent's
+// fallback admit.
+func storeFallback(c Config, regions int64) Term {
+	t := Term{Name: TermStoreFallback, HowToZero: "fail closed (fail_mode: closed, fallback_per_region: 0); " +
+		"gateways then answer 503 for the quota while their regional store fails or is slow, and cut-off regions too once their held tokens are spent."}
+	if c.FallbackPerRegion <= 0 {
+		t.Assumption = "Fail closed: a gateway whose regional store fails or is slow answers 503 for the quota instead of admitting in process."
+		return t
+	}
+	t.Tokens = satMul(regions, c.FallbackPerRegion)
+	gateways := "the allocator states no gateway count (-gateways-per-region)"
+	if c.Gateways > 0 {
+		gateways = fmt.Sprintf("the allocator states %d per region (-gateways-per-region)", c.Gateways)
+	}
+	t.Assumption = fmt.Sprintf("While its regional store fails or answers later than StoreTimeout, each gateway admits the quota in process "+
+		"from its share of the fallback allowance, %d / its admission Config.Gateways per window, which the store never sees: "+
+		"at most %d per region x %d regions, on top of the agent's fallback. "+
+		"Assumes each gateway's admission Config.Gateways is at least its region's gateway count (%s) and leaves a share of at least one request "+
+		"(the SDK raises a smaller share to one request and logs the rule); that gateway clocks are within the expiry margin, %s, of true time "+
+		"and no gateway's admission Config.PoolFallbackMargin is less (the SDK spends a window's share only from its start + that margin to its end - that margin, "+
+		"so each share falls in its own window); and that no gateway restarts while its store fails (a new process starts with a full share).",
+		c.FallbackPerRegion, c.FallbackPerRegion, regions, gateways, fmtDur(max(c.ExpiryMargin, 0)))
+	return t
+}
+
 func lostGrants(c Config, g int64) Term {
 	t := Term{Name: TermLostGrants, HowToZero: "acknowledge grants only after a Raft quorum commit (synchronous allocator replication), at availability cost."}
 	if c.QuorumCommit {
@@ -435,7 +477,25 @@ func lostGrants(c Config, g int64) Term {
 	return t
 }
 
+// unsureDeposits is the timing assumption's note on deposits of unknown
+// outcome (see pkg/agent, unsureDeposit).
+func unsureDeposits(c Config) string {
+	return fmt.Sprintf(" A deposit whose outcome is unknown and whose withdrawal failed too is covered only by the one-way delay %s: "+
+		"a copy of it reaching the store later than that lives its TTL from its arrival, past the lease's deadline.", fmtDur(max(c.MaxOneWayDelay, 0)))
+}
+
 func timing(c Config, g, regions int64) Term {
+	t := timingTerm(c, g, regions)
+	t.Assumption += unsureDeposits(c)
+	if c.MaxDriftPPM > lease.DefaultMaxDriftPPM {
+		t.Assumption += fmt.Sprintf(" Region agents open a pre-grant allowing %d ppm of drift over its lead (lease.NotBefore): at %d ppm one can open "+
+			"its window early, by up to (%d - %d) ppm of a lead of up to a minute, which this term does not count.",
+			lease.DefaultMaxDriftPPM, c.MaxDriftPPM, c.MaxDriftPPM, lease.DefaultMaxDriftPPM)
+	}
+	return t
+}
+
+func timingTerm(c Config, g, regions int64) Term {
 	need, sum := timingNeed(c)
 	margin := max(c.ExpiryMargin, 0)
 	t := Term{Name: TermTiming, HowToZero: fmt.Sprintf("raise the expiry margin to at least %s (%s), or shorten the TTL; "+
@@ -470,9 +530,13 @@ func timing(c Config, g, regions int64) Term {
 }
 
 func storeRollback(c Config, g int64) Term {
-	t := Term{Name: TermStoreRollback, HowToZero: "run the regional store without asynchronous failover (or wait for a replica before acknowledging debits), at availability cost."}
+	t := Term{Name: TermStoreRollback, HowToZero: "run the regional store without asynchronous failover (or wait for a replica before acknowledging debits) " +
+		"and without persistence (--save \"\" --appendonly no), at availability cost."}
 	if !c.StoreAsyncFailover {
-		t.Assumption = "The regional store does not fail over asynchronously, so acknowledged debits are never lost."
+		t.Assumption = "The regional store does not fail over asynchronously and runs without persistence (--save \"\" --appendonly no: a restart " +
+			"comes back empty, its pools and counters gone, as pkg/topology runs it), so acknowledged debits are never lost. " +
+			"A restart that reloads an RDB or AOF file rolls back the debits made since it was written, like an asynchronous failover: " +
+			"state -store-async-failover for such a store."
 		return t
 	}
 	// Forgotten debits can be spent again while their leases live: one
@@ -493,9 +557,9 @@ func storeRollback(c Config, g int64) Term {
 		t.Tokens = min(held, mulDivCeil(c.PeakAdmissionRate, int64(c.StoreReplicationLag), int64(time.Second)))
 		how = fmt.Sprintf("%s of lag at a peak of %d/s", fmtDur(c.StoreReplicationLag), c.PeakAdmissionRate)
 	}
-	t.Assumption = fmt.Sprintf("A regional store failover to an asynchronous replica forgets recent debits (%s), "+
+	t.Assumption = fmt.Sprintf("A regional store failover to an asynchronous replica, or a restart that reloads an RDB or AOF file, forgets recent debits (%s), "+
 		"re-spendable up to the %d tokens one region can hold (%s); "+
-		"assumes at most one store failover per window.", how, held, holds)
+		"assumes at most one store failover or restart per window.", how, held, holds)
 	return t
 }
 

@@ -26,6 +26,9 @@ func atlas() Config {
 	return c
 }
 
+// termNames are the terms in the order Calculate reports them.
+var termNames = []string{TermCarryOver, TermFallback, TermStoreFallback, TermLostGrants, TermTiming, TermStoreRollback}
+
 func terms(b Bound) map[string]int64 {
 	m := make(map[string]int64)
 	for _, t := range b.Terms {
@@ -59,17 +62,20 @@ func TestCalculate(t *testing.T) {
 			wantStrand: 1000,
 		},
 		{
-			name:       "chapter 15: bounded fallback of 100 per region: <= 200",
+			// The gateways' in-process fallback comes on top of the
+			// agent's: a region cut off and then without its store admits
+			// its allowance twice.
+			name:       "chapter 15: bounded fallback of 100 per region: <= 200, and as much again in gateways",
 			give:       func(c *Config) { c.FallbackPerRegion = 100 },
-			want:       map[string]int64{TermFallback: 200},
-			wantTotal:  200,
+			want:       map[string]int64{TermFallback: 200, TermStoreFallback: 200},
+			wantTotal:  400,
 			wantStrand: 1000,
 		},
 		{
 			name:       "clamp off and bounded fallback",
 			give:       func(c *Config) { c.Clamp = false; c.FallbackPerRegion = 100 },
-			want:       map[string]int64{TermCarryOver: 1000, TermFallback: 200},
-			wantTotal:  1200,
+			want:       map[string]int64{TermCarryOver: 1000, TermFallback: 200, TermStoreFallback: 200},
+			wantTotal:  1400,
 			wantStrand: 1000,
 		},
 		{
@@ -213,8 +219,8 @@ func TestCalculate(t *testing.T) {
 				c.QuorumCommit = false
 				c.StoreAsyncFailover = true
 			},
-			want:       map[string]int64{TermCarryOver: 1000, TermFallback: 200, TermLostGrants: 1000, TermStoreRollback: 2000},
-			wantTotal:  4200,
+			want:       map[string]int64{TermCarryOver: 1000, TermFallback: 200, TermStoreFallback: 200, TermLostGrants: 1000, TermStoreRollback: 2000},
+			wantTotal:  4400,
 			wantStrand: 1000,
 		},
 	}
@@ -227,7 +233,7 @@ func TestCalculate(t *testing.T) {
 			}
 			b := Calculate(c)
 			got := terms(b)
-			for _, name := range []string{TermCarryOver, TermFallback, TermLostGrants, TermTiming, TermStoreRollback} {
+			for _, name := range termNames {
 				if got[name] != tt.want[name] {
 					t.Errorf("%s = %d, want %d", name, got[name], tt.want[name])
 				}
@@ -298,14 +304,14 @@ func TestChapter15(t *testing.T) {
 			lease: "clamp: false, max_held_per_region: 100", want: map[string]int64{TermCarryOver: 200}, wantStrand: 100, wantFleet: 200,
 		},
 		{
-			name:  "bounded fallback of 100 per region: <= 200",
+			name:  "bounded fallback of 100 per region: <= 200, and 200 more in gateways",
 			lease: "max_held_per_region: 100, fallback_per_region: 100", failMode: "fallback",
-			want: map[string]int64{TermFallback: 200}, wantStrand: 100, wantFleet: 200,
+			want: map[string]int64{TermFallback: 200, TermStoreFallback: 200}, wantStrand: 100, wantFleet: 200,
 		},
 		{
-			name:  "both terms at their bound: +40%",
+			name:  "carry-over and both fallbacks at their bound: +60%",
 			lease: "clamp: false, max_held_per_region: 100, fallback_per_region: 100", failMode: "fallback",
-			want: map[string]int64{TermCarryOver: 200, TermFallback: 200}, wantStrand: 100, wantFleet: 200,
+			want: map[string]int64{TermCarryOver: 200, TermFallback: 200, TermStoreFallback: 200}, wantStrand: 100, wantFleet: 200,
 		},
 		{
 			name:  "US cut off holding 200 strands up to 200 (20% of G)",
@@ -353,7 +359,7 @@ func TestChapter15(t *testing.T) {
 			b := Calculate(c)
 			got := terms(b)
 			var total int64
-			for _, name := range []string{TermCarryOver, TermFallback, TermLostGrants, TermTiming, TermStoreRollback} {
+			for _, name := range termNames {
 				if got[name] != tt.want[name] {
 					t.Errorf("%s = %d, want %d", name, got[name], tt.want[name])
 				}
@@ -388,9 +394,10 @@ func TestCalculateNorthstar(t *testing.T) {
 	want := map[string]struct {
 		total, fallback, parked, perRegion int64
 	}{
-		// P-GLOBAL: 2 regions x 2,000 fallback; 100 gateways x 100 parked
-		// = 10,000, 0.25 s of capacity (reference chapter 12).
-		"p-global":       {total: 4000, fallback: 4000, parked: 10000, perRegion: 40000},
+		// P-GLOBAL: 2 regions x 2,000 fallback, in the agents and again in
+		// the gateways: +8,000, 20% of G; 2 regions x 50 gateways x 100
+		// parked = 10,000, 0.25 s of capacity (reference chapter 12).
+		"p-global":       {total: 8000, fallback: 4000, parked: 10000, perRegion: 40000},
 		"p-tenant-atlas": {perRegion: 1000},
 		"p-tenant-birch": {perRegion: 20000},
 	}
@@ -398,15 +405,15 @@ func TestCalculateNorthstar(t *testing.T) {
 		t.Run(q.Name, func(t *testing.T) {
 			c := DefaultConfig().WithQuota(q)
 			if q.GatewayChunk > 0 {
-				c.Gateways = 100
+				c.Gateways = 50 // per region
 			}
 			if err := c.Validate(); err != nil {
 				t.Fatal(err)
 			}
 			b := Calculate(c)
 			w := want[q.Name]
-			if b.Total != w.total || terms(b)[TermFallback] != w.fallback {
-				t.Errorf("Total %d fallback %d, want %d %d\n%s", b.Total, terms(b)[TermFallback], w.total, w.fallback, b)
+			if b.Total != w.total || terms(b)[TermFallback] != w.fallback || terms(b)[TermStoreFallback] != w.fallback {
+				t.Errorf("Total %d fallback %d store_fallback %d, want %d %d %d\n%s", b.Total, terms(b)[TermFallback], terms(b)[TermStoreFallback], w.total, w.fallback, w.fallback, b)
 			}
 			if b.Stranded.Parked != w.parked || b.Stranded.PerRegion != w.perRegion {
 				t.Errorf("Stranded %+v, want parked %d per region %d", b.Stranded, w.parked, w.perRegion)
@@ -423,7 +430,7 @@ func TestBoundString(t *testing.T) {
 	c.Clamp = false
 	s := Calculate(c).String()
 	for _, want := range []string{
-		"p-tenant-atlas: admitted per 1m window <= G 1000 + carry_over 1000 + fallback 0 + lost_grants 0 + timing 0 + store_rollback 0 = 2000 (overshoot 1000, 100.0% of G)",
+		"p-tenant-atlas: admitted per 1m window <= G 1000 + carry_over 1000 + fallback 0 + store_fallback 0 + lost_grants 0 + timing 0 + store_rollback 0 = 2000 (overshoot 1000, 100.0% of G)",
 		"To make it 0: clamp every lease",
 		"stranded: up to 1000 per region (100.0% of G), 1000 fleet-wide, 0 parked in gateways",
 	} {
@@ -522,7 +529,7 @@ func TestBoundProperties(t *testing.T) {
 		if sum != b.Total {
 			t.Fatalf("Total %d != sum of terms %d", b.Total, sum)
 		}
-		if got := strings.Join(names, ","); got != "carry_over,fallback,lost_grants,timing,store_rollback" {
+		if got := strings.Join(names, ","); got != "carry_over,fallback,store_fallback,lost_grants,timing,store_rollback" {
 			t.Fatalf("terms %s", got)
 		}
 		tm := terms(b)
@@ -533,8 +540,11 @@ func TestBoundProperties(t *testing.T) {
 		if tm[TermCarryOver] > satMul(c.Limit, spans) || tm[TermLostGrants] > c.Limit || tm[TermTiming] > c.Limit || tm[TermStoreRollback] > satMul(c.Limit, 1+spans) {
 			t.Fatalf("a term exceeds its pool: %v (G %d)", tm, c.Limit)
 		}
-		if tm[TermFallback] != int64(c.Regions)*c.FallbackPerRegion {
-			t.Fatalf("fallback %d != regions x allowance", tm[TermFallback])
+		if tm[TermFallback] != int64(c.Regions)*c.FallbackPerRegion || tm[TermStoreFallback] != tm[TermFallback] {
+			t.Fatalf("fallback %d, store_fallback %d, want regions x allowance", tm[TermFallback], tm[TermStoreFallback])
+		}
+		if b.Stranded.Parked != satMul(int64(c.Regions)*int64(c.Gateways), c.GatewayChunk) {
+			t.Fatalf("parked %d, want regions x gateways x gateway chunk", b.Stranded.Parked)
 		}
 		if b.Stranded.Fleet > c.Limit || b.Stranded.PerRegion > c.Limit {
 			t.Fatalf("stranded %+v exceeds G %d", b.Stranded, c.Limit)
@@ -706,4 +716,75 @@ func TestSpendableProperty(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestStoreFallbackCounted: a region cut off from the allocator admits its
+// fallback allowance through the store (the agent deposits it), and when
+// its store then fails, its gateways admit their shares of the allowance in
+// process, which the store never sees. One region, G = 1,000/min, a
+// fallback of 100, two gateways each configured with Gateways 2 (a share of
+// 50): 1,000 granted + 100 deposited + 2 x 50 = 1,200 admitted in one
+// window, which the bound must state.
+func TestStoreFallbackCounted(t *testing.T) {
+	c := DefaultConfig().WithQuota(policy.GlobalQuota{
+		Name: "p-one", Limit: 1000, Window: time.Minute, Chunk: 100, TTL: 15 * time.Second, Clamp: true,
+		FallbackPerRegion: 100, FailMode: policy.FailFallback, Regions: []string{"eu"},
+	})
+	c.Gateways = 2
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	b := Calculate(c)
+	const gateways, share = 2, 100 / 2
+	if admitted := int64(1000 + 100 + gateways*share); admitted > b.Ceiling() {
+		t.Errorf("one window can admit %d, over the stated ceiling %d:\n%s", admitted, b.Ceiling(), b)
+	}
+	sf, ok := b.Term("store_fallback")
+	if !ok || sf.Tokens != 100 {
+		t.Fatalf("store_fallback = %+v (found %t), want 100 tokens:\n%s", sf, ok, b)
+	}
+	for _, want := range []string{"Config.Gateways is at least its region's gateway count", "states 2 per region", "expiry margin, 250ms"} {
+		if !strings.Contains(sf.Assumption, want) {
+			t.Errorf("store_fallback assumption lacks %q: %s", want, sf.Assumption)
+		}
+	}
+	if !strings.Contains(sf.HowToZero, "fail_mode: closed") {
+		t.Errorf("store_fallback how to zero: %s", sf.HowToZero)
+	}
+	// Its place: right after the agent's fallback.
+	if i := termIndex(b, "store_fallback"); i < 1 || b.Terms[i-1].Name != "fallback" {
+		t.Errorf("store_fallback at %d, want right after fallback", i)
+	}
+	// Fail closed: the gateways deny instead.
+	c.FallbackPerRegion = 0
+	if sf, _ := Calculate(c).Term("store_fallback"); sf.Tokens != 0 || !strings.Contains(sf.Assumption, "Fail closed") {
+		t.Errorf("fail closed: store_fallback %+v", sf)
+	}
+}
+
+func termIndex(b Bound, name string) int {
+	for i, t := range b.Terms {
+		if t.Name == name {
+			return i
+		}
+	}
+	return -1
+}
+
+// TestStoreRollbackNamesPersistence: a regional store restarted from an RDB
+// or AOF file rolls debits back like an asynchronous failover, so the
+// assumption of a store that does neither says it runs without persistence.
+func TestStoreRollbackNamesPersistence(t *testing.T) {
+	c := atlas()
+	for _, async := range []bool{false, true} {
+		c.StoreAsyncFailover = async
+		sr, _ := Calculate(c).Term(TermStoreRollback)
+		if !strings.Contains(sr.Assumption, "RDB or AOF") || !strings.Contains(sr.HowToZero, "without persistence") {
+			t.Errorf("async %t: store_rollback does not name persistence: %s / %s", async, sr.Assumption, sr.HowToZero)
+		}
+	}
+	tm, _ := Calculate(c).Term(TermTiming)
+	if !strings.Contains(tm.Assumption, "withdrawal failed too is covered only by the one-way delay 100ms") {
+		t.Errorf("timing does not name unsure deposits: %s", tm.Assumption)
+	}
 }

@@ -7,7 +7,7 @@
 //
 // For one window of a quota with limit G, DESIGN.md promises
 //
-//	admitted_in_window <= G + carry_over + fallback + lost_grants + timing + store_rollback
+//	admitted_in_window <= G + carry_over + fallback + store_fallback + lost_grants + timing + store_rollback
 //
 // [Calculate] turns a [Config] (the quota's lease spec plus the assumptions
 // about the environment: replication, clocks, delays, the regional store)
@@ -52,6 +52,16 @@
 // terms like any other; when the allocator no longer holds the old windows
 // it reaches (a window more than doubled), it counts them whole and that
 // window admits less. The terms are those of the quota's current lease spec.
+// A quota with fail_mode fallback has two fallbacks, and both count: the
+// agent's, which deposits fallback_per_region into the store while its region
+// is cut off from the allocator (fallback), and the SDK's, which admits a
+// gateway's share of fallback_per_region in process while the store fails or
+// is slow (store_fallback), unseen by the store. The second assumes each
+// gateway's admission Config.Gateways is at least its region's gateway count
+// (Config.Gateways states it) and gateway clocks within the expiry margin
+// of true time (each share is spent only within a window, less the SDK's
+// margin at each end).
+//
 // Terms never overlap: a token spent in the wrong window because of a clock
 // error is counted by timing only when leases are clamped, since without
 // clamp carry_over already counts every token held across the boundary.

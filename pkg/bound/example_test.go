@@ -29,9 +29,10 @@ func ExampleCalculate() {
 	// Output:
 	// carry_over     200
 	// fallback       200
+	// store_fallback 200
 	// lost_grants    0
 	// timing         0
 	// store_rollback 0
-	// ceiling 1400
+	// ceiling 1600
 	// uncapped carry_over 1000
 }

@@ -9,25 +9,26 @@ import (
 )
 
 func TestReconcile(t *testing.T) {
-	// Atlas with a fallback of 100 per region: G 1,000, ceiling 1,200.
+	// Atlas with a fallback of 100 per region, in the agent and again in the
+	// gateways: G 1,000, ceiling 1,400.
 	c := atlas()
 	c.FallbackPerRegion = 100
 	b := Calculate(c)
 
 	r := Reconcile(b, []Observation{
-		{WindowIndex: 7, Admitted: map[string]int64{"eu": 1100, "us": 150}, Unspent: map[string]int64{"us": 0}},
+		{WindowIndex: 7, Admitted: map[string]int64{"eu": 1300, "us": 150}, Unspent: map[string]int64{"us": 0}},
 		{WindowIndex: 5, Admitted: map[string]int64{"eu": 900, "us": 100}, Granted: map[string]int64{"eu": 900, "us": 300}, Unspent: map[string]int64{"us": 200}},
 		{WindowIndex: 6, Admitted: map[string]int64{"eu": 1000}},
 		{WindowIndex: 6, Admitted: map[string]int64{"us": 190}}, // reported separately, summed
 	})
-	if r.Limit != 1000 || r.Ceiling != 1200 {
+	if r.Limit != 1000 || r.Ceiling != 1400 {
 		t.Fatalf("Limit %d Ceiling %d", r.Limit, r.Ceiling)
 	}
 	want := []WindowReport{
 		{WindowIndex: 5, Admitted: 1000, Regions: []RegionLedger{{"eu", 900, 900, 0}, {"us", 100, 300, 200}},
 			StrandedKnown: true, Stranded: 200, StrandedPercent: 20},
 		{WindowIndex: 6, Admitted: 1190, Overshoot: 190, Regions: []RegionLedger{{"eu", 1000, 0, 0}, {"us", 190, 0, 0}}},
-		{WindowIndex: 7, Admitted: 1250, Overshoot: 250, Violation: true, Regions: []RegionLedger{{"eu", 1100, 0, 0}, {"us", 150, 0, 0}},
+		{WindowIndex: 7, Admitted: 1450, Overshoot: 450, Violation: true, Regions: []RegionLedger{{"eu", 1300, 0, 0}, {"us", 150, 0, 0}},
 			StrandedKnown: true},
 	}
 	if !reflect.DeepEqual(r.Windows, want) {
@@ -36,7 +37,7 @@ func TestReconcile(t *testing.T) {
 	if len(r.Violations) != 1 || r.Violations[0].WindowIndex != 7 || r.OK() {
 		t.Errorf("Violations = %+v", r.Violations)
 	}
-	if r.MaxOvershoot != 250 {
+	if r.MaxOvershoot != 450 {
 		t.Errorf("MaxOvershoot = %d", r.MaxOvershoot)
 	}
 

@@ -463,9 +463,13 @@ func (c *cli) bound(ctx context.Context, args []string) error {
 	}
 	fmt.Fprintf(c.out, "policy version %d\n", resp.GetPolicyVersion())
 	for _, b := range resp.GetBounds() {
-		fmt.Fprintf(c.out, "\n%s: G=%d per %s; admitted per window <= %d (overshoot %d); stranded up to %d (%s)\n",
+		parked := ""
+		if n := b.GetStrandedParkedTokens(); n > 0 {
+			parked = fmt.Sprintf("; %d parked in gateways' in-process chunks", n)
+		}
+		fmt.Fprintf(c.out, "\n%s: G=%d per %s; admitted per window <= %d (overshoot %d); stranded up to %d (%s)%s\n",
 			b.GetQuota(), b.GetLimit(), time.Duration(b.GetWindowMs())*time.Millisecond, b.GetMaxAdmittedPerWindow(),
-			b.GetOvershoot(), b.GetStrandedTokens(), b.GetStrandedAssumption())
+			b.GetOvershoot(), b.GetStrandedTokens(), b.GetStrandedAssumption(), parked)
 		var rows [][]string
 		for _, t := range b.GetTerms() {
 			rows = append(rows, []string{t.GetName(), fmt.Sprint(t.GetTokens()), t.GetAssumption(), t.GetHowToZero()})

@@ -93,8 +93,12 @@ func TestCtlAgainstAllocator(t *testing.T) {
 		{"list", []string{"policy", "list"}, []string{"VERSION", "alice", "initial"}, ""},
 		{"diff", []string{"policy", "diff", tighter}, []string{"p-tenant-atlas", "1000", "800"}, ""},
 		{"diff none", []string{"policy", "diff", northstar}, []string{"no changes against version 1"}, ""},
-		{"bound", []string{"bound"}, []string{"p-tenant-atlas: G=1000", "carry_over", "fallback", "lost_grants", "HOW TO MAKE IT 0"}, ""},
-		{"bound one", []string{"bound", "p-global"}, []string{"p-global: G=40000"}, ""},
+		{"bound", []string{"bound"}, []string{"p-tenant-atlas: G=1000", "carry_over", "fallback", "store_fallback", "lost_grants", "HOW TO MAKE IT 0"}, ""},
+		// P-GLOBAL fails over to fallback_per_region 2,000 in each of two
+		// regions' agents and again in their gateways: +8,000. One gateway
+		// a region (the default -gateways-per-region) parks 100.
+		{"bound one", []string{"bound", "p-global"}, []string{"p-global: G=40000 per 1s; admitted per window <= 48000 (overshoot 8000)",
+			"store_fallback", "200 parked in gateways"}, ""},
 		{"window", []string{"window", "p-tenant-atlas"}, []string{"p-tenant-atlas window", "limit 1000", "remaining 1000"}, ""},
 		{"cluster", []string{"cluster"}, []string{"answered by c1 (Leader)", "c1"}, ""},
 		{"stale publish", []string{"policy", "publish", tighter, "-version", "1", "-author", "a", "-reason", "r"}, nil, "failed_precondition"},

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/bits"
 	"time"
 )
 
@@ -83,11 +84,26 @@ func Deadline(sentAt time.Time, expiresUnixMs, leaderNowUnixMs int64, margin tim
 	return sentAt.Add(remaining).Add(-margin)
 }
 
+// DefaultMaxDriftPPM is the relative clock drift rate, in parts per million,
+// that the stated bound assumes by default (the allocator's -max-drift-ppm,
+// bound.DefaultConfig): NotBefore allows for it over a pre-grant's lead.
+const DefaultMaxDriftPPM = 200
+
 // NotBefore returns the instant, on the caller's monotonic clock, before
 // which the region must not spend a pre-grant (tokens of the window after
-// the current one):
+// the current one): NotBeforeDrift at DefaultMaxDriftPPM. A caller that
+// knows the drift the bound assumes passes it to NotBeforeDrift.
+func NotBefore(receivedAt time.Time, notBeforeUnixMs, leaderNowUnixMs int64) time.Time {
+	return NotBeforeDrift(receivedAt, notBeforeUnixMs, leaderNowUnixMs, DefaultMaxDriftPPM)
+}
+
+// NotBeforeDrift returns the instant, on the caller's monotonic clock,
+// before which the region must not spend a pre-grant (tokens of the window
+// after the current one), given the largest relative drift rate of the two
+// clocks, driftPPM:
 //
-//	notBefore = receivedAt + (notBeforeUnixMs - leaderNowUnixMs) + 1 ms
+//	lead      = notBeforeUnixMs - leaderNowUnixMs
+//	notBefore = receivedAt + lead + ceil(lead x driftPPM / 1e6) + 1 ms
 //
 // receivedAt is the caller's clock reading taken when the Acquire's answer
 // ARRIVED; notBeforeUnixMs (the window's start) and leaderNowUnixMs are
@@ -95,14 +111,20 @@ func Deadline(sentAt time.Time, expiresUnixMs, leaderNowUnixMs int64, margin tim
 // the leader's clock is added to a reading of the caller's, so no offset
 // between the clocks appears, and by causality the answer arrived after the
 // leader stamped leaderNow, so in real time the region starts spending no
-// earlier than the leader's clock reaches the window's start. The 1 ms covers
-// the drift over a pre-grant's lead (a second or so). No margin is added:
+// earlier than the leader's clock reaches the window's start, as long as
+// the caller's clock does not measure the lead shorter than the leader's:
+// the drift term covers a caller's clock running up to driftPPM faster
+// over the lead (a pre-grant comes up to a minute ahead: 12 ms at 200 ppm),
+// and the 1 ms the stamp's truncation and rounding. No margin is added:
 // the lease margin already ends every chunk of the previous window that
 // early (Deadline), which keeps the two windows' spending apart in real time
 // even across a leader change, as long as the leaders' clocks differ by less
-// than the margin.
-func NotBefore(receivedAt time.Time, notBeforeUnixMs, leaderNowUnixMs int64) time.Time {
+// than the margin. A negative driftPPM counts as zero.
+func NotBeforeDrift(receivedAt time.Time, notBeforeUnixMs, leaderNowUnixMs, driftPPM int64) time.Time {
 	d := msToDuration(satSub(notBeforeUnixMs, leaderNowUnixMs))
+	if d > 0 && driftPPM > 0 {
+		d = time.Duration(satAdd(int64(d), mulDivCeil(int64(d), driftPPM, 1_000_000)))
+	}
 	if d < math.MaxInt64-time.Millisecond {
 		d += time.Millisecond
 	}
@@ -230,6 +252,26 @@ func satAdd(a, b int64) int64 {
 		return math.MinInt64
 	}
 	return s
+}
+
+// mulDivCeil returns ceil(a*b/d) for non-negative a, b and positive d,
+// saturating at MaxInt64; 0 for other arguments.
+func mulDivCeil(a, b, d int64) int64 {
+	if a <= 0 || b <= 0 || d <= 0 {
+		return 0
+	}
+	hi, lo := bits.Mul64(uint64(a), uint64(b))
+	if hi >= uint64(d) {
+		return math.MaxInt64
+	}
+	q, r := bits.Div64(hi, lo, uint64(d))
+	if r != 0 {
+		q++
+	}
+	if q > math.MaxInt64 {
+		return math.MaxInt64
+	}
+	return int64(q)
 }
 
 func satSub(a, b int64) int64 {

@@ -317,8 +317,68 @@ func TestNotBeforeNeverBeforeStart(t *testing.T) {
 			t.Fatalf("not-before %s is %s before the start", nb, startReal.Sub(nb))
 		}
 	})
-	if got := NotBefore(time.UnixMilli(1000), 5000, 4000); !got.Equal(time.UnixMilli(2001)) {
-		t.Fatalf("NotBefore = %v, want 1 s after receipt + 1 ms", got)
+	if got := NotBefore(time.UnixMilli(1000), 5000, 4000); !got.Equal(time.UnixMilli(2001).Add(200 * time.Microsecond)) {
+		t.Fatalf("NotBefore = %v, want 1 s after receipt + 200 ppm of it + 1 ms", got)
+	}
+}
+
+// TestNotBeforeCoversDrift: a region whose clock runs up to 200 ppm fast
+// against the leader's (the drift the bound assumes by default) measures a
+// pre-grant's lead, up to a minute, as that much longer: its not-before,
+// read back in real time, is still at or after the instant the leader's
+// clock reaches the window's start. With 1 ms for drift alone, a 30 s lead
+// opened the window 5 ms early.
+func TestNotBeforeCoversDrift(t *testing.T) {
+	base := time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC)
+	check := func(t interface {
+		Fatalf(string, ...any)
+	}, ppm int64, out, back time.Duration, leadMs int64) {
+		// The leader's clock is true time; the region's runs ppm fast:
+		// local(r) = base + (r - base) x (1e6 + ppm) / 1e6.
+		local := func(r time.Time) time.Time {
+			return base.Add(time.Duration(int64(r.Sub(base)) * (1_000_000 + ppm) / 1_000_000))
+		}
+		real := func(l time.Time) time.Time {
+			return base.Add(time.Duration(float64(l.Sub(base)) * 1e6 / float64(1_000_000+ppm)))
+		}
+		stamp := base.Add(time.Second).Add(out).Truncate(time.Millisecond)
+		leaderNow := stamp.UnixMilli()
+		start := leaderNow + leadMs
+		received := local(stamp.Add(back))
+		if nb := real(NotBefore(received, start, leaderNow)); nb.Before(time.UnixMilli(start)) {
+			t.Fatalf("%d ppm, lead %d ms: the pre-grant opens %s before its window", ppm, leadMs, time.UnixMilli(start).Sub(nb))
+		}
+	}
+	check(t, DefaultMaxDriftPPM, 0, 0, 30_000)
+	rapid.Check(t, func(t *rapid.T) {
+		check(t, rapid.Int64Range(0, DefaultMaxDriftPPM).Draw(t, "ppm"),
+			time.Duration(rapid.Int64Range(0, 500_000).Draw(t, "out us"))*time.Microsecond,
+			time.Duration(rapid.Int64Range(0, 500_000).Draw(t, "back us"))*time.Microsecond,
+			rapid.Int64Range(0, 60_000).Draw(t, "lead ms"))
+	})
+	// 30 s ahead at 200 ppm: 6 ms for the drift, 1 ms for the stamp.
+	if got := NotBefore(time.UnixMilli(0), 30_000, 0); !got.Equal(time.UnixMilli(30_007)) {
+		t.Fatalf("NotBefore 30 s ahead = %v, want 30.007 s", got)
+	}
+}
+
+func TestNotBeforeDrift(t *testing.T) {
+	r := time.UnixMilli(1000)
+	for _, c := range []struct {
+		name               string
+		nb, leaderNow, ppm int64
+		want               time.Time
+	}{
+		{"no drift", 31_000, 1000, 0, time.UnixMilli(31_001)},
+		{"negative drift counts as zero", 31_000, 1000, -5, time.UnixMilli(31_001)},
+		{"500 ppm over 30 s", 31_000, 1000, 500, time.UnixMilli(31_016)},
+		{"rounded up to the nanosecond", 1001, 1000, 1, r.Add(time.Millisecond + time.Nanosecond + time.Millisecond)},
+		{"a start already passed adds no drift", 900, 1000, 200, time.UnixMilli(901)},
+		{"saturates", math.MaxInt64, 0, 999_999, r.Add(math.MaxInt64)},
+	} {
+		if got := NotBeforeDrift(r, c.nb, c.leaderNow, c.ppm); !got.Equal(c.want) {
+			t.Errorf("%s: NotBeforeDrift = %v, want %v", c.name, got, c.want)
+		}
 	}
 }
 
