@@ -23,6 +23,38 @@ func TestBoundConfigStatesGateways(t *testing.T) {
 	}
 }
 
+// TestBoundConfigCarriesEveryAssumption: each assumption the allocator's
+// flags state reaches the bound; a dropped one would state a smaller bound
+// (StoreAsyncFailover, say) with nothing else noticing.
+func TestBoundConfigCarriesEveryAssumption(t *testing.T) {
+	c := validConfig()
+	c.LeaseMargin = 700 * time.Millisecond
+	c.MaxDriftPPM = 333
+	c.MaxOneWayDelay = 77 * time.Millisecond
+	c.MaxLeaderSkew = 55 * time.Millisecond
+	c.StoreAsyncFailover = true
+	c.StoreReplicationLag = 3 * time.Second
+	c.GatewaysPerRegion = 6
+	b := c.BoundConfig()
+	for _, f := range []struct {
+		name      string
+		got, want any
+	}{
+		{"ExpiryMargin", b.ExpiryMargin, c.LeaseMargin},
+		{"MaxDriftPPM", b.MaxDriftPPM, c.MaxDriftPPM},
+		{"MaxOneWayDelay", b.MaxOneWayDelay, c.MaxOneWayDelay},
+		{"MaxLeaderSkew", b.MaxLeaderSkew, c.MaxLeaderSkew},
+		{"StoreAsyncFailover", b.StoreAsyncFailover, c.StoreAsyncFailover},
+		{"StoreReplicationLag", b.StoreReplicationLag, c.StoreReplicationLag},
+		{"Gateways", b.Gateways, c.GatewaysPerRegion},
+		{"QuorumCommit", b.QuorumCommit, true},
+	} {
+		if f.got != f.want {
+			t.Errorf("%s %v, want %v", f.name, f.got, f.want)
+		}
+	}
+}
+
 // TestGetBoundReportsParkedTokens: a policy with lease.gateway_chunk parks
 // tokens in gateways' in-process chunks; GetBound reports them (regions x
 // the stated gateways per region x the chunk), and for a fallback quota the
