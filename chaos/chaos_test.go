@@ -183,17 +183,40 @@ func TestChaos(t *testing.T) {
 		if l := res.Linearizability[q.Name]; l.Windows == 0 || len(l.Unknown) > 0 {
 			t.Errorf("quota %s: linearizability checked %d windows, undecided in %v", q.Name, l.Windows, l.Unknown)
 		}
-		var admitted int64
-		for _, w := range res.Windows[q.Name] {
-			admitted += w.Admitted
-		}
-		if admitted == 0 {
-			t.Errorf("quota %s: nothing admitted", q.Name)
-		}
+	}
+	for _, msg := range loadErrors(h, res, s.Quotas(), s.cfg.Regions, s.CheckParams().FaultGrace) {
+		t.Error(msg)
 	}
 	if !res.OK() {
 		t.Errorf("%d violations (listed in the report above and in chaos/out/report.txt)", len(res.Violations))
 	}
+}
+
+// loadErrors says where a run's load left the checks nothing to bite on
+// (empty when it did not). The bound check fails only in a window offered
+// more than G + the bound, so an allocator granting twice G passes every
+// run whose load stays below G: each quota that is not a Birch (a
+// contended quota, like Atlas) must have had at least one calm window (no
+// fault span, extended by grace, touches it) whose measured offered load,
+// admitted + denied, exceeded G + the bound and in which requests were
+// denied. And every region must have admitted something of every quota:
+// a region that never admits has checked nothing of its own leases. The
+// load is measured from the answers, not taken from the configured demand.
+func loadErrors(h history.History, res *check.Result, quotas []check.Quota, regions []string, grace time.Duration) []string {
+	var out []string
+	for _, q := range quotas {
+		l := check.MeasureLoad(h, res, q, grace)
+		for _, r := range regions {
+			if l.Admitted[r] == 0 {
+				out = append(out, fmt.Sprintf("quota %s: region %s admitted nothing over the run", q.Name, r))
+			}
+		}
+		if !q.Birch && l.Contended == 0 {
+			out = append(out, fmt.Sprintf("quota %s: no calm window was offered more than G + bound = %d and denied some (%s): the bound check could not fail; raise the quota's demand",
+				q.Name, q.Ceiling(), l))
+		}
+	}
+	return out
 }
 
 // clockFree are the checks that compare no wall-clock stamp with the true
@@ -455,5 +478,68 @@ func TestSampleDrift(t *testing.T) {
 	}
 	if d.Abs() > time.Millisecond {
 		t.Errorf("drift sampled right after the offset was measured: %s, want within 1ms", d)
+	}
+}
+
+// TestLoadErrors: loadErrors objects to a run whose contended quota was
+// never offered more than G + bound in a calm window (with denials), and to
+// a region that admitted nothing of a quota; a Birch is never required to
+// be contended.
+func TestLoadErrors(t *testing.T) {
+	const sec = int64(time.Second)
+	atlas := check.Quota{Name: "atlas", Limit: 100, WindowMs: 1000}
+	birch := check.Quota{Name: "birch", Limit: 10000, WindowMs: 1000, Birch: true}
+	ev := func(kind history.Kind, quota, region string, n, at int64) history.Event {
+		e := history.Event{Kind: kind, Quota: quota, Region: region, Tokens: n, At: at}
+		if kind == history.KindDeny {
+			e.Reason = history.ReasonLimited
+		}
+		return e
+	}
+	// Window 10: atlas offered 130 (eu 80 + us 20 admitted, 30 denied);
+	// birch admitted in both regions.
+	contended := []history.Event{
+		ev(history.KindAdmit, "atlas", "eu", 80, 10*sec+100_000_000),
+		ev(history.KindAdmit, "atlas", "us", 20, 10*sec+100_000_000),
+		ev(history.KindDeny, "atlas", "eu", 30, 10*sec+200_000_000),
+		ev(history.KindAdmit, "birch", "eu", 5, 10*sec+100_000_000),
+		ev(history.KindAdmit, "birch", "us", 5, 10*sec+100_000_000),
+	}
+	// The same load at a fifth: atlas never above G.
+	light := []history.Event{
+		ev(history.KindAdmit, "atlas", "eu", 16, 10*sec+100_000_000),
+		ev(history.KindAdmit, "atlas", "us", 4, 10*sec+100_000_000),
+		ev(history.KindAdmit, "birch", "eu", 1, 10*sec+100_000_000),
+		ev(history.KindAdmit, "birch", "us", 1, 10*sec+100_000_000),
+	}
+	tests := []struct {
+		name    string
+		events  []history.Event
+		spans   []history.Span
+		regions []string
+		want    []string
+	}{
+		{name: "contended", events: contended, regions: []string{"eu", "us"}},
+		{name: "load below G", events: light, regions: []string{"eu", "us"}, want: []string{"quota atlas: no calm window"}},
+		{name: "contended only in a fault", events: contended, regions: []string{"eu", "us"},
+			spans: []history.Span{{Scenario: "stop-leader", Start: 10 * sec, End: 10*sec + 500_000_000}}, want: []string{"quota atlas: no calm window"}},
+		{name: "a region that admitted nothing", events: contended, regions: []string{"ap", "eu", "us"},
+			want: []string{"quota atlas: region ap admitted nothing", "quota birch: region ap admitted nothing"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			h := history.History{Events: tt.events, Spans: tt.spans}
+			p := check.Params{Quotas: []check.Quota{atlas, birch}, FaultGrace: time.Second}
+			res := check.Run(h, p)
+			got := loadErrors(h, res, p.Quotas, tt.regions, p.FaultGrace)
+			if len(got) != len(tt.want) {
+				t.Fatalf("loadErrors = %q, want %d errors starting %q", got, len(tt.want), tt.want)
+			}
+			for i, w := range tt.want {
+				if !strings.HasPrefix(got[i], w) {
+					t.Errorf("error %d = %q, want it to start %q", i, got[i], w)
+				}
+			}
+		})
 	}
 }

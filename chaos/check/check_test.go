@@ -858,3 +858,65 @@ func TestCeilingSaturates(t *testing.T) {
 		t.Fatalf("1,000 admitted against a ceiling of math.MaxInt64: %d bound violations, want 0: %v", n, r.Violations)
 	}
 }
+
+// TestMeasureLoad: a calm window offered (admitted + denied, measured) more
+// than G + bound, with denials, is contended; a window a fault span touches
+// (extended by grace) or one offered no more than the ceiling is not.
+func TestMeasureLoad(t *testing.T) {
+	deny := func(region string, n, at int64) history.Event {
+		return history.Event{Kind: history.KindDeny, Region: region, Quota: "atlas", Tokens: n, At: at, Reason: history.ReasonLimited}
+	}
+	// Window 10: eu 70 + us 30 admitted, 20 denied: offered 120 > G 100.
+	flood := []history.Event{
+		admit("eu", "g1", 70, 10*sec+100*ms, 10*sec+600*ms),
+		admit("us", "g2", 30, 10*sec+100*ms, 10*sec+600*ms),
+		deny("eu", 20, 10*sec+300*ms),
+	}
+	// Window 12: 90 admitted, none denied: under G.
+	light := []history.Event{admit("eu", "g3", 90, 12*sec+100*ms, 12*sec+600*ms)}
+	tests := []struct {
+		name      string
+		events    []history.Event
+		spans     []history.Span
+		bound     int64
+		contended int
+		max       int64
+	}{
+		{name: "a calm flooded window", events: flood, contended: 1, max: 120},
+		{name: "under G", events: light, max: 90},
+		{name: "flooded during a fault", events: flood, spans: []history.Span{{Scenario: "stop-leader", Start: 10*sec + 200*ms, End: 10*sec + 400*ms}}},
+		{name: "flooded within the grace after a fault", events: flood, spans: []history.Span{{Scenario: "stop-leader", Start: 9*sec + 200*ms, End: 9*sec + 600*ms}}},
+		{name: "flooded beside a skipped fault", events: flood, spans: []history.Span{{Scenario: "restart-store", Start: 10 * sec, End: 11 * sec, Skipped: "no store"}}, contended: 1, max: 120},
+		{name: "over G but within G + bound", events: flood, bound: 20, max: 120},
+		{name: "over G and nothing denied", events: append(append([]history.Event(nil), flood[:2]...), admit("us", "g2", 20, 10*sec+300*ms, 10*sec+600*ms)), max: 120},
+		{name: "a flood and a light window", events: append(append([]history.Event(nil), flood...), light...), contended: 1, max: 120},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			q := atlas
+			q.Bound = tt.bound
+			h := history.History{Events: tt.events, Spans: tt.spans}
+			r := run(t, h, q)
+			l := MeasureLoad(h, r, q, 500*time.Millisecond)
+			if l.Contended != tt.contended || l.MaxOffered != tt.max {
+				t.Errorf("contended %d, max offered %d; want %d, %d (%s)", l.Contended, l.MaxOffered, tt.contended, tt.max, l)
+			}
+			var admitted int64
+			for _, e := range tt.events {
+				if e.Kind == history.KindAdmit {
+					admitted += e.Tokens
+				}
+			}
+			if got := l.Admitted["eu"] + l.Admitted["us"]; got != admitted {
+				t.Errorf("admitted per region %v, want %d in all", l.Admitted, admitted)
+			}
+			var b strings.Builder
+			if err := Render(&b, "test", h, r, []Quota{q}, 500*time.Millisecond); err != nil {
+				t.Fatal(err)
+			}
+			if !strings.Contains(b.String(), l.String()) || !strings.Contains(b.String(), "max offered") {
+				t.Errorf("report lacks the measured load %q:\n%s", l, b.String())
+			}
+		})
+	}
+}

@@ -19,8 +19,9 @@ type Row struct {
 	Quota string
 	// Windows is how many windows the scenario touched.
 	Windows int
-	// MaxAdmitted is the most admitted in one of them, by the true clock.
-	MaxAdmitted int64
+	// MaxAdmitted is the most admitted in one of them, by the true clock;
+	// MaxOffered the most offered (Window.Offered) in one of them.
+	MaxAdmitted, MaxOffered int64
 	// G and Bound are the limit and the stated overshoot.
 	G, Bound int64
 	// Violations counts violations of every check located in those windows.
@@ -52,7 +53,7 @@ func Table(h history.History, r *Result, quotas []Quota, grace time.Duration) []
 			if s.Skipped == "" {
 				set := map[int64]bool{}
 				for _, w := range r.Windows[q.Name] {
-					if w.End > s.Start && w.Start <= s.End+int64(grace) {
+					if touches(s, w, grace) {
 						set[w.Index] = true
 					}
 				}
@@ -89,6 +90,7 @@ func fill(row *Row, r *Result, q Quota, set map[int64]bool) {
 		}
 		row.Windows++
 		row.MaxAdmitted = max(row.MaxAdmitted, w.Admitted)
+		row.MaxOffered = max(row.MaxOffered, w.Offered())
 		stranded += w.Stranded
 	}
 	for _, v := range r.Violations {
@@ -106,7 +108,7 @@ func Render(w io.Writer, title string, h history.History, r *Result, quotas []Qu
 	var b strings.Builder
 	fmt.Fprintf(&b, "%s\n", title)
 	tw := tabwriter.NewWriter(&b, 0, 4, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "scenario\tquota\twindows\tmax admitted\tG\tbound\tviolations\tstranded %\trecovery\t")
+	fmt.Fprintln(tw, "scenario\tquota\twindows\tmax offered\tmax admitted\tG\tbound\tviolations\tstranded %\trecovery\t")
 	for _, row := range Table(h, r, quotas, grace) {
 		rec := "-"
 		switch {
@@ -115,12 +117,16 @@ func Render(w io.Writer, title string, h history.History, r *Result, quotas []Qu
 		case row.Recovery >= 0:
 			rec = row.Recovery.Round(time.Millisecond).String()
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\t%d\t%.1f\t%s\t\n", row.Scenario, row.Quota, row.Windows, row.MaxAdmitted, row.G, row.Bound, row.Violations, row.StrandedPct, rec)
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%.1f\t%s\t\n", row.Scenario, row.Quota, row.Windows, row.MaxOffered, row.MaxAdmitted, row.G, row.Bound, row.Violations, row.StrandedPct, rec)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintf(&b, "\ngrants received %d, replays checked %d, ledger reads %d, acquires never answered %d, ledger grants no region knows %d\n",
+	b.WriteString("\n")
+	for _, q := range quotas {
+		fmt.Fprintf(&b, "%s\n", MeasureLoad(h, r, q, grace))
+	}
+	fmt.Fprintf(&b, "grants received %d, replays checked %d, ledger reads %d, acquires never answered %d, ledger grants no region knows %d\n",
 		r.Grants, r.Replays, r.LedgerReads, r.Unresolved, r.Unclaimed)
 	fmt.Fprintf(&b, "deposit deadlines checked %d, deposits of unknown outcome %d (%d of them in a fault of their store)\n",
 		r.DepositsChecked, r.DepositsUnknown, r.DepositsExcused)

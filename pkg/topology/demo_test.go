@@ -127,7 +127,7 @@ func atoi(t *testing.T, s string) int64 {
 
 // checkTables checks windows tables in out: Atlas within G + the bound in
 // each, admitted and denied (a flood), both regions reported, Birch never
-// denied.
+// denied and answered unavailable (503) for at most 1% of its requests.
 func checkTables(t *testing.T, out string, windows int) {
 	t.Helper()
 	verdicts := verdictRe.FindAllStringSubmatch(out, -1)
@@ -160,15 +160,29 @@ func checkTables(t *testing.T, out string, windows int) {
 	if len(birch) != windows {
 		t.Fatalf("%d birch lines, want %d", len(birch), windows)
 	}
+	var requests, unavail int64
 	for _, b := range birch {
 		if atoi(t, b[2]) == 0 || atoi(t, b[3]) != 0 {
 			t.Errorf("birch %q: want admitted > 0, never denied", b[0])
 		}
-		// A 503 is the limiter not deciding in time (a lease renewal slower
-		// than the agent's starve wait on a loaded machine), not a denial.
-		if n := atoi(t, b[4]); n > 0 {
-			t.Logf("birch: %d answered unavailable (503)", n)
-		}
+		requests += atoi(t, b[1])
+		unavail += atoi(t, b[4])
+	}
+	// A 503 fails Birch's request as surely as a 429 (the chaos suite
+	// counts both as a birch_denied violation outside faults), and the demo
+	// has no fault: an agent that answers 503 whenever a pool runs short
+	// instead of renewing within its starve wait must fail here. A correct
+	// agent answers none; the tolerance, 1% of Birch's requests, is for a
+	// renewal slower than the starve wait when this test shares a 2-core
+	// CI machine with other packages' tests, and stays far below what such
+	// an agent answers (14-20% of Birch's requests).
+	if requests == 0 {
+		t.Fatal("birch offered no requests")
+	}
+	if unavail*100 > requests {
+		t.Errorf("birch: %d of %d requests answered unavailable (503), more than 1%%", unavail, requests)
+	} else if unavail > 0 {
+		t.Logf("birch: %d of %d requests answered unavailable (503), within the 1%% a loaded machine is allowed", unavail, requests)
 	}
 }
 
