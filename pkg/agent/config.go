@@ -127,8 +127,19 @@ type LeaseConfig struct {
 	// Margin is subtracted from every lease deadline. It must cover the
 	// clock drift over a TTL and the skew between allocator leaders, and
 	// should equal the allocator's -lease-margin, which the stated bound
-	// assumes.
+	// assumes. An allocator that states its margin in its Acquire answers
+	// (lease_margin_ms) and states a larger one is followed: deadlines use
+	// the larger of the two from then on, and the agent warns.
 	Margin time.Duration
+	// MaxDriftPPM is the assumed maximum rate error of the agent's clock
+	// against the allocator leader's, in parts per million (the bound's
+	// assumption: pkg/bound Config.MaxDriftPPM). While cut off, the agent
+	// places the leader's windows by the monotonic time since its last
+	// measurement of the leader's clock, and widens that estimate by this
+	// much of the time elapsed: a fallback allowance is deposited only
+	// where the estimate is surely inside its window. A pre-grant opens
+	// that much of its lead later too (lease.NotBeforeDrift).
+	MaxDriftPPM int64
 	// MinStoreDelay is the floor of the agent-to-Redis delay subtracted
 	// from a deposit's TTL (the measured delay is used when larger).
 	MinStoreDelay time.Duration
@@ -220,6 +231,7 @@ func DefaultLeaseConfig() LeaseConfig {
 		Lead:             time.Second,
 		MinChunk:         1,
 		Margin:           250 * time.Millisecond,
+		MaxDriftPPM:      200,
 		MinStoreDelay:    time.Millisecond,
 		MinUsefulTTL:     20 * time.Millisecond,
 		DepositTimeout:   50 * time.Millisecond,
@@ -306,6 +318,9 @@ func (c LeaseConfig) Validate() error {
 	}
 	if c.Margin < 0 {
 		bad("Margin must not be negative, got %s", c.Margin)
+	}
+	if c.MaxDriftPPM < 0 || c.MaxDriftPPM >= 1_000_000 {
+		bad("MaxDriftPPM must be in [0, 1000000), got %d", c.MaxDriftPPM)
 	}
 	if c.MinStoreDelay < 0 {
 		bad("MinStoreDelay must not be negative, got %s", c.MinStoreDelay)

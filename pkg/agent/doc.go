@@ -45,7 +45,8 @@
 //     metrics sum a template's instances under the template's name.
 //     Grants are deposited with DepositChunk for a TTL computed by the
 //     send-time rule (lease.Deadline from the moment the Acquire was first
-//     sent, minus Config.Lease.Margin; lease.RedisTTL subtracts the measured
+//     sent, minus Config.Lease.Margin, or the allocator's lease_margin_ms
+//     when larger; lease.RedisTTL subtracts the measured
 //     store delay), so a chunk never outlives its lease. A call that gets no
 //     answer is retried with the SAME request id (the allocator replays it),
 //     and its deadlines still count from the first send; the client follows
@@ -72,8 +73,17 @@
 //     round after the turn, as with clamp off.
 //   - Cut-off. When the allocator does not answer, the region spends only
 //     what it holds, plus the policy's fallback_per_region once per window
-//     for a fallback quota (the bound's fallback term). A request its pool
-//     cannot serve is then answered unavailable (503: the limiter's problem).
+//     for a fallback quota (the bound's fallback term). The allowance's
+//     window is placed by the leader's clock as the last fresh Acquire
+//     answer measured it, carried on by the monotonic clock (never the wall
+//     clock) and widened by Config.Lease.MaxDriftPPM of the time since: it
+//     is deposited only once the leader's clock is surely inside the window,
+//     and dies the margin before the window surely ends, so the region's
+//     agents never hold two windows' allowances at once. A process that has
+//     had no answer since it started deposits none
+//     (allot_agent_fallback_withheld_total{reason="unmeasured"}). A request
+//     its pool cannot serve is then answered unavailable (503: the
+//     limiter's problem).
 //     A pool the allocator reports exhausted for the window is marked in the
 //     store (MarkExhausted), so requests get 429 with Retry-After to the
 //     window's end. A request short of tokens while a renewal is on its way

@@ -198,7 +198,15 @@ type leases struct {
 	pending    []*acquireCall
 	storeDelay time.Duration
 	acquireRTT time.Duration
-	offsetMs   int64 // leader wall clock minus ours (scheduling only)
+	offsetMs   int64 // leader wall clock minus ours, as last measured (the clock offset gauge)
+	// leader is the leader's clock as last measured (see leaderNow).
+	leader leaderClock
+	// warnedUnmeasured: the warning that fallback allowances are withheld
+	// until the leader's clock is measured was logged.
+	warnedUnmeasured bool
+	// allocMargin is the expiry margin the allocator's answers last stated
+	// (0: none did); warnedMargin the last one warned about (see margin).
+	allocMargin, warnedMargin time.Duration
 	// maxWants is the most wants one Acquire carries: MaxWantsPerCall,
 	// lowered to what the allocator takes when it refuses a call as too
 	// large (see failed).
@@ -852,7 +860,7 @@ func (l *leases) pregrant(q *quota, now time.Time) *allotv1.Want {
 		return nil
 	}
 	w := q.spec.Window.Milliseconds()
-	next := lease.WindowIndex(now.UnixMilli()+l.offsetMs, w) + 1
+	next := lease.WindowIndex(l.leaderMs(now), w) + 1
 	if q.pregranted >= next {
 		return nil // asked for this turn already
 	}
@@ -881,7 +889,14 @@ func (l *leases) planRenewal(q *quota, now time.Time) (*allotv1.Want, bool) {
 	if !low && (!starving || held >= q.cost) {
 		return nil, false
 	}
-	fallback := l.cutOff && l.fallbackDue(q, now)
+	fallback := false
+	if l.cutOff {
+		var withheld string
+		fallback, withheld = l.fallbackState(q, now)
+		if withheld != "" {
+			l.withhold(q, withheld, starving, now)
+		}
+	}
 	if q.inflight {
 		return nil, fallback
 	}
@@ -930,7 +945,7 @@ func sanitizeRate(r float64) float64 {
 // (lease.LeadWithin): a fresh grant is spendable in the store for its TTL
 // less the margin, the deposit bound and the round trip it took.
 func (l *leases) sizing(q *quota) lease.Sizing {
-	life := q.spec.TTL - l.cfg.Margin - l.depositBound() - l.acquireRTT
+	life := q.spec.TTL - l.margin() - l.depositBound() - l.acquireRTT
 	lead := lease.LeadWithin(l.cfg.Lead, life, l.cfg.Tick, l.acquireRTT)
 	return lease.Sizing{MinChunk: min(l.cfg.MinChunk, q.spec.Chunk), MaxChunk: q.spec.Chunk, Lead: lead, RTT: l.acquireRTT}
 }
@@ -948,24 +963,43 @@ func (l *leases) pollInterval(q *quota) time.Duration {
 }
 
 // windowEndEstimate is when (on the monotonic clock) q's current window
-// ends, from the wall clock and the measured offset of the leader's clock.
-// It schedules renewals only; deadlines never use it.
+// ends, by the estimate of the leader's clock (leaderMs). It schedules
+// renewals only; deadlines never use it.
 func (l *leases) windowEndEstimate(q *quota, now time.Time) time.Time {
 	w := q.spec.Window.Milliseconds()
-	wall := now.UnixMilli() + l.offsetMs
-	end := lease.WindowEnd(lease.WindowIndex(wall, w), w)
-	return now.Add(time.Duration(end-wall) * time.Millisecond)
+	ms := l.leaderMs(now)
+	end := lease.WindowEnd(lease.WindowIndex(ms, w), w)
+	return now.Add(time.Duration(end-ms) * time.Millisecond)
 }
 
-// fallbackDue reports whether q may get its fallback allowance for the
-// current window. The caller holds l.mu.
+// fallbackPolicy reports whether q's policy gives the region a fallback
+// allowance while cut off.
+func fallbackPolicy(q *quota) bool {
+	return q.spec.FailMode == policy.FailFallback && q.spec.FallbackPerRegion > 0
+}
+
+// fallbackDue reports whether q may get its fallback allowance now. The
+// caller holds l.mu.
 func (l *leases) fallbackDue(q *quota, now time.Time) bool {
-	if q.spec.FailMode != policy.FailFallback || q.spec.FallbackPerRegion <= 0 {
-		return false
+	due, _ := l.fallbackState(q, now)
+	return due
+}
+
+// fallbackState reports whether q may get its fallback allowance now, and
+// otherwise why an allowance the policy gives is withheld (fallbackWindow;
+// "" when there is no allowance, or this window's is deposited). The caller
+// holds l.mu.
+func (l *leases) fallbackState(q *quota, now time.Time) (due bool, withheld string) {
+	if !fallbackPolicy(q) {
+		return false, ""
 	}
-	w := q.spec.Window.Milliseconds()
-	idx := lease.WindowIndex(now.UnixMilli()+l.offsetMs, w)
-	return !q.hasFallback || q.fallbackIdx != idx
+	idx, _, withheld := l.fallbackWindow(q, now)
+	if withheld != "" {
+		return false, withheld
+	}
+	// Never an older window than the last allowance's (a new measurement
+	// of a leader whose clock is behind).
+	return !q.hasFallback || idx > q.fallbackIdx, ""
 }
 
 // turnNear returns the estimated end of q's window and whether it is too
@@ -974,18 +1008,26 @@ func (l *leases) fallbackDue(q *quota, now time.Time) bool {
 // then keep q's starving requests for the turn. The caller holds l.mu.
 func (l *leases) turnNear(q *quota, now time.Time) (time.Time, bool) {
 	end := l.windowEndEstimate(q, now)
-	return end, end.Sub(now) < l.cfg.Margin+l.acquireRTT+l.depositBound()+l.cfg.MinUsefulTTL
+	return end, end.Sub(now) < l.margin()+l.acquireRTT+l.depositBound()+l.cfg.MinUsefulTTL
 }
 
 // fallbackNext reports whether q's window is in its last stretch (turnNear:
-// its fallback allowance has expired or is about to) and the next window's
-// allowance will be due at the turn: a request then waits for that deposit,
-// as one of a connected region waits for the renewal at the turn, rather
-// than being answered 503 for the rest of every window while the region is
-// cut off. The caller holds l.mu.
+// its fallback allowance has expired or is about to) or in its first, where
+// the leader's clock may not have reached it yet (withheldWindowStart), and
+// the window's allowance will be due shortly: a request then waits for that
+// deposit, as one of a connected region waits for the renewal at the turn,
+// rather than being answered 503 for the rest of every window while the
+// region is cut off. Nothing is due while the leader's clock was never
+// measured. The caller holds l.mu.
 func (l *leases) fallbackNext(q *quota, now time.Time) bool {
-	if q.spec.FailMode != policy.FailFallback || q.spec.FallbackPerRegion <= 0 {
+	if !fallbackPolicy(q) {
 		return false
+	}
+	switch _, _, withheld := l.fallbackWindow(q, now); withheld {
+	case withheldUnmeasured:
+		return false
+	case withheldWindowStart:
+		return true
 	}
 	_, near := l.turnNear(q, now)
 	return near
@@ -1000,9 +1042,11 @@ func (l *leases) depositFallback(ctx context.Context, eng *admission.Engine, q *
 		l.mu.Unlock()
 		return
 	}
-	w := q.spec.Window.Milliseconds()
-	idx := lease.WindowIndex(now.UnixMilli()+l.offsetMs, w)
-	deadline := l.windowEndEstimate(q, now).Add(-l.cfg.Margin)
+	// The allowance is of the window that surely holds now by the leader's
+	// clock, and ends the margin before that window surely ends, so no two
+	// agents (or processes) of the region ever hold two windows' allowances
+	// at once, whatever their wall clocks say.
+	idx, deadline, _ := l.fallbackWindow(q, now)
 	// The metric is labelled with the rule: a template's name for its
 	// instances, so the labels stay bounded.
 	name, rule, tokens := q.name, q.spec.Name, q.spec.FallbackPerRegion
@@ -1136,9 +1180,10 @@ func (l *leases) do(ctx, after context.Context, eng *admission.Engine, c *acquir
 	// offset would run past the real window's end by as much.
 	if first && !resp.Replayed {
 		l.acquireRTT = time.Duration(0.8*float64(l.acquireRTT) + 0.2*float64(rtt))
-		mid := t0.UnixMilli() + rtt.Milliseconds()/2
-		l.offsetMs = resp.LeaderNowUnixMs - mid
+		l.observeLeader(resp.LeaderNowUnixMs, t0, t1)
 	}
+	// Before the grants: their deadlines use it.
+	l.observeMargin(resp.GetLeaseMarginMs())
 	l.mu.Unlock()
 	// Deposit concurrently: the store's auto-batcher pipelines them.
 	if len(resp.Grants) == 1 {
@@ -1321,7 +1366,7 @@ func (l *leases) grant(ctx, after context.Context, eng *admission.Engine, c *acq
 	pre := g.NotBeforeUnixMs > 0
 	var opens time.Time
 	if pre {
-		opens = lease.NotBefore(c.recvAt, g.NotBeforeUnixMs, leaderNow)
+		opens = lease.NotBeforeDrift(c.recvAt, g.NotBeforeUnixMs, leaderNow, l.cfg.MaxDriftPPM)
 		if g.Tokens > 0 {
 			// Never ask twice for one window's pre-grant.
 			q.pregranted = max(q.pregranted, g.WindowIndex)
@@ -1351,7 +1396,7 @@ func (l *leases) grant(ctx, after context.Context, eng *admission.Engine, c *acq
 		q.granted += g.Tokens
 	}
 	l.m.acquireToks.Add(float64(g.Tokens))
-	deadline := lease.Deadline(c.sentAt, g.ExpiresUnixMs, leaderNow, l.cfg.Margin)
+	deadline := lease.Deadline(c.sentAt, g.ExpiresUnixMs, leaderNow, l.margin())
 	now := l.clock.Now()
 	// depositBound is how long a deposit may take (see the loop below);
 	// the store TTL leaves it unused, so the early check counts it too.

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
@@ -324,29 +325,88 @@ func TestRefusedQuotaIsAnsweredAtOnce(t *testing.T) {
 	})
 }
 
-// TestCutOffFallbackAllowance: a fallback quota admits its
-// fallback_per_region once per window while cut off, then answers 503.
-func TestCutOffFallbackAllowance(t *testing.T) {
-	rdb := sharedRedis(t)
-	doc := quotasPolicy(t, "5", "30s", "1h", 3, "fallback")
-	cfg := testConfig("eu", "127.0.0.1:1") // no allocator listens there
-	cfg.Lease.AcquireTimeout = 100 * time.Millisecond
-	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 0)))
+// answerOnceThenDown makes fa answer the first Acquire with nothing granted
+// (the agent measures the leader's clock and holds nothing) and every later
+// one unavailable: an allocator partitioned away after one answer.
+func answerOnceThenDown(fa *fakeAllocator) {
+	var answered atomic.Bool
+	fa.setHook(func(_ context.Context, _ *allotv1.AcquireRequest, commit func() (*allotv1.AcquireResponse, error)) (*allotv1.AcquireResponse, error) {
+		if answered.Swap(true) {
+			return nil, connect.NewError(connect.CodeUnavailable, errors.New("test: allocator partitioned away"))
+		}
+		resp, err := commit()
+		if err != nil {
+			return nil, err
+		}
+		for _, g := range resp.Grants {
+			g.Tokens = 0
+		}
+		return resp, nil
+	})
+}
+
+// cutOffAdmits checks tenant a until the agent is cut off and a request is
+// refused (20 checks at most), and returns how many were admitted and the
+// last verdict.
+func cutOffAdmits(t *testing.T, a *agent.Agent) (int, *agent.Verdict) {
+	t.Helper()
 	allowed := 0
 	var last *agent.Verdict
-	for i := 0; i < 10; i++ {
-		last = mustCheck(t, a.Agent, tenant("a"))
-		if !last.Allowed {
+	for i := 0; i < 20; i++ {
+		last = mustCheck(t, a, tenant("a"))
+		if !last.Allowed && a.CutOff() {
 			break
 		}
-		allowed++
+		if last.Allowed {
+			allowed++
+		}
 	}
-	if allowed != 3 || !last.Unavailable {
-		t.Fatalf("cut off from the start: admitted %d then %+v; want the fallback allowance 3, then unavailable", allowed, last)
+	return allowed, last
+}
+
+// TestCutOffFallbackAllowance: cut off after an answer, a fallback quota
+// admits its fallback_per_region once per window, then answers 503.
+func TestCutOffFallbackAllowance(t *testing.T) {
+	rdb := sharedRedis(t)
+	fa := startFakeAllocator(t)
+	doc := quotasPolicy(t, "5", "30s", "1h", 3, "fallback")
+	fa.publish(doc)
+	answerOnceThenDown(fa)
+	cfg := testConfig("eu", fa.addr)
+	cfg.Lease.AcquireTimeout = 100 * time.Millisecond
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
+	if allowed, last := cutOffAdmits(t, a.Agent); allowed != 3 || !last.Unavailable {
+		t.Fatalf("cut off after an answer: admitted %d then %+v; want the fallback allowance 3, then unavailable", allowed, last)
 	}
 	// A closed quota gets nothing while cut off.
 	if v := mustCheck(t, a.Agent, tenant("b")); v.Allowed || !v.Unavailable {
 		t.Fatalf("closed quota while cut off: %+v, want unavailable", v)
+	}
+}
+
+// TestCutOffSinceStartDepositsNoAllowance: an agent that has had no answer
+// since it started (restarted during a partition) has never measured the
+// leader's clock, and its wall clock has no bound against it: it would
+// place the allowance in the window its wall clock says, while the region's
+// other agents (or its previous process) may hold the previous window's. It
+// deposits none: a fallback quota answers 503 at once, counted as withheld.
+func TestCutOffSinceStartDepositsNoAllowance(t *testing.T) {
+	rdb := sharedRedis(t)
+	doc := quotasPolicy(t, "5", "30s", "1h", 3, "fallback")
+	cfg := testConfig("eu", "127.0.0.1:1") // no allocator listens there
+	cfg.Lease.AcquireTimeout = 100 * time.Millisecond
+	reg := prometheus.NewRegistry()
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 0), agent.WithRegisterer(reg)))
+	allowed, last := cutOffAdmits(t, a.Agent)
+	if allowed != 0 || !last.Unavailable || last.Waited >= cfg.StarveWait {
+		t.Fatalf("cut off from the start: admitted %d then %+v; want none, and unavailable without waiting out the starve wait", allowed, last)
+	}
+	// The next round counts the allowance it withholds.
+	waitFor(t, 5*time.Second, "fallback_withheld_total{reason=unmeasured} to count the withheld allowance", func() bool {
+		return metricValue(t, reg, "allot_agent_fallback_withheld_total", "reason", "unmeasured") >= 1
+	})
+	if n := metricValue(t, reg, "allot_agent_fallback_deposits_total"); n != 0 {
+		t.Errorf("fallback_deposits_total = %v, want 0", n)
 	}
 }
 
@@ -357,14 +417,17 @@ func TestCutOffFallbackAllowance(t *testing.T) {
 // every window.
 func TestCutOffWindowTailWaitsForTheNextAllowance(t *testing.T) {
 	rdb := sharedRedis(t)
+	fa := startFakeAllocator(t)
 	doc := quotasPolicy(t, "5", "1s", "1s", 500, "fallback")
-	cfg := testConfig("eu", "127.0.0.1:1") // no allocator listens there
+	fa.publish(doc)
+	answerOnceThenDown(fa)
+	cfg := testConfig("eu", fa.addr)
 	cfg.Lease.AcquireTimeout = 100 * time.Millisecond
 	cfg.Lease.Margin = 200 * time.Millisecond // a tail wide enough to land in
 	// A tail request waits up to ~0.7 s here (the margin and testConfig's
 	// deposit bound); a loaded machine must not turn that into a timeout.
 	cfg.StarveWait = 3 * time.Second
-	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 0)))
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
 	waitFor(t, 5*time.Second, "the agent to find itself cut off", func() bool {
 		mustCheck(t, a.Agent, tenant("a"))
 		return a.CutOff()

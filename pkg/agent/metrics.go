@@ -27,6 +27,8 @@ type metrics struct {
 	poolReads    prometheus.Counter
 	cutOff       prometheus.Gauge
 	fallbackDep  *prometheus.CounterVec // quota
+	fallbackHeld *prometheus.CounterVec // reason
+	clockOffset  prometheus.Gauge
 }
 
 // The label values the agent's counters take, each a bounded, known set:
@@ -41,6 +43,7 @@ var (
 	starveWaitResults   = []string{"served", "timeout", "exhausted", "cut_off", "refused"}
 	storeErrorOps       = []string{"stats", "deposit", "exhaust", "withdraw"}
 	storeErrorKinds     = []string{"timeout", "error"}
+	fallbackHeldReasons = []string{withheldUnmeasured, withheldWindowStart}
 	// badRequestAPIs and badRequestCodes: every API that counts bad requests,
 	// and every code codeOf returns.
 	badRequestAPIs  = []string{"connect", "grpc", "envoy", "connect-batch", "grpc-batch"}
@@ -116,6 +119,14 @@ func newMetrics() *metrics {
 			Name: "allot_agent_fallback_deposits_total",
 			Help: "Fallback allowances deposited while cut off from the allocator, by quota.",
 		}, []string{"quota"}),
+		fallbackHeld: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "allot_agent_fallback_withheld_total",
+			Help: "Fallback allowances due while cut off from the allocator that were not deposited, by reason: unmeasured (this process never measured the allocator leader's clock: no answer since it started), window_start (the window may not have begun by the leader's clock, within the estimate's error). Counted per pool look.",
+		}, []string{"reason"}),
+		clockOffset: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "allot_agent_leader_clock_offset_seconds",
+			Help: "The allocator leader's wall clock minus this agent's, as measured by the last fresh Acquire answer (the leader's stamp against the middle of the call). 0 until the first answer.",
+		}),
 	}
 	m.zero()
 	return m
@@ -128,6 +139,9 @@ func (m *metrics) zero() {
 	}
 	for _, r := range renewFailReasons {
 		m.renewFail.WithLabelValues(r)
+	}
+	for _, r := range fallbackHeldReasons {
+		m.fallbackHeld.WithLabelValues(r)
 	}
 	for _, r := range starveWaitResults {
 		m.starveWaits.WithLabelValues(r)
@@ -148,6 +162,7 @@ func (m *metrics) register(r prometheus.Registerer, l *leases) error {
 	for _, c := range []prometheus.Collector{
 		m.decisions, m.latency, m.badRequests, m.failMode, m.starveWaits, m.storeErrors, m.policyVer, m.policyUpd,
 		m.renewal, m.renewFail, m.acquireCalls, m.acquireWants, m.acquireToks, m.poolReads, m.cutOff, m.fallbackDep,
+		m.fallbackHeld, m.clockOffset,
 		&leaseCollector{l: l},
 	} {
 		if err := r.Register(c); err != nil {
