@@ -18,8 +18,9 @@ import (
 type Pool struct {
 	work    chan func() // unbuffered: a send succeeds only into an idle goroutine
 	idle    time.Duration
-	stop    chan struct{} // closed by Close
-	once    sync.Once
+	stop    chan struct{}  // closed by Close
+	mu      sync.Mutex     // orders Close against Go's starting of goroutines
+	closed  bool           // under mu: Close was called
 	running sync.WaitGroup // the pool's goroutines
 	started atomic.Int64   // goroutines started, for tests
 }
@@ -29,23 +30,39 @@ func New(idle time.Duration) *Pool {
 	return &Pool{work: make(chan func()), idle: idle, stop: make(chan struct{})}
 }
 
-// Go runs f on an idle goroutine of the pool, or on a new one. It must not
-// be called once Close has been.
+// Go runs f on an idle goroutine of the pool, or on a new one. Once Close
+// has been called, f runs on a goroutine of its own that Close does not
+// wait for (a straggler of a caller that is shutting down).
 func (p *Pool) Go(f func()) {
 	select {
 	case p.work <- f:
+		return
 	default:
+	}
+	p.mu.Lock()
+	closed := p.closed
+	if !closed {
 		p.started.Add(1)
 		p.running.Add(1)
-		go p.worker(f)
 	}
+	p.mu.Unlock()
+	if closed {
+		go f()
+		return
+	}
+	go p.worker(f)
 }
 
 // Close makes idle goroutines leave at once and the busy ones when their
 // function returns, and waits for all of them: a caller that needs its
 // functions to end sooner must make them end (cancel their context).
 func (p *Pool) Close() {
-	p.once.Do(func() { close(p.stop) })
+	p.mu.Lock()
+	if !p.closed {
+		p.closed = true
+		close(p.stop)
+	}
+	p.mu.Unlock()
 	p.running.Wait()
 }
 

@@ -82,3 +82,25 @@ func TestCloseEndsEveryGoroutine(t *testing.T) {
 		t.Fatalf("%d goroutines after Close, %d before the pool", n, base)
 	}
 }
+
+// TestGoAfterCloseRuns: a function handed to a closed pool still runs (on a
+// goroutine Close does not wait for) and nothing panics, also when Go
+// races Close; Close can be called twice.
+func TestGoAfterCloseRuns(t *testing.T) {
+	for range 100 {
+		p := New(time.Hour)
+		var ran sync.WaitGroup
+		ran.Add(20)
+		go func() {
+			for range 10 {
+				p.Go(ran.Done)
+			}
+		}()
+		p.Close()
+		for range 10 {
+			p.Go(ran.Done)
+		}
+		p.Close()
+		ran.Wait() // fails by timeout if a function never runs
+	}
+}

@@ -194,7 +194,8 @@ func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) 
 }
 
 // release closes what the agent made: the engine, the Redis store New
-// created and the allocator client New created.
+// created, the allocator client New created and the goroutines of
+// CheckBatch.
 func (a *Agent) release() error {
 	if eng := a.engine.Load(); eng != nil {
 		_ = eng.Close()
@@ -212,6 +213,8 @@ func (a *Agent) release() error {
 	if a.owned {
 		a.client.Close()
 	}
+	// Last: the checks still running end fast on the closed engine.
+	a.items.Close()
 	return err
 }
 

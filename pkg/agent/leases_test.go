@@ -155,7 +155,6 @@ func TestDepositNeverOutlivesTheLease(t *testing.T) {
 		mustCheck(t, a, tenant(ten))
 	}
 	a.Renew(context.Background())
-	checked := 0
 	for _, q := range []string{"q-a", "q-b", "q-c"} {
 		r := doc.Rule(q)
 		z := cfg.Engine.Namespace + ":{t:" + r.Match[0].Value + "}:pool:" + q + ":z"
@@ -175,10 +174,6 @@ func TestDepositNeverOutlivesTheLease(t *testing.T) {
 		if storeExpiry > limit {
 			t.Errorf("%s: the store expires the grant at %d, after the lease's expiry %d minus the margin (%d)", q, storeExpiry, g.ExpiresUnixMs, limit)
 		}
-		checked++
-	}
-	if checked != 3 {
-		t.Fatalf("checked %d grants, want 3", checked)
 	}
 }
 
