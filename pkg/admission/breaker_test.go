@@ -238,7 +238,7 @@ func TestFallbackEvictionPassesSlotHolders(t *testing.T) {
 // (one slot held for ten minutes) and decide, which reports whether one
 // request of rule sp for key hash at now is admitted.
 func fallbackFixture(keys int) (bucket, slots *spec, f *fallback, decide func(sp *spec, hash uint64, now int64) bool) {
-	bucket = &spec{kind: kindBucket, fbCap: 10_000, fbRefill: 1}
+	bucket = &spec{kind: kindBucket, fbCap: 10_000, fbRefill: 1000} // a token a second
 	slots = &spec{kind: kindSlots, fbLimit: 1, b: 10 * 60_000}
 	f = newFallback(keys)
 	decide = func(sp *spec, hash uint64, now int64) bool {
@@ -246,4 +246,49 @@ func fallbackFixture(keys int) (bucket, slots *spec, f *fallback, decide func(sp
 		return deny < 0
 	}
 	return bucket, slots, f, decide
+}
+
+// TestFallbackEvictionWaitsForRest: a counter idle for longer than fbIdle
+// is not evicted while it still holds its key's share spent (an hour's
+// window whose count it holds, a bucket not yet full again): a new key then
+// gets no room, and the key keeps its spent share. It used to be evicted
+// after a minute, and its key, coming back within the window, got a fresh
+// share: twice the rule's in one window. Once at rest, it makes room.
+func TestFallbackEvictionWaitsForRest(t *testing.T) {
+	const hour = 3_600_000
+	for _, tt := range []struct {
+		name string
+		sp   *spec
+		cost int64
+		rest int64 // when key 1's counter is at rest again (wall ms)
+	}{
+		{"fixed window of an hour", &spec{kind: kindFixed, fbLimit: 2, fbWindow: hour}, 1, hour},
+		{"global quota share of an hour", &spec{kind: kindPool, fbLimit: 2, fbWindow: hour, fbMargin: 250}, 1, hour},
+		{"bucket of 2 refilling one a 1000 s", &spec{kind: kindBucket, fbCap: 2000, fbRefill: 1}, 1000, 1000 + 2_000_000},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newFallback(1)
+			decide := func(hash uint64, now int64) bool {
+				deny, _, _, _ := f.decide([]fbItem{{sp: tt.sp, hash: hash, cost: tt.cost}}, now)
+				return deny < 0
+			}
+			const t0 = 1000
+			if !decide(1, t0) || !decide(1, t0) || decide(1, t0) {
+				t.Fatal("key 1 did not get exactly its share of 2")
+			}
+			idle := int64(t0 + 2*fbIdle)
+			if decide(2, idle) {
+				t.Fatalf("%d ms on, a new key took the room of key 1, whose share is spent until %d", idle-t0, tt.rest)
+			}
+			if decide(1, idle) {
+				t.Fatalf("%d ms on, key 1 got a fresh share before %d", idle-t0, tt.rest)
+			}
+			if decide(2, tt.rest-300) {
+				t.Fatalf("at %d, 300 ms before key 1 is at rest, a new key took its room", tt.rest-300)
+			}
+			if !decide(2, tt.rest+300) {
+				t.Fatalf("at %d, key 1 at rest and idle, a new key was denied", tt.rest+300)
+			}
+		})
+	}
 }

@@ -48,8 +48,9 @@ type Config struct {
 	UnavailableRetryAfter time.Duration
 	// FallbackKeys caps the in-process fallback buckets; beyond it a new key
 	// takes the room of the least recently used bucket that has been idle
-	// for a minute (holding no slot), or is denied (it never grows without
-	// bound).
+	// for a minute, holds no slot and is at rest (full again, its window's
+	// count lapsed: dropping it gives its key no second share), or is denied
+	// (it never grows without bound).
 	FallbackKeys int
 	// ExtraDescriptors are descriptor keys accepted although no rule uses
 	// them (e.g. keys a newer policy will use). The standard keys tenant,

@@ -1,6 +1,7 @@
 package admission
 
 import (
+	"math"
 	"sync"
 	"sync/atomic"
 )
@@ -129,16 +130,19 @@ type fbState struct {
 	w, c       int64    // window index and count
 	slots      []int64  // concurrency: the deadlines (wall ms) of the slots held
 	last       int64    // last use by a decision, for eviction
+	rest       int64    // when a bucket is full again or a window's count lapses: from then a fresh counter is the same
 	hash       uint64   // its key in fallback.m
 	prev, next *fbState // in fallback.lru
 }
 
-// fbIdle is how long a fallback counter holding no slot must go unused
-// (wall ms) before a new key may take its room.
+// fbIdle is how long a fallback counter must go unused (wall ms) before a
+// new key may take its room, if it holds no slot and is at rest (its
+// bucket full again, its window's count lapsed): evicting a counter that is
+// not would give its key a fresh share early, more than the rule's.
 const fbIdle = 60_000
 
-// fbEvictScan bounds the idle counters that hold slots a new key passes
-// over (moving them to the most recent end) in its look for one to evict.
+// fbEvictScan bounds the idle counters that hold slots or are not at rest
+// that a new key passes over (moving them to the most recent end) in its look for one to evict.
 const fbEvictScan = 64
 
 // fbItem is one rule of a group decided by the fallback.
@@ -173,9 +177,11 @@ func (f *fallback) state(hash uint64, now int64, sp *spec) *fbState {
 }
 
 // evictLocked drops the least recently used counter that is idle (unused
-// for fbIdle and holding no slot) and reports whether it dropped one. The
-// counters after one used within fbIdle are more recent: the look stops
-// there. An idle counter that still holds a slot cannot go: the look passes
+// for fbIdle, holding no slot and at rest: see fbState.rest) and reports
+// whether it dropped one. The counters after one used within fbIdle are
+// more recent: the look stops there. An idle counter that still holds a
+// slot, or is not at rest (an hour's window whose count it holds), cannot
+// go: a fresh counter would give its key a second share. The look passes
 // over it, moving it to the most recent end so that the next look does not
 // meet it again (its last use is unchanged), and passes over no more than
 // fbEvictScan of them. Without the move, fbEvictScan such counters at the
@@ -191,7 +197,7 @@ func (f *fallback) evictLocked(now int64) bool {
 		if s == &f.lru || now-s.last <= fbIdle {
 			return false
 		}
-		if s.held(now) == 0 {
+		if s.held(now) == 0 && now >= s.rest {
 			f.unlinkLocked(s)
 			delete(f.m, s.hash)
 			return true
@@ -374,8 +380,13 @@ func (s *fbState) debit(sp *spec, cost, now int64) {
 	switch sp.kind {
 	case kindBucket:
 		s.tok -= cost
+		s.rest = math.MaxInt64 // a bucket that never refills never rests
+		if sp.fbRefill > 0 {
+			s.rest = s.ts + ceilDiv((sp.fbCap-s.tok)*1000-s.frac, sp.fbRefill)
+		}
 	case kindFixed, kindSliding, kindPool:
 		s.c += cost
+		s.rest = (s.w + 1) * sp.fbWindow
 	case kindSlots:
 		s.slots = append(s.slots, slotDeadline(sp, now))
 	}
