@@ -54,9 +54,38 @@ type Agent struct {
 	engOpts []admission.Option
 	// retired are the engines replaced by one of a record adopted from an
 	// allocator whose history differs (adoptRecord); guarded by applyMu.
-	// Calls that loaded one before the swap finish on it, so they are
-	// closed only by release.
-	retired []*admission.Engine
+	// Calls that loaded one before the swap finish on it, so one is closed
+	// only retireGrace after it was replaced (at the next replacement or
+	// release): repeated adoptions keep no more than those of the last
+	// retireGrace, and their in-process state, alive.
+	retired []retiredEngine
+}
+
+// retiredEngine is an engine replaced at at.
+type retiredEngine struct {
+	eng *admission.Engine
+	at  time.Time
+}
+
+// retireGrace is how long a replaced engine stays open for the calls that
+// loaded it before the swap: far longer than any call takes (the starve
+// wait, the store and fail-mode timeouts).
+const retireGrace = 5 * time.Minute
+
+// retire keeps eng, replaced now, open for the calls still using it, and
+// closes the engines retired retireGrace or more before now. The caller
+// holds applyMu.
+func (a *Agent) retire(eng *admission.Engine, now time.Time) {
+	kept := a.retired[:0]
+	for _, r := range a.retired {
+		if now.Sub(r.at) >= retireGrace {
+			_ = r.eng.Close()
+			continue
+		}
+		kept = append(kept, r)
+	}
+	clear(a.retired[len(kept):])
+	a.retired = append(kept, retiredEngine{eng: eng, at: now})
 }
 
 // idleWorker is how long a goroutine that ran a batch's check waits for
@@ -201,8 +230,8 @@ func (a *Agent) release() error {
 		_ = eng.Close()
 	}
 	a.applyMu.Lock()
-	for _, eng := range a.retired {
-		_ = eng.Close()
+	for _, r := range a.retired {
+		_ = r.eng.Close()
 	}
 	a.retired = nil
 	a.applyMu.Unlock()
@@ -248,7 +277,7 @@ func (a *Agent) install(doc *policy.Document, version uint64, digest string, rep
 		// allot_admission_* counters); the counters of the rules and the
 		// leased pools live in the store, which it shares. The old one
 		// stays open for the calls that loaded it before the swap, until
-		// release.
+		// retireGrace has passed (retire).
 		e, err := admission.New(a.cfg.Engine, a.store, doc, version, a.engOpts...)
 		if err != nil {
 			old, _ := eng.Policy()
@@ -258,7 +287,7 @@ func (a *Agent) install(doc *policy.Document, version uint64, digest string, rep
 		a.leases.setPolicy(doc, e)
 		a.unready.Store(&unready)
 		a.engine.Store(e)
-		a.retired = append(a.retired, eng)
+		a.retire(eng, a.now())
 	default:
 		if err := eng.Apply(doc, version); err != nil {
 			old, _ := eng.Policy()

@@ -1,0 +1,92 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/allot-dev/allot/pkg/admission"
+	"github.com/allot-dev/allot/pkg/policy"
+)
+
+// stepClock is a clock a test moves by hand.
+type stepClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (c *stepClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *stepClock) advance(d time.Duration) {
+	c.mu.Lock()
+	c.t = c.t.Add(d)
+	c.mu.Unlock()
+}
+
+// TestRetiredEnginesAreClosedAfterTheGrace: each adoption of a record from
+// an allocator whose history differs replaces the engine; the replaced one
+// stays open for the calls that loaded it (it still decides), and is closed
+// at the first replacement retireGrace or more later, so repeated adoptions
+// do not keep every engine, and its in-process state, until the agent
+// stops. They used to be closed only by release.
+func TestRetiredEnginesAreClosedAfterTheGrace(t *testing.T) {
+	doc, err := policy.Parse([]byte(poolPolicy))
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := admission.NewMemoryStore(admission.DefaultMemoryConfig(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	clock := &stepClock{t: time.Now()}
+	cfg := DefaultConfig()
+	cfg.Region = "eu"
+	a, err := New(cfg, nil, WithStore(st), WithPolicy(doc, 1), WithClock(clock))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = a.release() })
+	// decides reports whether eng still decides (false: closed).
+	decides := func(eng *admission.Engine) bool {
+		t.Helper()
+		_, err := eng.Decide(context.Background(), &admission.Request{Descriptors: []policy.Entry{{Key: "tenant", Value: "z"}}})
+		if err != nil && !errors.Is(err, admission.ErrClosed) {
+			t.Fatal(err)
+		}
+		return err == nil
+	}
+	var replaced []*admission.Engine
+	adopt := func() {
+		t.Helper()
+		replaced = append(replaced, a.engine.Load())
+		if err := a.install(doc, 1, "digest-of-another-history", true); err != nil {
+			t.Fatal(err)
+		}
+	}
+	adopt()
+	clock.advance(retireGrace / 2)
+	adopt()
+	if !decides(replaced[0]) || !decides(replaced[1]) {
+		t.Fatal("an engine replaced less than retireGrace ago was closed")
+	}
+	clock.advance(retireGrace / 2)
+	adopt()
+	if decides(replaced[0]) {
+		t.Fatal("the engine replaced retireGrace ago is still open after the next replacement")
+	}
+	if !decides(replaced[1]) || !decides(replaced[2]) || !decides(a.engine.Load()) {
+		t.Fatal("an engine replaced less than retireGrace ago, or the one in force, was closed")
+	}
+	a.applyMu.Lock()
+	n := len(a.retired)
+	a.applyMu.Unlock()
+	if n != 2 {
+		t.Fatalf("%d engines kept retired, want the 2 of the last retireGrace", n)
+	}
+}
