@@ -117,6 +117,13 @@ func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) 
 		return nil, fmt.Errorf("agent: instance id: %w", err)
 	}
 	log := o.logger.Named("agent").With(zap.String("region", cfg.Region))
+	if m := cfg.Engine.PoolFallbackMargin; m < cfg.Lease.Margin {
+		// The stated bound assumes no process spends a global quota's
+		// in-process share nearer a window's edges than the lease margin.
+		cfg.Engine.PoolFallbackMargin = cfg.Lease.Margin
+		log.Info("the engine's pool fallback margin is raised to the lease margin",
+			zap.Duration("pool_fallback_margin", m), zap.Duration("lease_margin", cfg.Lease.Margin))
+	}
 	salt := cfg.LogSalt
 	if salt == "" {
 		// A key anyone knows (none) would make the hashes public, and an

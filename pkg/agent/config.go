@@ -51,6 +51,10 @@ type Config struct {
 	// by hashing candidates, so New warns once when it is empty with a
 	// Redis store (not with the embedded one: its keys never leave the
 	// process). regionagent reads it from $ALLOT_KEY_SALT.
+	//
+	// Engine.PoolFallbackMargin is raised to Lease.Margin when smaller: the
+	// stated bound assumes no process spends a global quota's in-process
+	// fallback share nearer a window's edges than the lease margin.
 	Engine admission.Config
 	// Store configures the Redis store: its auto-batcher and the form of
 	// counter state it writes. The default is DefaultStoreConfig.

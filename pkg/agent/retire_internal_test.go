@@ -90,3 +90,34 @@ func TestRetiredEnginesAreClosedAfterTheGrace(t *testing.T) {
 		t.Fatalf("%d engines kept retired, want the 2 of the last retireGrace", n)
 	}
 }
+
+// TestPoolFallbackMarginFollowsTheLeaseMargin: an agent whose lease margin
+// is larger than its engine's pool fallback margin raises the latter to it
+// (the bound's assumption); a larger pool fallback margin stays.
+func TestPoolFallbackMarginFollowsTheLeaseMargin(t *testing.T) {
+	doc, err := policy.Parse([]byte(poolPolicy))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tt := range []struct{ lease, pool, want time.Duration }{
+		{lease: 400 * time.Millisecond, pool: 250 * time.Millisecond, want: 400 * time.Millisecond},
+		{lease: 100 * time.Millisecond, pool: 250 * time.Millisecond, want: 250 * time.Millisecond},
+	} {
+		st, err := admission.NewMemoryStore(admission.DefaultMemoryConfig(), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg := DefaultConfig()
+		cfg.Region = "eu"
+		cfg.Lease.Margin, cfg.Engine.PoolFallbackMargin = tt.lease, tt.pool
+		a, err := New(cfg, nil, WithStore(st), WithPolicy(doc, 1))
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := a.cfg.Engine.PoolFallbackMargin
+		_ = a.release()
+		if got != tt.want {
+			t.Errorf("lease margin %s, pool fallback margin %s: the engine's is %s, want %s", tt.lease, tt.pool, got, tt.want)
+		}
+	}
+}
