@@ -488,8 +488,9 @@ func timing(c Config, g, regions int64) Term {
 	t := timingTerm(c, g, regions)
 	t.Assumption += unsureDeposits(c)
 	if c.MaxDriftPPM > lease.DefaultMaxDriftPPM {
-		t.Assumption += fmt.Sprintf(" Region agents open a pre-grant allowing %d ppm of drift over its lead (lease.NotBefore): at %d ppm one can open "+
-			"its window early, by up to (%d - %d) ppm of a lead of up to a minute, which this term does not count.",
+		t.Assumption += fmt.Sprintf(" Region agents open a pre-grant allowing their -max-drift-ppm of drift over its lead (lease.NotBeforeDrift), "+
+			"and place cut-off fallback allowances by the leader's clock widened by it: it defaults to %d ppm, so every agent must be run with "+
+			"-max-drift-ppm %d; one left at the default can open a window early by up to (%d - %d) ppm of a lead of up to a minute, which this term does not count.",
 			lease.DefaultMaxDriftPPM, c.MaxDriftPPM, c.MaxDriftPPM, lease.DefaultMaxDriftPPM)
 	}
 	return t
