@@ -187,6 +187,11 @@ func TestChaos(t *testing.T) {
 	for _, msg := range loadErrors(h, res, s.Quotas(), s.cfg.Regions, s.CheckParams().FaultGrace) {
 		t.Error(msg)
 	}
+	if s.cfg.RegionKind == RegionAgent { // the driver has no fallback
+		for _, msg := range fallbackErrors(h, res, s.Quotas(), s.CheckParams().FaultGrace) {
+			t.Error(msg)
+		}
+	}
 	if !res.OK() {
 		t.Errorf("%d violations (listed in the report above and in chaos/out/report.txt)", len(res.Violations))
 	}
@@ -214,6 +219,28 @@ func loadErrors(h history.History, res *check.Result, quotas []check.Quota, regi
 		if !q.Birch && l.Contended == 0 {
 			out = append(out, fmt.Sprintf("quota %s: no calm window was offered more than G + bound = %d and denied some (%s): the bound check could not fail; raise the quota's demand",
 				q.Name, q.Ceiling(), l))
+		}
+	}
+	return out
+}
+
+// fallbackErrors says where a fallback quota's allowance went unexercised
+// (empty when it did not): when a scenario cut regions off from the
+// allocators (Span.CutOff), a quota with a fallback allowance must have
+// admitted from it in at least one window such a span touches, in a region
+// it cut off. Otherwise the agent's cut-off path (the allowance deposited
+// by the leader's clock) ran through the fault unchecked: the checks that
+// hold it to its allowance (spent_without_lease) and to G + the stated
+// bound (bound) had nothing of it to bite on.
+func fallbackErrors(h history.History, res *check.Result, quotas []check.Quota, grace time.Duration) []string {
+	var out []string
+	for _, q := range quotas {
+		if q.FallbackPerRegion <= 0 {
+			continue
+		}
+		if f := check.MeasureFallback(h, res, q, grace); f.CutOffSpans > 0 && f.CutOff == 0 {
+			out = append(out, fmt.Sprintf("quota %s: no region admitted from its fallback allowance while cut off from the allocators (%s): the fallback path was not exercised",
+				q.Name, f))
 		}
 	}
 	return out
@@ -539,6 +566,43 @@ func TestLoadErrors(t *testing.T) {
 				if !strings.HasPrefix(got[i], w) {
 					t.Errorf("error %d = %q, want it to start %q", i, got[i], w)
 				}
+			}
+		})
+	}
+}
+
+// TestLoadErrorsFallback: fallbackErrors objects to a run whose cut-off
+// spans saw no admission from a fallback quota's allowance in a region they
+// cut off, and says nothing of a run with no cut-off or a fail-closed quota.
+func TestLoadErrorsFallback(t *testing.T) {
+	const sec = int64(time.Second)
+	cedar := check.Quota{Name: "cedar", Limit: 100, WindowMs: 1000, Bound: 20, FallbackPerRegion: 10}
+	closed := check.Quota{Name: "atlas", Limit: 100, WindowMs: 1000}
+	cut := func(region string) history.Span {
+		return history.Span{Scenario: "partition-region", Start: 10 * sec, End: 12 * sec, Regions: []string{region}, CutOff: true}
+	}
+	// eu admits 5 of cedar in window 11 with no grant: its allowance.
+	fallback := []history.Event{{Kind: history.KindAdmit, Quota: "cedar", Region: "eu", Tokens: 5, At: 11*sec + 100_000_000}}
+	tests := []struct {
+		name   string
+		events []history.Event
+		spans  []history.Span
+		quotas []check.Quota
+		want   int
+	}{
+		{name: "allowance used in the cut-off region", events: fallback, spans: []history.Span{cut("eu")}, quotas: []check.Quota{cedar, closed}},
+		{name: "allowance unused", spans: []history.Span{cut("eu")}, quotas: []check.Quota{cedar, closed}, want: 1},
+		{name: "allowance used only by a region not cut off", events: fallback, spans: []history.Span{cut("us")}, quotas: []check.Quota{cedar}, want: 1},
+		{name: "no cut-off ran", events: fallback, spans: []history.Span{{Scenario: "stop-leader", Start: 10 * sec, End: 12 * sec}}, quotas: []check.Quota{cedar}},
+		{name: "a skipped cut-off", spans: []history.Span{{Scenario: "partition-region", Start: 10 * sec, End: 10 * sec, CutOff: true, Skipped: "skipped"}}, quotas: []check.Quota{cedar}},
+		{name: "fail closed", spans: []history.Span{cut("eu")}, quotas: []check.Quota{closed}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			h := history.History{Events: tt.events, Spans: tt.spans}
+			res := check.Run(h, check.Params{Quotas: tt.quotas, FaultGrace: time.Second})
+			if got := fallbackErrors(h, res, tt.quotas, time.Second); len(got) != tt.want {
+				t.Fatalf("fallbackErrors = %q, want %d", got, tt.want)
 			}
 		})
 	}

@@ -386,7 +386,7 @@ func partitionRegion(ctx context.Context, s *Suite, rng *rand.Rand) (history.Spa
 	defer cancel()
 	err = errors.Join(err, s.heal(hctx, h, "chaos-partition"))
 	end := s.fault("partition-region", "heal", "region %s reconnected (%d packets dropped)", r, drops)
-	return history.Span{Start: start, End: end, RecoverFrom: end, Regions: []string{r}}, err
+	return history.Span{Start: start, End: end, RecoverFrom: end, Regions: []string{r}, CutOff: true}, err
 }
 
 // isolateLeader cuts the leader from the other allocators (the minority
@@ -700,7 +700,7 @@ func cutAllocators(ctx context.Context, s *Suite, rng *rand.Rand) (history.Span,
 		err = errors.Join(err, s.heal(hctx, h, "chaos-cut"))
 	}
 	end := s.fault("cut-allocators", "heal", "allocators reachable again (%d packets dropped)", drops)
-	return history.Span{Start: start, End: end, RecoverFrom: end}, err
+	return history.Span{Start: start, End: end, RecoverFrom: end, CutOff: true}, err
 }
 
 // membership, under load: adds the spare host as a fourth member, removes

@@ -47,6 +47,12 @@ type QuotaPlan struct {
 	// MaxHeldPerRegion is the policy's lease.max_held_per_region (0: no
 	// cap); the pool model of the linearizability check is told it.
 	MaxHeldPerRegion int64
+	// FallbackPerRegion, when positive, makes the quota fail_mode fallback
+	// with this lease.fallback_per_region: a region cut off from the
+	// allocators gets this many tokens per window deposited into its store
+	// by its agent (and its agent's engine admits as many in process per
+	// window while the store fails). 0: fail_mode closed.
+	FallbackPerRegion int64
 	// Birch marks the well-behaved tenant: no denials outside fault windows.
 	Birch bool
 	// Demand is the offered requests per second per region; Flood, when
@@ -59,6 +65,10 @@ type QuotaPlan struct {
 	// instead of the one GetBound states (the checker's own tests claim 0
 	// for a quota run with clamp off).
 	ClaimBound *int64
+	// ClaimFallback, when set, is the per-region fallback allowance the
+	// checkers hold the quota to instead of FallbackPerRegion (a claim
+	// under test: a smaller one must make them object).
+	ClaimFallback *int64
 }
 
 // Config configures a chaos run.
@@ -108,7 +118,12 @@ const (
 // 1.5 s in 3 s windows; Atlas floods a 1,000-per-3s quota (clamp on) from
 // every region (430/s offered against 333/s), Birch sends well under its
 // 20,000-per-3s quota (clamp on too: the agent's starve wait covers the gap
-// at a window's turn, see docs/chaos.md).
+// at a window's turn, see docs/chaos.md), and Cedar, fail_mode fallback with
+// 15 tokens per region per window (GetBound states +90: the fallback and
+// store_fallback terms, 3 x 15 each), floods a 200-per-3s quota (130/s
+// offered against 67/s, above G + bound = 290 per window): a scenario
+// that cuts a region off from the allocators makes its agent deposit the
+// allowance, which the checks count as such (docs/chaos.md).
 func DefaultConfig(seed int64) Config {
 	return Config{
 		Seed: seed, Window: 3 * time.Second, TTL: 1500 * time.Millisecond,
@@ -119,6 +134,7 @@ func DefaultConfig(seed int64) Config {
 		Quotas: []QuotaPlan{
 			{Name: "atlas", Limit: 1000, Chunk: 100, Clamp: true, Demand: map[string]float64{"eu": 250, "us": 120, "ap": 60}},
 			{Name: "birch", Limit: 20000, Chunk: 200, Clamp: true, Birch: true, Demand: map[string]float64{"eu": 40, "us": 30, "ap": 20}},
+			{Name: "cedar", Limit: 200, Chunk: 25, Clamp: true, FallbackPerRegion: 15, Demand: map[string]float64{"eu": 65, "us": 40, "ap": 25}},
 		},
 	}
 }
@@ -307,7 +323,8 @@ func hostIPs(hs []*topology.Host) string {
 	return strings.Join(ips, ",")
 }
 
-// policyDoc is the run's policy: one global quota per plan.
+// policyDoc is the run's policy: one global quota per plan, fail_mode
+// closed, or fallback for a plan with a fallback allowance.
 func (s *Suite) policyDoc() []byte {
 	var b strings.Builder
 	regions := append([]string(nil), s.cfg.Regions...)
@@ -330,6 +347,11 @@ func (s *Suite) policyDoc() []byte {
 `, q.Name, q.Name, q.Name, q.Limit, s.cfg.Window, q.Chunk, s.cfg.TTL, q.Clamp)
 		if q.MaxHeldPerRegion > 0 {
 			fmt.Fprintf(&b, "      max_held_per_region: %d\n", q.MaxHeldPerRegion)
+		}
+		if q.FallbackPerRegion > 0 {
+			fmt.Fprintf(&b, "      fallback_per_region: %d\n", q.FallbackPerRegion)
+			b.WriteString("    fail_mode: fallback\n")
+			continue
 		}
 		b.WriteString("    fail_mode: closed\n")
 	}
@@ -355,12 +377,24 @@ func (s *Suite) publish(ctx context.Context) error {
 		if b == nil {
 			return fmt.Errorf("GetBound states nothing for %s", q.Name)
 		}
-		cq := check.Quota{Name: q.Name, Limit: q.Limit, WindowMs: s.cfg.Window.Milliseconds(), Bound: b.GetOvershoot(), Birch: q.Birch, MaxHeldPerRegion: q.MaxHeldPerRegion}
+		cq := check.Quota{Name: q.Name, Limit: q.Limit, WindowMs: s.cfg.Window.Milliseconds(), Bound: b.GetOvershoot(), Birch: q.Birch, MaxHeldPerRegion: q.MaxHeldPerRegion,
+			FallbackPerRegion: q.FallbackPerRegion}
 		if q.ClaimBound != nil {
 			cq.Bound = *q.ClaimBound
 		}
+		if q.ClaimFallback != nil {
+			cq.FallbackPerRegion = *q.ClaimFallback
+		}
+		// The checkers let each region admit its allowance per window on
+		// top of its grants: the stated bound must count it, the fallback
+		// term, for every region.
+		if want := int64(len(s.cfg.Regions)) * q.FallbackPerRegion; boundTerm(b, "fallback") != want {
+			return fmt.Errorf("GetBound states a fallback term of %d for %s, want %d regions x fallback_per_region %d = %d (%s)",
+				boundTerm(b, "fallback"), q.Name, len(s.cfg.Regions), q.FallbackPerRegion, want, boundTerms(b))
+		}
 		s.quotas = append(s.quotas, cq)
-		s.logf("quota %s: G=%d per %s, TTL %s, clamp %t; GetBound states +%d; checked against +%d", q.Name, q.Limit, s.cfg.Window, s.cfg.TTL, q.Clamp, b.GetOvershoot(), cq.Bound)
+		s.logf("quota %s: G=%d per %s, TTL %s, clamp %t, fallback %d per region; GetBound states +%d (%s); checked against +%d, fallback %d per region",
+			q.Name, q.Limit, s.cfg.Window, s.cfg.TTL, q.Clamp, q.FallbackPerRegion, b.GetOvershoot(), boundTerms(b), cq.Bound, cq.FallbackPerRegion)
 	}
 	return nil
 }
@@ -476,4 +510,29 @@ func (s *Suite) waitUntil(ctx context.Context, ns int64) error {
 func (s *Suite) nextBoundary(offset time.Duration) int64 {
 	w := s.windowOf(s.clock.Now())
 	return lease.WindowEnd(w, s.cfg.Window.Milliseconds())*1e6 + int64(offset)
+}
+
+// boundTerms lists the stated bound's nonzero terms ("no nonzero term"
+// when every term is zero).
+func boundTerms(b *allotv1.QuotaBound) string {
+	var out []string
+	for _, t := range b.GetTerms() {
+		if t.GetTokens() != 0 {
+			out = append(out, fmt.Sprintf("%s %d", t.GetName(), t.GetTokens()))
+		}
+	}
+	if len(out) == 0 {
+		return "no nonzero term"
+	}
+	return strings.Join(out, " + ")
+}
+
+// boundTerm is the tokens of the stated bound's term name (0 when absent).
+func boundTerm(b *allotv1.QuotaBound, name string) int64 {
+	for _, t := range b.GetTerms() {
+		if t.GetName() == name {
+			return t.GetTokens()
+		}
+	}
+	return 0
 }

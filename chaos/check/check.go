@@ -9,7 +9,9 @@
 //     later ledger read of its window) and no request id granted twice
 //     (replays return the recorded grant; grant ids are unique).
 //   - Leases: no admission after its lease's deadline or the allocator's
-//     expiry, no admission without a lease, no grant overspent, no grant
+//     expiry, no admission without a lease (beyond a fail_mode fallback
+//     quota's per-region, per-window fallback allowance), no grant
+//     overspent, no grant
 //     spendable in the region (its deadline, or its chunk's Redis expiry)
 //     past the allocator's expiry, no deposit of unknown outcome outside a
 //     fault of its region's store.
@@ -50,6 +52,33 @@ type Quota struct {
 	// cap): the allocator grants a region at most the cap less what it
 	// holds, so a grant may be smaller than min(asked, remaining).
 	MaxHeldPerRegion int64
+	// FallbackPerRegion is the policy's lease.fallback_per_region (fail_mode
+	// fallback; 0: fail closed), or a claim under test. A region's
+	// admissions that no grant covers are charged to it, per window of the
+	// true clock: at most FallbackPerRegion (the allowance its agent
+	// deposits while cut off from the allocators: the bound's fallback
+	// term), plus as many again in a window that a fault of the region's
+	// store touches (its agent's engine then admits its in-process share,
+	// FallbackPerRegion / its one gateway: the store_fallback term). Beyond
+	// that they are spent_without_lease. See FallbackAllowance.
+	FallbackPerRegion int64
+}
+
+// FallbackAllowance is what region may admit of q in window w without a
+// grant (see Quota.FallbackPerRegion): the fallback allowance, doubled when
+// a span that stops or kills the region's store, extended by grace past
+// its end, touches the window.
+func FallbackAllowance(q Quota, spans []history.Span, region string, w int64, grace time.Duration) int64 {
+	if q.FallbackPerRegion <= 0 {
+		return 0
+	}
+	win := &Window{Start: lease.WindowStart(w, q.WindowMs) * 1e6, End: lease.WindowEnd(w, q.WindowMs) * 1e6}
+	for _, s := range spans {
+		if s.Store && s.Affects(region) && touches(s, win, grace) {
+			return 2 * q.FallbackPerRegion
+		}
+	}
+	return q.FallbackPerRegion
 }
 
 // Ceiling is G plus the bound, saturating at math.MaxInt64 (as the bound's
@@ -156,6 +185,10 @@ type RegionWindow struct {
 	// Stranded is tokens of this window's grants that expired unspent;
 	// Released those handed back.
 	Stranded, Released int64
+	// Fallback is the admissions no grant covers, charged to the region's
+	// fallback allowance (Quota.FallbackPerRegion; at most
+	// FallbackAllowance).
+	Fallback int64
 }
 
 // Window is one window of one quota.
@@ -169,6 +202,9 @@ type Window struct {
 	Admitted int64
 	// Stranded is the total stranded of this window's grants.
 	Stranded int64
+	// Fallback is the total admitted from the regions' fallback
+	// allowances (RegionWindow.Fallback).
+	Fallback int64
 	// Regions are the per-region numbers.
 	Regions map[string]*RegionWindow
 	// LedgerRead says the allocator's ledger was read after the window's
@@ -259,10 +295,11 @@ func Run(h history.History, p Params) *Result {
 	}
 	r.Violations = append(r.Violations, checkBound(h, quotas, windows)...)
 	r.Violations = append(r.Violations, checkGrants(h, quotas, windows, r)...)
-	lv, strands := checkLeases(h, p.AnswerDelay, r)
+	lv, strands, fallbacks := checkLeases(h, quotas, p.AnswerDelay, p.FaultGrace, r)
 	r.Violations = append(r.Violations, lv...)
 	r.Violations = append(r.Violations, checkDeposits(h, p.FaultGrace, r)...)
 	addStrands(windows, quotas, strands)
+	addFallbacks(windows, fallbacks)
 	r.Violations = append(r.Violations, checkBirch(h, quotas, p.FaultGrace, p.StartupGrace)...)
 	for _, q := range p.Quotas {
 		lr, vs := checkLinearizable(h, q, p)
@@ -378,6 +415,25 @@ func addStrands(windows map[string][]*Window, quotas map[string]Quota, strands [
 	}
 }
 
+// addFallbacks adds the admissions charged to fallback allowances (see
+// checkLeases) to their windows.
+func addFallbacks(windows map[string][]*Window, uses []fallbackUse) {
+	for _, u := range uses {
+		for _, w := range windows[u.quota] {
+			if w.Index != u.window {
+				continue
+			}
+			w.Fallback += u.tokens
+			rw := w.Regions[u.region]
+			if rw == nil {
+				rw = &RegionWindow{}
+				w.Regions[u.region] = rw
+			}
+			rw.Fallback += u.tokens
+		}
+	}
+}
+
 // trueWindow is the window holding true instant ns.
 func trueWindow(ns, windowMs int64) int64 {
 	return lease.WindowIndex(floorDiv(ns, 1e6), windowMs)
@@ -415,7 +471,7 @@ func checkBound(h history.History, quotas map[string]Quota, windows map[string][
 // Ledgers renders a window's per-region ledger.
 func Ledgers(w *Window) string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "  %-8s %9s %9s %9s %9s %9s %9s\n", "region", "admitted", "denied", "granted", "ledger", "released", "stranded")
+	fmt.Fprintf(&b, "  %-8s %9s %9s %9s %9s %9s %9s %9s\n", "region", "admitted", "denied", "granted", "ledger", "released", "stranded", "fallback")
 	names := make([]string, 0, len(w.Regions))
 	for r := range w.Regions {
 		names = append(names, r)
@@ -423,7 +479,7 @@ func Ledgers(w *Window) string {
 	sort.Strings(names)
 	for _, r := range names {
 		x := w.Regions[r]
-		fmt.Fprintf(&b, "  %-8s %9d %9d %9d %9d %9d %9d\n", r, x.Admitted, x.Denied, x.Granted, x.LedgerGranted, x.Released, x.Stranded)
+		fmt.Fprintf(&b, "  %-8s %9d %9d %9d %9d %9d %9d %9d\n", r, x.Admitted, x.Denied, x.Granted, x.LedgerGranted, x.Released, x.Stranded, x.Fallback)
 	}
 	return b.String()
 }

@@ -920,3 +920,118 @@ func TestMeasureLoad(t *testing.T) {
 		})
 	}
 }
+
+// TestFallbackAllowance: a fail_mode fallback quota's admissions that no
+// grant covers are charged to the region's allowance of their window (by
+// the true clock), doubled in a window a fault of the region's store
+// touches; only what exceeds it is spent_without_lease, and the bound
+// check counts them like any admission.
+func TestFallbackAllowance(t *testing.T) {
+	cedar := Quota{Name: "cedar", Limit: 100, WindowMs: 1000, Bound: 30, FallbackPerRegion: 10}
+	closed := cedar
+	closed.FallbackPerRegion, closed.Bound = 0, 0
+	q := func(e history.Event) history.Event { e.Quota = "cedar"; return e }
+	anon := func(region string, n, at int64) history.Event {
+		return history.Event{Kind: history.KindAdmit, Region: region, Quota: "cedar", Tokens: n, At: at}
+	}
+	base := []history.Event{
+		q(acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1")), // expires at 10.9 s
+		q(read(10, 11*sec, 11*sec+ms, 40, 60, 0, history.LedgerGrant{GrantID: "g1", Region: "eu", Tokens: 60})),
+		anon("eu", 60, 10*sec+500*ms), // the grant, all of it
+	}
+	storeFault := history.Span{Scenario: "restart-store", Start: 10*sec + 100*ms, End: 10*sec + 200*ms, Regions: []string{"eu"}, Store: true}
+	tests := []struct {
+		name     string
+		quota    Quota
+		events   []history.Event
+		spans    []history.Span
+		unleased int64 // tokens
+		fallback map[int64]int64
+	}{
+		{name: "within the allowance, after the grant expired", quota: cedar, events: []history.Event{anon("eu", 10, 10*sec+950*ms)},
+			fallback: map[int64]int64{10: 10}},
+		{name: "beyond the allowance", quota: cedar, events: []history.Event{anon("eu", 7, 10*sec+920*ms), anon("eu", 4, 10*sec+950*ms)},
+			unleased: 1, fallback: map[int64]int64{10: 10}},
+		{name: "one allowance per window", quota: cedar, events: []history.Event{anon("eu", 10, 10*sec+950*ms), anon("eu", 10, 11*sec+100*ms)},
+			fallback: map[int64]int64{10: 10, 11: 10}},
+		{name: "two windows' allowances in one window", quota: cedar, events: []history.Event{anon("eu", 10, 10*sec+920*ms), anon("eu", 10, 10*sec+950*ms)},
+			unleased: 10, fallback: map[int64]int64{10: 10}},
+		{name: "a fault of the region's store doubles it", quota: cedar, events: []history.Event{anon("eu", 20, 10*sec+950*ms)},
+			spans: []history.Span{storeFault}, fallback: map[int64]int64{10: 20}},
+		{name: "a fault of another region's store does not", quota: cedar, events: []history.Event{anon("eu", 20, 10*sec+950*ms)},
+			spans:    []history.Span{{Scenario: "restart-store", Start: 10*sec + 100*ms, End: 10*sec + 200*ms, Regions: []string{"us"}, Store: true}},
+			unleased: 10, fallback: map[int64]int64{10: 10}},
+		{name: "fail closed: no allowance", quota: closed, events: []history.Event{anon("eu", 1, 10*sec+950*ms)}, unleased: 1},
+		{name: "a named admission of an unknown grant is never fallback", quota: cedar,
+			events: []history.Event{q(admit("eu", "gX", 1, 10*sec+950*ms, 11*sec))}, unleased: 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := run(t, history.History{Events: append(append([]history.Event(nil), base...), tt.events...), Spans: tt.spans}, tt.quota)
+			var unleased int64
+			for _, v := range r.Violations {
+				if v.Check == CheckUnleased {
+					var n int64
+					fmt.Sscanf(v.Detail, "%d", &n)
+					unleased += n
+				}
+			}
+			if unleased != tt.unleased || r.Count(CheckUnleased) > 0 != (tt.unleased > 0) {
+				t.Fatalf("unleased tokens %d, want %d: %v", unleased, tt.unleased, r.Violations)
+			}
+			got := map[int64]int64{}
+			for _, w := range r.Windows["cedar"] {
+				if rw := w.Regions["eu"]; rw != nil && rw.Fallback > 0 {
+					got[w.Index] = rw.Fallback
+					if w.Fallback != rw.Fallback {
+						t.Errorf("window %d: fallback %d, region eu %d", w.Index, w.Fallback, rw.Fallback)
+					}
+				}
+			}
+			if fmt.Sprint(got) != fmt.Sprint(tt.fallback) && !(len(got) == 0 && len(tt.fallback) == 0) {
+				t.Fatalf("fallback by window %v, want %v", got, tt.fallback)
+			}
+		})
+	}
+
+	// The bound: G 100 + 3 regions x 10. us spends 40 of the pool, eu 60
+	// and 10 of its allowance: 110 admitted, within 130; a claim that
+	// leaves the allowance out is broken.
+	h := history.History{Events: []history.Event{
+		q(acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1")),
+		q(acquire("us", "r2", 40, 40, 10, 10*sec, 10*sec+60*ms, 10_900, "g2")),
+		q(read(10, 11*sec, 11*sec+ms, 0, 100, 0, history.LedgerGrant{GrantID: "g1", Region: "eu", Tokens: 60}, history.LedgerGrant{GrantID: "g2", Region: "us", Tokens: 40})),
+		anon("eu", 60, 10*sec+500*ms),
+		anon("us", 40, 10*sec+600*ms),
+		anon("eu", 10, 10*sec+950*ms),
+	}}
+	if r := run(t, h, cedar); !r.OK() {
+		t.Fatalf("admitted within G + bound: %v", r.Violations)
+	}
+	claim := cedar
+	claim.Bound = 0
+	if r := run(t, h, claim); r.Count(CheckBound) != 1 || r.Count(CheckUnleased) != 0 {
+		t.Fatalf("a bound without the fallback term: bound violations %d (want 1), unleased %d (want 0): %v",
+			r.Count(CheckBound), r.Count(CheckUnleased), r.Violations)
+	}
+
+	// MeasureFallback attributes the fallback admissions to the cut-off
+	// that touches their window.
+	cut := history.Span{Scenario: "partition-region", Start: 10*sec + 500*ms, End: 10*sec + 800*ms, Regions: []string{"eu"}, CutOff: true}
+	h.Spans = []history.Span{cut}
+	r := run(t, h, cedar)
+	if f := MeasureFallback(h, r, cedar, 500*time.Millisecond); f.Tokens != 10 || f.RegionWindows != 1 || f.CutOff != 1 || f.CutOffSpans != 1 || f.Elsewhere != 0 {
+		t.Fatalf("MeasureFallback = %+v", f)
+	}
+	h.Spans = nil
+	r = run(t, h, cedar)
+	if f := MeasureFallback(h, r, cedar, 500*time.Millisecond); f.CutOffSpans != 0 || f.Elsewhere != 1 || f.Calm != 1 {
+		t.Fatalf("MeasureFallback with no fault = %+v", f)
+	}
+	cut.Regions = []string{"us"}
+	h.Spans = []history.Span{cut}
+	r = run(t, h, cedar)
+	if f := MeasureFallback(h, r, cedar, 500*time.Millisecond); f.CutOff != 0 || f.Elsewhere != 1 || f.Calm != 0 {
+		t.Fatalf("MeasureFallback with another region cut off = %+v", f)
+	}
+}

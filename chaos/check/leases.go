@@ -14,6 +14,14 @@ type leaseKey struct {
 	window               int64
 }
 
+// fallbackUse is what one region admitted of one quota in one window
+// from its fallback allowance.
+type fallbackUse struct {
+	region, quota string
+	window        int64
+	tokens        int64
+}
+
 type leaseAgg struct {
 	tokens int64
 	first  history.Event
@@ -57,7 +65,20 @@ type leaseAgg struct {
 // the deposit returned, answered after), never after. Counted in r:
 // DepositsChecked, the grants whose Deadline was held to the allocator's
 // expiry.
-func checkLeases(h history.History, answerDelay time.Duration, r *Result) ([]Violation, []history.Event) {
+//
+// A quota with a fallback allowance (Quota.FallbackPerRegion: fail_mode
+// fallback) lets a region admit without a grant: its agent deposits the
+// allowance into the store while cut off from the allocators (a chunk the
+// lease journal does not list), and its engine admits a share in process
+// while the store fails. The anonymous admissions the matching leaves
+// uncovered are charged to the region's allowance of their window (by the
+// true clock; FallbackAllowance), in time order, and returned as the
+// fallback uses; only what exceeds it is spent_without_lease. (The agent
+// places an allowance by the leader's clock and ends it the lease margin
+// before the window does, so its admissions, answered within the margin,
+// fall in that window of the true clock.) Named admissions (the driver's)
+// are never charged to it: the driver has no fallback.
+func checkLeases(h history.History, quotas map[string]Quota, answerDelay, grace time.Duration, r *Result) ([]Violation, []history.Event, []fallbackUse) {
 	received := map[string]history.Event{}
 	failed := map[string]bool{} // grant id -> its deposit failed after an attempt was sent
 	for _, e := range h.Events {
@@ -138,6 +159,7 @@ func checkLeases(h history.History, answerDelay time.Duration, r *Result) ([]Vio
 	// them, even when all of them were released.
 	ledger := ledgerGrants(h)
 	var strands []history.Event
+	used := map[leaseKey]int64{} // check field unused: (region, quota, window) -> charged to the allowance
 	for k, adm := range anonymous {
 		var gs []history.Event
 		journaled := false // the region reported grants of the quota
@@ -166,8 +188,21 @@ func checkLeases(h history.History, answerDelay time.Duration, r *Result) ([]Vio
 			fromLedger = true
 		}
 		miss, left := unmatched(adm, gs)
+		q := quotas[k.quota]
 		for _, e := range miss {
-			add(CheckUnleased, e, e.Tokens, "no received grant was live for it (earliest-deadline-first matching)")
+			why := "no received grant was live for it (earliest-deadline-first matching)"
+			if q.FallbackPerRegion > 0 && q.WindowMs > 0 {
+				uk := leaseKey{region: k.region, quota: k.quota, window: trueWindow(e.At, q.WindowMs)}
+				allow := FallbackAllowance(q, h.Spans, k.region, uk.window, grace)
+				take := min(e.Tokens, max(allow-used[uk], 0))
+				used[uk] += take
+				if e.Tokens -= take; e.Tokens == 0 {
+					continue
+				}
+				e.Window = uk.window
+				why = fmt.Sprintf("no received grant was live for it (earliest-deadline-first matching), and the region's fallback allowance of window %d, %d, was spent", uk.window, allow)
+			}
+			add(CheckUnleased, e, e.Tokens, why)
 		}
 		if fromLedger {
 			continue
@@ -179,6 +214,12 @@ func checkLeases(h history.History, answerDelay time.Duration, r *Result) ([]Vio
 			}
 		}
 	}
+	var uses []fallbackUse
+	for k, n := range used {
+		if n > 0 {
+			uses = append(uses, fallbackUse{region: k.region, quota: k.quota, window: k.window, tokens: n})
+		}
+	}
 	var out []Violation
 	for k, a := range agg {
 		what := "admissions"
@@ -188,7 +229,7 @@ func checkLeases(h history.History, answerDelay time.Duration, r *Result) ([]Vio
 		out = append(out, Violation{Check: k.check, Quota: k.quota, Window: k.window, Region: k.region, At: a.first.At,
 			Detail: fmt.Sprintf("%d %s; first: %s", a.tokens, what, a.why)})
 	}
-	return out, strands
+	return out, strands, uses
 }
 
 // ledgerGrants collects, per (region, quota), every grant any ledger read

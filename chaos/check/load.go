@@ -99,3 +99,64 @@ func (l Load) String() string {
 	return fmt.Sprintf("offered %s (measured: answers by the true clock, admitted + denied) in %d calm windows: median %d, max %d per window; %d above G + bound = %d with denials",
 		l.Quota, l.Calm, l.MedianOffered, l.MaxOffered, l.Contended, l.Ceiling)
 }
+
+// Fallback is what one quota's regions admitted from their fallback
+// allowances over a run (Quota.FallbackPerRegion), measured from the
+// result.
+type Fallback struct {
+	// Quota is the quota; PerRegion its allowance per region per window.
+	Quota     string
+	PerRegion int64
+	// Tokens is the total admitted from the allowances; RegionWindows the
+	// (region, window) pairs that admitted from one, Max the most one of
+	// them did.
+	Tokens        int64
+	RegionWindows int
+	Max           int64
+	// CutOffSpans counts the spans that cut regions off from the
+	// allocators (Span.CutOff) and ran. CutOff counts the region-windows
+	// that admitted from the allowance and that such a span touches
+	// (extended by grace past its end) and affects; Elsewhere the others,
+	// and Calm those of them that no span at all touches (an agent whose
+	// Acquire failed outside every fault, or a store slower than the
+	// agent's store timeout).
+	CutOffSpans, CutOff, Elsewhere, Calm int
+}
+
+// MeasureFallback measures q's fallback admissions over the run.
+func MeasureFallback(h history.History, r *Result, q Quota, grace time.Duration) Fallback {
+	f := Fallback{Quota: q.Name, PerRegion: q.FallbackPerRegion}
+	var cuts []history.Span
+	for _, s := range h.Spans {
+		if s.CutOff && s.Skipped == "" {
+			cuts = append(cuts, s)
+		}
+	}
+	f.CutOffSpans = len(cuts)
+	for _, w := range r.Windows[q.Name] {
+		for name, rw := range w.Regions {
+			if rw.Fallback <= 0 {
+				continue
+			}
+			f.Tokens += rw.Fallback
+			f.RegionWindows++
+			f.Max = max(f.Max, rw.Fallback)
+			if slices.ContainsFunc(cuts, func(s history.Span) bool { return s.Affects(name) && touches(s, w, grace) }) {
+				f.CutOff++
+			} else {
+				f.Elsewhere++
+				if !slices.ContainsFunc(h.Spans, func(s history.Span) bool { return touches(s, w, grace) }) {
+					f.Calm++
+				}
+			}
+		}
+	}
+	return f
+}
+
+// String renders the fallback admissions for the report.
+func (f Fallback) String() string {
+	return fmt.Sprintf("fallback %s: %d per region per window (doubled in a fault of the region's store); admitted from it %d in %d region-windows "+
+		"(most in one %d), %d of them in a cut-off from the allocators (%d cut-off spans ran), %d elsewhere (%d outside every fault)",
+		f.Quota, f.PerRegion, f.Tokens, f.RegionWindows, f.Max, f.CutOff, f.CutOffSpans, f.Elsewhere, f.Calm)
+}

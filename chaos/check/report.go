@@ -125,6 +125,9 @@ func Render(w io.Writer, title string, h history.History, r *Result, quotas []Qu
 	b.WriteString("\n")
 	for _, q := range quotas {
 		fmt.Fprintf(&b, "%s\n", MeasureLoad(h, r, q, grace))
+		if q.FallbackPerRegion > 0 {
+			fmt.Fprintf(&b, "%s\n", MeasureFallback(h, r, q, grace))
+		}
 	}
 	fmt.Fprintf(&b, "grants received %d, replays checked %d, ledger reads %d, acquires never answered %d, ledger grants no region knows %d\n",
 		r.Grants, r.Replays, r.LedgerReads, r.Unresolved, r.Unclaimed)

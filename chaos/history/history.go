@@ -191,6 +191,10 @@ type Span struct {
 	// Store says the fault stops or kills the store (Redis) of the regions
 	// it touches: what was deposited into it, or on its way, may be lost.
 	Store bool
+	// CutOff says the fault cuts the regions it touches off from every
+	// allocator (partition-region, cut-allocators): their agents may admit
+	// a quota's fallback allowance (fail_mode fallback) meanwhile.
+	CutOff bool
 }
 
 // Affects reports whether the span touches region.
