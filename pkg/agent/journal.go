@@ -29,6 +29,15 @@ const (
 	// allocator: a grant the agent could not use, or the unspent rest it
 	// withdrew from the store at shutdown.
 	LeaseEventRelease = "release"
+	// LeaseEventFallback is one fallback allowance put into (or, with
+	// Outcome failed, not put into) the region's store while cut off from
+	// the allocator: GrantID fb-<region>-<window>, Window the window it
+	// belongs to by the leader's clock, Tokens what the deposit added (0
+	// when the region's allowance for the window was in the store already,
+	// another agent's, or tombstoned), Deadline, TTLMs, Sent and At as for
+	// a deposit, LeaderNowMs the agent's estimate of the leader's clock at
+	// Sent, which placed it.
+	LeaseEventFallback = "fallback"
 )
 
 // The outcomes of a LeaseEvent.
@@ -98,6 +107,8 @@ type LeaseEvent struct {
 	// unknown: the TTL of an attempt that may still land and count it from
 	// its arrival, so At + TTLMs bounds nothing.
 	TTLMs int64 `json:"ttl_ms,omitempty"`
+	// Window is a fallback allowance's window index (LeaseEventFallback).
+	Window int64 `json:"window,omitempty"`
 	// Returned is what a Release returned to the pool.
 	Returned int64 `json:"returned,omitempty"`
 	// ClockOffsetNs, in a start event, is how far the agent's clock was set
@@ -215,7 +226,8 @@ func (j *LeaseJournal) Close() error {
 
 // WithLeaseObserver makes the agent report every lease event to f (for
 // example a LeaseJournal's Record): each Acquire attempt with its answer,
-// each deposit with the deadline and TTL it gave the store, each Release.
+// each deposit with the deadline and TTL it gave the store, each Release,
+// each fallback allowance deposited while cut off.
 func WithLeaseObserver(f LeaseObserver) Option { return func(o *options) { o.observer = f } }
 
 // refused reports whether an Acquire error means the allocator refused the
@@ -296,6 +308,27 @@ func (l *leases) journalDeposit(g *allotv1.Grant, deadline time.Time, d depositT
 	if d.sent.IsZero() { // no attempt: the lease ended too soon
 		ev.At, ev.Sent = at.UnixNano(), 0
 	}
+	switch {
+	case err == nil:
+	case out:
+		ev.Outcome, ev.Err, ev.At, ev.TTLMs = LeaseFailed, err.Error(), at.UnixNano(), 0
+	default:
+		ev.Outcome, ev.Err = LeaseUnknown, err.Error()
+	}
+	l.journal(ev)
+}
+
+// journalFallback reports a fallback allowance's deposit of tokens (what
+// it added) into quota's pool as chunk id for window idx, placed at the
+// leader's-clock estimate leaderMs: made (err nil), or failed, out telling
+// whether nothing of it is spendable in the store after at (see
+// unsureDeposit).
+func (l *leases) journalFallback(quota, id string, idx, tokens, leaderMs int64, deadline time.Time, d depositTrace, err error, out bool, at time.Time) {
+	if l.journal == nil {
+		return
+	}
+	ev := LeaseEvent{Kind: LeaseEventFallback, At: d.end.UnixNano(), Sent: d.sent.UnixNano(), Region: l.region, Outcome: LeaseOK,
+		Quota: quota, GrantID: id, Window: idx, Tokens: tokens, LeaderNowMs: leaderMs, Deadline: deadline.UnixNano(), TTLMs: d.ttl.Milliseconds()}
 	switch {
 	case err == nil:
 	case out:

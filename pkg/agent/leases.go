@@ -1051,6 +1051,8 @@ func (l *leases) depositFallback(ctx context.Context, eng *admission.Engine, q *
 	// instances, so the labels stay bounded.
 	name, rule, tokens := q.name, q.spec.Name, q.spec.FallbackPerRegion
 	bound := l.depositBound()
+	sent := l.clock.Now()
+	leaderMs := l.leaderMs(sent)
 	l.mu.Unlock()
 	// As a grant's deposit (see grant): bounded by depositBound, and the
 	// TTL counted from the send minus that bound, so a deposit answered
@@ -1059,7 +1061,6 @@ func (l *leases) depositFallback(ctx context.Context, eng *admission.Engine, q *
 	// withdrawn with a tombstone, so this window's allowance cannot spill
 	// into the next one (the tombstone also voids this window's later
 	// attempts: the region goes without its allowance, the safe side).
-	sent := l.clock.Now()
 	ttl := lease.RedisTTL(deadline, sent, bound)
 	if ttl < l.cfg.MinUsefulTTL {
 		return
@@ -1072,15 +1073,20 @@ func (l *leases) depositFallback(ctx context.Context, eng *admission.Engine, q *
 	if err == nil {
 		err = overBound(id, sent, done, bound)
 	}
+	var d depositTrace
 	if err != nil {
 		l.storeError("deposit", err)
-		if !admission.Unsent(err) {
-			var d depositTrace
-			d.attempt(sent, done, ttl, true)
-			l.unsureDeposit(ctx, eng, &allotv1.Grant{Quota: name, GrantId: id, Tokens: tokens}, deadline, d)
-		}
+		unsent := admission.Unsent(err)
+		d.attempt(sent, done, ttl, !unsent)
+		_, out, at := l.unsureDeposit(ctx, eng, &allotv1.Grant{Quota: name, GrantId: id, Tokens: tokens}, deadline, d)
+		l.journalFallback(name, id, idx, tokens, leaderMs, deadline, d, err, out, at)
 		return
 	}
+	d.attempt(sent, done, ttl, true)
+	if !added {
+		tokens = 0
+	}
+	l.journalFallback(name, id, idx, tokens, leaderMs, deadline, d, nil, false, time.Time{})
 	if added {
 		l.m.fallbackDep.WithLabelValues(rule).Inc()
 		l.log.Warn("allocator unreachable: fallback allowance deposited", zap.String("quota", name), zap.Int64("tokens", tokens),

@@ -369,9 +369,32 @@ func TestCutOffFallbackAllowance(t *testing.T) {
 	answerOnceThenDown(fa)
 	cfg := testConfig("eu", fa.addr)
 	cfg.Lease.AcquireTimeout = 100 * time.Millisecond
-	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
+	var mu sync.Mutex
+	var fbs []agent.LeaseEvent
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1), agent.WithLeaseObserver(func(e agent.LeaseEvent) {
+		if e.Kind == agent.LeaseEventFallback {
+			mu.Lock()
+			fbs = append(fbs, e)
+			mu.Unlock()
+		}
+	})))
 	if allowed, last := cutOffAdmits(t, a.Agent); allowed != 3 || !last.Unavailable {
 		t.Fatalf("cut off after an answer: admitted %d then %+v; want the fallback allowance 3, then unavailable", allowed, last)
+	}
+	// The allowance is journaled: its window by the leader's clock, what it
+	// added, and a store lifetime ending by its deadline, before the
+	// window's end (one machine: one clock).
+	mu.Lock()
+	if len(fbs) != 1 {
+		t.Fatalf("%d fallback events journaled, want 1: %+v", len(fbs), fbs)
+	}
+	e := fbs[0]
+	mu.Unlock()
+	hour := time.Hour.Milliseconds()
+	windowEnd := (e.Window + 1) * hour * int64(time.Millisecond)
+	if e.Outcome != agent.LeaseOK || e.Tokens != 3 || e.Quota != "q-a" || e.GrantID != fmt.Sprintf("fb-eu-%d", e.Window) ||
+		e.LeaderNowMs/hour != e.Window || e.TTLMs <= 0 || e.At+e.TTLMs*int64(time.Millisecond) > e.Deadline || e.Deadline > windowEnd {
+		t.Fatalf("fallback event %+v: want ok, 3 tokens of q-a in chunk fb-eu-<window>, the window holding LeaderNowMs, a store lifetime ending by the deadline, before the window's end", e)
 	}
 	// A closed quota gets nothing while cut off.
 	if v := mustCheck(t, a.Agent, tenant("b")); v.Allowed || !v.Unavailable {
