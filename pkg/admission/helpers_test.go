@@ -15,6 +15,7 @@ import (
 
 	"github.com/allot-dev/allot/examples"
 	"github.com/allot-dev/allot/internal/redistest"
+	"github.com/allot-dev/allot/internal/testclock"
 	"github.com/allot-dev/allot/pkg/admission"
 	"github.com/allot-dev/allot/pkg/policy"
 )
@@ -24,31 +25,12 @@ import (
 var t0 = time.UnixMilli(1_700_000_040_000)
 
 // fakeClock is a manual clock shared by the engine and the store.
-type fakeClock struct {
-	mu sync.Mutex
-	t  time.Time
-}
+type fakeClock struct{ *testclock.Manual }
 
-func newFakeClock(t time.Time) *fakeClock { return &fakeClock{t: t} }
-
-func (c *fakeClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.t
-}
-
-func (c *fakeClock) Advance(d time.Duration) {
-	c.mu.Lock()
-	c.t = c.t.Add(d)
-	c.mu.Unlock()
-}
+func newFakeClock(t time.Time) *fakeClock { return &fakeClock{testclock.New(t)} }
 
 // Set moves the clock to t0 + offset.
-func (c *fakeClock) Set(offset time.Duration) {
-	c.mu.Lock()
-	c.t = t0.Add(offset)
-	c.mu.Unlock()
-}
+func (c *fakeClock) Set(offset time.Duration) { c.Manual.Set(t0.Add(offset)) }
 
 // backend makes stores of one kind.
 type backend struct {

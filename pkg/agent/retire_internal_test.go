@@ -3,31 +3,13 @@ package agent
 import (
 	"context"
 	"errors"
-	"sync"
 	"testing"
 	"time"
 
+	"github.com/allot-dev/allot/internal/testclock"
 	"github.com/allot-dev/allot/pkg/admission"
 	"github.com/allot-dev/allot/pkg/policy"
 )
-
-// stepClock is a clock a test moves by hand.
-type stepClock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func (c *stepClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.t
-}
-
-func (c *stepClock) advance(d time.Duration) {
-	c.mu.Lock()
-	c.t = c.t.Add(d)
-	c.mu.Unlock()
-}
 
 // TestRetiredEnginesAreClosedAfterTheGrace: each adoption of a record from
 // an allocator whose history differs replaces the engine; the replaced one
@@ -44,7 +26,7 @@ func TestRetiredEnginesAreClosedAfterTheGrace(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	clock := &stepClock{t: time.Now()}
+	clock := testclock.New(time.Now())
 	cfg := DefaultConfig()
 	cfg.Region = "eu"
 	a, err := New(cfg, nil, WithStore(st), WithPolicy(doc, 1), WithClock(clock))
@@ -70,12 +52,12 @@ func TestRetiredEnginesAreClosedAfterTheGrace(t *testing.T) {
 		}
 	}
 	adopt()
-	clock.advance(retireGrace / 2)
+	clock.Advance(retireGrace / 2)
 	adopt()
 	if !decides(replaced[0]) || !decides(replaced[1]) {
 		t.Fatal("an engine replaced less than retireGrace ago was closed")
 	}
-	clock.advance(retireGrace / 2)
+	clock.Advance(retireGrace / 2)
 	adopt()
 	if decides(replaced[0]) {
 		t.Fatal("the engine replaced retireGrace ago is still open after the next replacement")

@@ -19,6 +19,7 @@ import (
 
 	"github.com/allot-dev/allot/examples"
 	"github.com/allot-dev/allot/internal/redistest"
+	"github.com/allot-dev/allot/internal/testclock"
 	"github.com/allot-dev/allot/pkg/admission"
 	"github.com/allot-dev/allot/pkg/admission/httpmw"
 	"github.com/allot-dev/allot/pkg/policy"
@@ -91,8 +92,8 @@ func memGateway(t *testing.T) *gateway {
 
 // windowClock is a stopped clock 1 s into a 10 s window aligned to the
 // epoch, as P-ANON's windows are.
-func windowClock() *stepClock {
-	return &stepClock{t: time.Now().Truncate(10 * time.Second).Add(time.Second)}
+func windowClock() *testclock.Manual {
+	return testclock.New(time.Now().Truncate(10 * time.Second).Add(time.Second))
 }
 
 func memStore(t *testing.T, clock admission.Clock) admission.Store {
@@ -204,7 +205,7 @@ func TestAnonymousGetsNoLimits(t *testing.T) {
 // TestExportSlots: slots are held while the handler runs and released when
 // it returns; the fourth concurrent export is refused by scope tenant.
 func TestExportSlots(t *testing.T) {
-	clock := &stepClock{t: time.Now()}
+	clock := testclock.New(time.Now())
 	store, err := admission.NewMemoryStore(admission.DefaultMemoryConfig(), clock)
 	if err != nil {
 		t.Fatal(err)
@@ -239,7 +240,7 @@ func TestExportSlots(t *testing.T) {
 		go func() { defer wg.Done(); codes <- post() }()
 		// Let the export get its slot, then 5 s pass: enough rate tokens.
 		waitFor(t, func() bool { return e.Stats().Allowed == uint64(i+1) })
-		clock.advance(5 * time.Second)
+		clock.Advance(5 * time.Second)
 	}
 	if got := post(); got != http.StatusTooManyRequests {
 		t.Fatalf("fourth concurrent export: %d, want 429", got)
@@ -253,7 +254,7 @@ func TestExportSlots(t *testing.T) {
 		}
 	}
 	// All released: another export runs.
-	clock.advance(5 * time.Second)
+	clock.Advance(5 * time.Second)
 	if got := post(); got != 200 {
 		t.Fatalf("export after the others finished: %d", got)
 	}
@@ -270,25 +271,12 @@ func waitFor(t *testing.T, cond func() bool) {
 	}
 }
 
-type stepClock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func (c *stepClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.t
-}
-
-func (c *stepClock) advance(d time.Duration) {
-	c.mu.Lock()
-	c.t = c.t.Add(d)
-	c.mu.Unlock()
-}
-
 // TestUnavailable: with the store unreachable, a fail-closed rule answers
-// 503 with Retry-After; a fallback rule keeps serving.
+// 503 with Retry-After; a fallback rule keeps serving, except for a global
+// quota (P-GLOBAL, 1 s windows) in the first and last PoolFallbackMargin of
+// its window, where it answers 503 too. The clock is placed: on the wall
+// clock, the catalog read failed whenever the test ran in such a stretch
+// (half of every second).
 func TestUnavailable(t *testing.T) {
 	addr, err := redistest.ClosedAddr()
 	if err != nil {
@@ -303,7 +291,8 @@ func TestUnavailable(t *testing.T) {
 	defer store.Close()
 	cfg := admission.DefaultConfig()
 	cfg.StoreTimeout = 200 * time.Millisecond
-	g := newGateway(t, store, cfg)
+	clock := testclock.New(time.Now().Truncate(time.Second).Add(500 * time.Millisecond)) // mid-window
+	g := newGateway(t, store, cfg, admission.WithClock(clock))
 	resp := g.do(t, "POST", "/reports/export", "cedar/ops")
 	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" {
 		t.Fatalf("export with the store down: %d Retry-After %q; want 503 with Retry-After", resp.StatusCode, resp.Header.Get("Retry-After"))
@@ -313,6 +302,10 @@ func TestUnavailable(t *testing.T) {
 	}
 	if resp := g.do(t, "GET", "/catalog", "cedar/U-1"); resp.StatusCode != 200 {
 		t.Fatalf("catalog read on fallback: %d", resp.StatusCode)
+	}
+	clock.Advance(400 * time.Millisecond) // 100 ms before the window's end
+	if resp := g.do(t, "GET", "/catalog", "cedar/U-1"); resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" {
+		t.Fatalf("catalog read on fallback at a window's end: %d Retry-After %q; want 503 with Retry-After", resp.StatusCode, resp.Header.Get("Retry-After"))
 	}
 }
 
