@@ -66,6 +66,10 @@ type snapshot struct {
 	// floored names the fallback rules whose share of the rule (divided by
 	// Config.Gateways) was under one request and was raised to one.
 	floored []string
+	// narrow names the fallback global quotas whose in-process fallback
+	// span (the window less Config.PoolFallbackMargin at each end) is under
+	// three quarters of their window: outside it they answer 503.
+	narrow []string
 }
 
 // share is a gateway's fallback share of amount: amount divided by the
@@ -160,6 +164,9 @@ func compile(doc *policy.Document, version uint64, cfg *Config) (*snapshot, erro
 				sp.fbLimit, raised = share(r.Lease.FallbackPerRegion, g, r.Cost)
 				sp.fbWindow = r.Window.Milliseconds()
 				sp.fbMargin = (cfg.PoolFallbackMargin.Nanoseconds() + int64(time.Millisecond) - 1) / int64(time.Millisecond)
+				if r.FailMode == policy.FailFallback && r.Lease.FallbackPerRegion > 0 && 8*sp.fbMargin > sp.fbWindow {
+					s.narrow = append(s.narrow, r.Name)
+				}
 				if r.Lease.GatewayChunk > 0 {
 					sp.local, sp.gatewayChunk = true, r.Lease.GatewayChunk
 					sp.ceiling = r.Lease.GatewayChunk

@@ -141,6 +141,11 @@ func (e *Engine) Apply(doc *policy.Document, version uint64) error {
 		e.log.Warn("fallback share under one request per gateway, raised to one: during an outage the fleet may admit up to one request per gateway where the rule allows fewer",
 			zap.Strings("rules", s.floored), zap.Int("gateways", e.cfg.Gateways), zap.Uint64("version", version))
 	}
+	if len(s.narrow) > 0 {
+		e.log.Warn("global quotas whose in-process fallback answers 503 for over a quarter of each window while the store fails: "+
+			"their share is spent only pool_fallback_margin inside each window (the bound's store_fallback term assumes it); longer windows lose less",
+			zap.Strings("rules", s.narrow), zap.Duration("pool_fallback_margin", e.cfg.PoolFallbackMargin), zap.Uint64("version", version))
+	}
 	return nil
 }
 

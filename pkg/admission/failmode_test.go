@@ -200,6 +200,19 @@ func TestFallbackShareFloor(t *testing.T) {
 	if len(floored) != 1 || !strings.Contains(floored[0], "p-read") || !strings.Contains(floored[0], "p-anon") {
 		t.Fatalf("warnings naming the raised rules: %v; want one naming p-read and p-anon", floored)
 	}
+	// P-GLOBAL's 1 s window less 250 ms at each end: its fallback answers
+	// 503 half the time, which applying the policy says.
+	var narrow []string
+	for _, l := range logs.FilterMessageSnippet("answers 503 for over a quarter of each window").All() {
+		for _, f := range l.Context {
+			if f.Key == "rules" {
+				narrow = append(narrow, fmt.Sprint(f.Interface))
+			}
+		}
+	}
+	if len(narrow) != 1 || !strings.Contains(narrow[0], "p-global") || strings.Contains(narrow[0], "p-read") {
+		t.Fatalf("warnings naming the global quotas with a narrow fallback span: %v; want one naming p-global only", narrow)
+	}
 }
 
 // TestFailModesPaused stops a real redis-server with SIGSTOP: connections
