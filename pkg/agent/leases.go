@@ -1038,7 +1038,7 @@ func (l *leases) fallbackNext(q *quota, now time.Time) bool {
 func (l *leases) depositFallback(ctx context.Context, eng *admission.Engine, q *quota) {
 	l.mu.Lock()
 	now := l.clock.Now()
-	if !l.fallbackDue(q, now) {
+	if !l.cutOff || !l.fallbackDue(q, now) { // an answer since the plan ends the cut-off
 		l.mu.Unlock()
 		return
 	}
