@@ -260,7 +260,10 @@ func fallbackErrors(h history.History, res *check.Result, quotas []check.Quota, 
 // hold admissions and deposits (true clock) to the allocator's expiries
 // (wall clock); deposit_unknown holds a deposit's times (the agent's wall
 // clock) to the store faults' spans (true clock); window_reopened and
-// birch_denied follow the allocator's and agents' windows.
+// birch_denied follow the allocator's and agents' windows; the fallback
+// checks hold an allowance's times (the agent's wall clock) to its window
+// (the allocators') and to the agent's Acquire attempts, milliseconds
+// apart.
 var clockFree = map[string]bool{
 	check.CheckDoubleGrant: true, check.CheckLostGrant: true, check.CheckUnverified: true,
 	check.CheckOverspent: true, check.CheckLinearizable: true,

@@ -35,7 +35,12 @@ import (
 //     keep Deadline 0 (never deposited); an unknown one also keeps 0 (a late
 //     copy may outlive the lease: the deposit event says so);
 //   - a deposit also becomes a history.KindDeposit (see deposit);
-//   - a Release becomes a history.KindRelease.
+//   - a Release becomes a history.KindRelease;
+//   - a fallback allowance deposited while cut off (agent.LeaseEventFallback)
+//     becomes a history.KindFallback (see fallback), with the store-expiry
+//     bound of a deposit and the agent process's last Acquire attempt
+//     before it was sent (history.Event.LastAcquire): whether the agent had
+//     reason to count itself cut off.
 //
 // Agent times are the agent's clock, which a skew scenario sets off the
 // machine's: each agent process opens its journal with a start event that
@@ -52,6 +57,10 @@ type journalConv struct {
 	grants  map[string]grantInfo     // grant id -> quota and window, for Releases
 	bad     int                      // malformed lines
 	lastBad string
+	// attempts are the current agent process's Acquire attempts that were
+	// answered or went unanswered (refusals left out), in journal order:
+	// what a fallback event's LastAcquire is found in.
+	attempts []history.Attempt
 }
 
 type journalReq struct {
@@ -101,10 +110,14 @@ func (j *journalConv) handle(ev agent.LeaseEvent) {
 		// had answered stays unknown.
 		j.finish()
 		j.offset = ev.ClockOffsetNs
+		j.attempts = j.attempts[:0]
 	case agent.LeaseEventAcquire:
+		j.attempt(ev)
 		j.acquire(ev)
 	case agent.LeaseEventDeposit:
 		j.deposit(ev)
+	case agent.LeaseEventFallback:
+		j.fallback(ev)
 	case agent.LeaseEventRelease:
 		if e, ok := j.pending[ev.GrantID]; ok { // handed back, never deposited
 			delete(j.pending, ev.GrantID)
@@ -165,6 +178,62 @@ func (j *journalConv) deposit(ev agent.LeaseEvent) {
 	}
 	delete(j.pending, ev.GrantID)
 	e.Deadline = dep.Deadline
+	j.emit(e)
+}
+
+// attempt records an Acquire attempt that was answered (OK) or not
+// (unknown: no answer, or one the agent refused to use); a refusal
+// (failed) is left out: the agent's cut-off state does not change on one.
+func (j *journalConv) attempt(ev agent.LeaseEvent) {
+	var out history.Outcome
+	switch ev.Outcome {
+	case agent.LeaseOK:
+		out = history.OK
+	case agent.LeaseUnknown:
+		out = history.Unknown
+	default:
+		return
+	}
+	j.attempts = append(j.attempts, history.Attempt{RequestID: ev.RequestID, At: j.trueNs(ev.At), Outcome: out})
+}
+
+// lastAttempt is the latest attempt of the current agent process that
+// ended at or before at (true ns), nil when there is none.
+func (j *journalConv) lastAttempt(at int64) *history.Attempt {
+	// Attempts are journaled as they end, concurrent ones in any order:
+	// look at them all (a process makes a few per second; fallbacks are
+	// rare).
+	var last *history.Attempt
+	for i := range j.attempts {
+		if a := j.attempts[i]; a.At <= at && (last == nil || a.At >= last.At) {
+			last = &a
+		}
+	}
+	return last
+}
+
+// fallback emits a fallback allowance's deposit: its times shifted to the
+// true clock, Deadline bounding its chunk's expiry in the store as for a
+// grant's deposit (made: At + TTL; failed: At; unknown: 0, a copy may
+// land late), and the agent process's last Acquire attempt that ended
+// before it was sent (the agent deposits an allowance only while cut off:
+// its last answered-or-not attempt went unanswered).
+func (j *journalConv) fallback(ev agent.LeaseEvent) {
+	e := history.Event{Kind: history.KindFallback, Region: j.region, Quota: ev.Quota, GrantID: ev.GrantID, Tokens: ev.Tokens, Window: ev.Window,
+		Call: j.trueNs(ev.Sent), At: j.trueNs(ev.At), LeaderNowMs: ev.LeaderNowMs, Outcome: history.OK, Err: ev.Err}
+	switch ev.Outcome {
+	case agent.LeaseOK:
+		e.Deadline = j.trueNs(ev.At) + ev.TTLMs*int64(time.Millisecond)
+	case agent.LeaseFailed:
+		e.Outcome, e.Deadline = history.Failed, j.trueNs(ev.At)
+	default:
+		e.Outcome = history.Unknown
+	}
+	sent := e.Call
+	if sent == 0 {
+		sent = e.At
+	}
+	e.LastAcquire = j.lastAttempt(sent)
 	j.emit(e)
 }
 

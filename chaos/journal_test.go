@@ -3,6 +3,7 @@ package chaos
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -10,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/allot-dev/allot/chaos/check"
 	"github.com/allot-dev/allot/chaos/history"
 	"github.com/allot-dev/allot/pkg/agent"
 )
@@ -44,6 +46,12 @@ const (
 // deposit's At) and hands it back, cannot tell whether r5's landed
 // (unknown), gives up r6's before sending any attempt (too late) and hands
 // it back, and at shutdown withdraws and releases 30 tokens of r1's grant.
+// Cut off after r2 went unanswered, it deposits cedar's fallback allowance
+// of window 4 (made); after r3's answer, one of window 5 fails (withdrawn)
+// (the checks object: the agent was not cut off); after r6's, one of window
+// 7 has an unknown outcome. A second process, its clock the machine's,
+// deposits window 10's before it ended any Acquire attempt (adding nothing:
+// the allowance was in the store).
 func journalLines() []agent.LeaseEvent {
 	const skew = 500 * tms
 	at := func(ns int64) int64 { return ns + skew } // the agent's clock
@@ -85,12 +93,39 @@ func journalLines() []agent.LeaseEvent {
 	}
 }
 
+// fallbackLines are journalLines with the fallback allowances interleaved
+// where they were journaled (see journalLines).
+func fallbackLines() []agent.LeaseEvent {
+	const skew = 500 * tms
+	at := func(ns int64) int64 { return ns + skew }
+	var out []agent.LeaseEvent
+	for _, ev := range journalLines() {
+		switch ev.RequestID {
+		case "r3": // after r2 (unanswered at 14 s), before r3's answer at 15.08 s
+			out = append(out, agent.LeaseEvent{Kind: agent.LeaseEventFallback, Region: "eu", Quota: "cedar", GrantID: "fb-eu-4", Window: 4, Tokens: 15,
+				Sent: at(14*tsec + 200*tms), At: at(14*tsec + 203*tms), Outcome: agent.LeaseOK, LeaderNowMs: 14_190, Deadline: at(14*tsec + 700*tms), TTLMs: 450})
+		case "release-g1": // after r3's answer
+			out = append(out, agent.LeaseEvent{Kind: agent.LeaseEventFallback, Region: "eu", Quota: "cedar", GrantID: "fb-eu-5", Window: 5, Tokens: 15,
+				Sent: at(15*tsec + 500*tms), At: at(15*tsec + 900*tms), Outcome: agent.LeaseFailed, Err: "deposit timed out; withdrawn", LeaderNowMs: 15_490,
+				Deadline: at(17*tsec + 700*tms)})
+		}
+		out = append(out, ev)
+	}
+	return append(out,
+		agent.LeaseEvent{Kind: agent.LeaseEventFallback, Region: "eu", Quota: "cedar", GrantID: "fb-eu-7", Window: 7, Tokens: 15,
+			Sent: at(22 * tsec), At: at(22*tsec + 500*tms), Outcome: agent.LeaseUnknown, Err: "i/o timeout", LeaderNowMs: 21_990, Deadline: at(23*tsec + 700*tms), TTLMs: 1200},
+		agent.LeaseEvent{Kind: agent.LeaseEventStart, At: 29 * tsec, Region: "eu", Pid: 43},
+		agent.LeaseEvent{Kind: agent.LeaseEventFallback, Region: "eu", Quota: "cedar", GrantID: "fb-eu-10", Window: 10, Tokens: 0,
+			Sent: 30*tsec + 100*tms, At: 30*tsec + 102*tms, Outcome: agent.LeaseOK, LeaderNowMs: 30_090, Deadline: 30*tsec + 2700*tms, TTLMs: 2500},
+	)
+}
+
 func TestJournalConv(t *testing.T) {
 	sink := &eventSink{}
 	conv := newJournalConv("eu", sink.record)
 	var probed []string
 	conv.probe = func(id string, _ []agent.JournalWant) { probed = append(probed, id) }
-	for _, ev := range journalLines() {
+	for _, ev := range fallbackLines() {
 		b, err := json.Marshal(ev)
 		if err != nil {
 			t.Fatal(err)
@@ -146,6 +181,23 @@ func TestJournalConv(t *testing.T) {
 			At: 21*tsec + 200*tms, Outcome: history.Failed, Err: "too late"}},
 		{"release//atlas/g6", history.Event{Kind: history.KindRelease, Region: "eu", Quota: "atlas", GrantID: "g6", Tokens: 20, Returned: 20, Window: 7,
 			Call: 21*tsec + 210*tms, At: 21*tsec + 260*tms, Outcome: history.OK}},
+		// Fallback allowances: times on the true clock, Deadline the store
+		// expiry bound as for a deposit (made: return + TTL; failed: the
+		// return; unknown: none), and the last Acquire attempt the process
+		// ended before the send, answered or not (r2's unanswered attempt
+		// for the first: cut off; r3's and r6's answers for the next two).
+		{"fallback//cedar/fb-eu-4", history.Event{Kind: history.KindFallback, Region: "eu", Quota: "cedar", GrantID: "fb-eu-4", Tokens: 15, Window: 4,
+			Call: 14*tsec + 200*tms, At: 14*tsec + 203*tms, Outcome: history.OK, LeaderNowMs: 14_190, Deadline: 14*tsec + 203*tms + 450*tms,
+			LastAcquire: &history.Attempt{RequestID: "r2", At: 14 * tsec, Outcome: history.Unknown}}},
+		{"fallback//cedar/fb-eu-5", history.Event{Kind: history.KindFallback, Region: "eu", Quota: "cedar", GrantID: "fb-eu-5", Tokens: 15, Window: 5,
+			Call: 15*tsec + 500*tms, At: 15*tsec + 900*tms, Outcome: history.Failed, Err: "deposit timed out; withdrawn", LeaderNowMs: 15_490, Deadline: 15*tsec + 900*tms,
+			LastAcquire: &history.Attempt{RequestID: "r3", At: 15*tsec + 80*tms, Outcome: history.OK}}},
+		{"fallback//cedar/fb-eu-7", history.Event{Kind: history.KindFallback, Region: "eu", Quota: "cedar", GrantID: "fb-eu-7", Tokens: 15, Window: 7,
+			Call: 22 * tsec, At: 22*tsec + 500*tms, Outcome: history.Unknown, Err: "i/o timeout", LeaderNowMs: 21_990,
+			LastAcquire: &history.Attempt{RequestID: "r6", At: 21*tsec + 80*tms, Outcome: history.OK}}},
+		// The second process: its clock the machine's, no attempt yet.
+		{"fallback//cedar/fb-eu-10", history.Event{Kind: history.KindFallback, Region: "eu", Quota: "cedar", GrantID: "fb-eu-10", Window: 10,
+			Call: 30*tsec + 100*tms, At: 30*tsec + 102*tms, Outcome: history.OK, LeaderNowMs: 30_090, Deadline: 30*tsec + 102*tms + 2500*tms}},
 	}
 	for _, tt := range tests {
 		got, ok := byKey[tt.key]
@@ -159,6 +211,26 @@ func TestJournalConv(t *testing.T) {
 	}
 	if len(byKey) != len(tests) {
 		t.Errorf("%d distinct events, want %d: %v", len(byKey), len(tests), byKey)
+	}
+	// The checks on the converted allowances: fb-eu-5, fb-eu-7 and
+	// fb-eu-10 were deposited while the agent was not cut off, fb-eu-7's
+	// outcome is unknown; each lives inside its window of 3 s, none
+	// overlaps.
+	var fbs []history.Event
+	for _, e := range sink.all() {
+		if e.Kind == history.KindFallback {
+			fbs = append(fbs, e)
+		}
+	}
+	cedar := check.Quota{Name: "cedar", Limit: 200, WindowMs: 3000, Bound: 90, FallbackPerRegion: 15}
+	res := check.Run(history.History{Events: fbs}, check.Params{Quotas: []check.Quota{cedar}})
+	var got []string
+	for _, v := range res.Violations {
+		got = append(got, fmt.Sprintf("%s %d", v.Check, v.Window))
+	}
+	slices.Sort(got)
+	if want := []string{check.CheckDepositUnknown + " 7", check.CheckFallbackNotCutOff + " 10", check.CheckFallbackNotCutOff + " 5", check.CheckFallbackNotCutOff + " 7"}; !slices.Equal(got, want) || res.Fallbacks != 4 {
+		t.Errorf("checks of the converted allowances: %q (%d allowances), want %q (4): %v", got, res.Fallbacks, want, res.Violations)
 	}
 	if want := []string{"r1", "r3", "r4", "r5", "r6"}; !slices.Equal(probed, want) {
 		t.Errorf("probes offered for %v, want the answered %v", probed, want)

@@ -14,7 +14,10 @@
 //     overspent, no grant
 //     spendable in the region (its deadline, or its chunk's Redis expiry)
 //     past the allocator's expiry, no deposit of unknown outcome outside a
-//     fault of its region's store.
+//     fault of its region's store; every fallback allowance a region agent
+//     journaled lives in the store only inside its window, never beside
+//     another window's, and was deposited while its agent was cut off
+//     (fallback.go).
 //   - Linearizable: the Acquire/Release/GetWindow history of every quota and
 //     window is linearizable against a model of the pool (porcupine), and
 //     windows never reopen.
@@ -136,11 +139,24 @@ const (
 	// may outlive its lease, unboundedly) outside every fault of its
 	// region's store.
 	CheckDepositUnknown = "deposit_unknown"
+	// CheckFallbackWindow: a fallback allowance's chunk (a region agent's
+	// journaled KindFallback) may be spendable in the store outside its
+	// window, by the true clock: sent before the window started, or its
+	// store expiry bound after the window ended (spilling into the next).
+	CheckFallbackWindow = "fallback_outside_window"
+	// CheckFallbackOverlap: two fallback allowances of one region and
+	// quota, of different windows, may be spendable in the store at once.
+	CheckFallbackOverlap = "fallback_overlap"
+	// CheckFallbackNotCutOff: a fallback allowance deposited while its
+	// agent process did not count itself cut off: the last Acquire attempt
+	// it ended before the deposit was answered (or it had ended none).
+	CheckFallbackNotCutOff = "fallback_not_cut_off"
 )
 
 // Checks lists every check, in the report's order.
 var Checks = []string{CheckBound, CheckLostGrant, CheckDoubleGrant, CheckUnverified, CheckLateSpend, CheckUnleased, CheckOverspent,
-	CheckLinearizable, CheckReopened, CheckBirch, CheckRelease, CheckDepositLate, CheckDepositUnknown}
+	CheckLinearizable, CheckReopened, CheckBirch, CheckRelease, CheckDepositLate, CheckDepositUnknown,
+	CheckFallbackWindow, CheckFallbackOverlap, CheckFallbackNotCutOff}
 
 // Violation is one broken invariant.
 type Violation struct {
@@ -231,6 +247,11 @@ type Result struct {
 	// expiry; DepositsUnknown the deposits whose outcome was unknown, and
 	// DepositsExcused those of them a fault of their region's store covers.
 	DepositsChecked, DepositsUnknown, DepositsExcused int
+	// Fallbacks counts the fallback allowances region agents journaled
+	// (KindFallback) and the fallback checks held; FallbackTokens what
+	// those that were made added to their stores.
+	Fallbacks      int
+	FallbackTokens int64
 	// Recovery per span (same order as the history's spans); negative when
 	// not every affected region was served again before the end.
 	Recovery []time.Duration
@@ -298,6 +319,7 @@ func Run(h history.History, p Params) *Result {
 	lv, strands, fallbacks := checkLeases(h, quotas, p.AnswerDelay, p.FaultGrace, r)
 	r.Violations = append(r.Violations, lv...)
 	r.Violations = append(r.Violations, checkDeposits(h, p.FaultGrace, r)...)
+	r.Violations = append(r.Violations, checkFallbacks(h, quotas, r)...)
 	addStrands(windows, quotas, strands)
 	addFallbacks(windows, fallbacks)
 	r.Violations = append(r.Violations, checkBirch(h, quotas, p.FaultGrace, p.StartupGrace)...)

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/allot-dev/allot/chaos/history"
+	"github.com/allot-dev/allot/pkg/lease"
 )
 
 type leaseKey struct {
@@ -68,16 +69,25 @@ type leaseAgg struct {
 //
 // A quota with a fallback allowance (Quota.FallbackPerRegion: fail_mode
 // fallback) lets a region admit without a grant: its agent deposits the
-// allowance into the store while cut off from the allocators (a chunk the
-// lease journal does not list), and its engine admits a share in process
-// while the store fails. The anonymous admissions the matching leaves
-// uncovered are charged to the region's allowance of their window (by the
-// true clock; FallbackAllowance), in time order, and returned as the
-// fallback uses; only what exceeds it is spent_without_lease. (The agent
-// places an allowance by the leader's clock and ends it the lease margin
-// before the window does, so its admissions, answered within the margin,
-// fall in that window of the true clock.) Named admissions (the driver's)
-// are never charged to it: the driver has no fallback.
+// allowance into the store while cut off from the allocators (a chunk its
+// lease journal lists: history.KindFallback), and its engine admits a
+// share in process while the store fails. In a region whose agent journals
+// its deposits (any KindDeposit or KindFallback event), the journaled
+// allowances take part in the matching as grants (fallbackChunks: live
+// from the send until the store expiry bound plus answerDelay, at most the
+// tokens each added); what they leave is charged to the in-process share
+// only, FallbackPerRegion in a window (true clock) that a fault of the
+// region's store touches, none elsewhere; and what a region admits from
+// both in one window is held to FallbackAllowance. In a region without a
+// journal, the anonymous admissions the matching leaves uncovered are
+// charged to the region's allowance of their window (by the true clock;
+// FallbackAllowance), in time order. Both are returned as the fallback
+// uses; only what exceeds them is spent_without_lease. (The agent places
+// an allowance by the leader's clock and ends it the lease margin before
+// the window does, so its admissions, answered within the margin, fall in
+// that window of the true clock: fallback_outside_window checks it.) Named
+// admissions (the driver's) are never charged to it: the driver has no
+// fallback.
 func checkLeases(h history.History, quotas map[string]Quota, answerDelay, grace time.Duration, r *Result) ([]Violation, []history.Event, []fallbackUse) {
 	received := map[string]history.Event{}
 	failed := map[string]bool{} // grant id -> its deposit failed after an attempt was sent
@@ -159,7 +169,14 @@ func checkLeases(h history.History, quotas map[string]Quota, answerDelay, grace 
 	// them, even when all of them were released.
 	ledger := ledgerGrants(h)
 	var strands []history.Event
-	used := map[leaseKey]int64{} // check field unused: (region, quota, window) -> charged to the allowance
+	used := map[leaseKey]int64{}      // check field unused: (region, quota, window) -> charged to the allowance
+	inProcess := map[leaseKey]int64{} // of used: charged to the in-process share (regions with a journal)
+	agentJournal := map[string]bool{} // regions whose agents journal their deposits
+	for _, e := range h.Events {
+		if e.Kind == history.KindDeposit || e.Kind == history.KindFallback {
+			agentJournal[e.Region] = true
+		}
+	}
 	for k, adm := range anonymous {
 		var gs []history.Event
 		journaled := false // the region reported grants of the quota
@@ -187,11 +204,62 @@ func checkLeases(h history.History, quotas map[string]Quota, answerDelay, grace 
 			gs = append(gs, ledger[reqKey{k.region, k.quota}]...)
 			fromLedger = true
 		}
-		miss, left := unmatched(adm, gs)
 		q := quotas[k.quota]
+		// A region whose agent journals its deposits journals its
+		// fallback allowances too: its admissions are matched to those
+		// chunks, each live from its send until its store expiry bound
+		// (plus answerDelay), beside the grants.
+		perChunk := q.FallbackPerRegion > 0 && q.WindowMs > 0 && agentJournal[k.region]
+		chunkTokens := map[string]int64{}
+		if perChunk {
+			for _, c := range fallbackChunks(h, k.region, k.quota, q, answerDelay) {
+				chunkTokens[c.GrantID] = c.Tokens
+				gs = append(gs, c)
+			}
+		}
+		miss, left := unmatched(adm, gs)
+		if perChunk {
+			chunkUsed := map[int64]history.Event{} // window -> its chunks, Tokens = what they covered
+			for _, g := range left {
+				if g.Kind != history.KindFallback {
+					continue
+				}
+				c, ok := chunkUsed[g.Window]
+				if !ok {
+					c = *g
+					c.Tokens = 0
+				}
+				c.Tokens += chunkTokens[g.GrantID] - g.Tokens
+				chunkUsed[g.Window] = c
+			}
+			for w, c := range chunkUsed {
+				uk := leaseKey{region: k.region, quota: k.quota, window: w}
+				used[uk] += c.Tokens
+				if allow := FallbackAllowance(q, h.Spans, k.region, w, grace); used[uk] > allow {
+					add(CheckUnleased, c, used[uk]-allow, fmt.Sprintf("the fallback allowances of window %d deposited into the store covered %d admissions no grant covers, "+
+						"more than the region's allowance of the window, %d", w, used[uk], allow))
+				}
+			}
+		}
 		for _, e := range miss {
 			why := "no received grant was live for it (earliest-deadline-first matching)"
-			if q.FallbackPerRegion > 0 && q.WindowMs > 0 {
+			if perChunk {
+				// The agent's engine admits an in-process share while
+				// the store fails: FallbackPerRegion more in a window a
+				// fault of the region's store touches, none elsewhere.
+				uk := leaseKey{region: k.region, quota: k.quota, window: trueWindow(e.At, q.WindowMs)}
+				allow := FallbackAllowance(q, h.Spans, k.region, uk.window, grace)
+				share := allow - q.FallbackPerRegion
+				take := min(e.Tokens, max(share-inProcess[uk], 0), max(allow-used[uk], 0))
+				inProcess[uk] += take
+				used[uk] += take
+				if e.Tokens -= take; e.Tokens == 0 {
+					continue
+				}
+				e.Window = uk.window
+				why = fmt.Sprintf("neither a received grant nor a journaled fallback allowance was live for it (earliest-deadline-first matching), "+
+					"and the in-process share of window %d while the region's store fails, %d, was spent (with the allowances, %d of %d)", uk.window, share, used[uk], allow)
+			} else if q.FallbackPerRegion > 0 && q.WindowMs > 0 {
 				uk := leaseKey{region: k.region, quota: k.quota, window: trueWindow(e.At, q.WindowMs)}
 				allow := FallbackAllowance(q, h.Spans, k.region, uk.window, grace)
 				take := min(e.Tokens, max(allow-used[uk], 0))
@@ -208,7 +276,7 @@ func checkLeases(h history.History, quotas map[string]Quota, answerDelay, grace 
 			continue
 		}
 		for _, g := range left {
-			if g.Tokens > 0 && g.ExpiresMs*1e6 <= lastAt {
+			if g.Kind != history.KindFallback && g.Tokens > 0 && g.ExpiresMs*1e6 <= lastAt {
 				strands = append(strands, history.Event{Kind: history.KindStrand, Region: g.Region, Quota: g.Quota, At: g.ExpiresMs * 1e6,
 					GrantID: g.GrantID, Tokens: g.Tokens, Window: g.Window, ExpiresMs: g.ExpiresMs})
 			}
@@ -230,6 +298,29 @@ func checkLeases(h history.History, quotas map[string]Quota, answerDelay, grace 
 			Detail: fmt.Sprintf("%d %s; first: %s", a.tokens, what, a.why)})
 	}
 	return out, strands, uses
+}
+
+// fallbackChunks are the fallback allowances region journaled for quota q
+// that added tokens to its store, as grants for the matching (Kind
+// KindFallback): each covers admissions from its send (At) until its store
+// expiry bound plus answerDelay (ExpiresMs, rounded up to the
+// millisecond): for a failed deposit its return, for one of unknown outcome
+// its window's end (a late copy is deposit_unknown's).
+func fallbackChunks(h history.History, region, quota string, q Quota, answerDelay time.Duration) []history.Event {
+	var out []history.Event
+	for _, e := range h.Events {
+		if e.Kind != history.KindFallback || e.Region != region || e.Quota != quota || e.Tokens <= 0 {
+			continue
+		}
+		end := e.Deadline
+		if e.Outcome == history.Unknown {
+			end = lease.WindowEnd(e.Window, q.WindowMs) * 1e6
+		}
+		end += int64(answerDelay)
+		out = append(out, history.Event{Kind: history.KindFallback, Region: region, Quota: quota, GrantID: e.GrantID, Tokens: e.Tokens,
+			Window: e.Window, At: fallbackFrom(e), ExpiresMs: (end + 1e6 - 1) / 1e6, Outcome: e.Outcome})
+	}
+	return out
 }
 
 // ledgerGrants collects, per (region, quota), every grant any ledger read
@@ -323,7 +414,8 @@ func (b *byExpiry) Pop() any {
 // attempt may have reached the store, and the agent could not withdraw it)
 // may land late and count its TTL from its arrival: the chunk then stays
 // spendable past the allocator's expiry, by as long as it was late, and
-// nothing bounds that. Each is a violation, unless a fault span that stops
+// nothing bounds that. The same holds of a fallback allowance's deposit
+// (KindFallback), whose late copy may outlive its window. Each is a violation, unless a fault span that stops
 // or kills its region's store (Span.Store) comes within grace of the
 // deposit, from its send to its return: the attempt, or the withdrawal that
 // follows the return (bounded by the agent's Acquire timeout, 2 s), may
@@ -332,7 +424,7 @@ func (b *byExpiry) Pop() any {
 func checkDeposits(h history.History, grace time.Duration, r *Result) []Violation {
 	var out []Violation
 	for _, e := range h.Events {
-		if e.Kind != history.KindDeposit || e.Outcome != history.Unknown {
+		if (e.Kind != history.KindDeposit && e.Kind != history.KindFallback) || e.Outcome != history.Unknown {
 			continue
 		}
 		r.DepositsUnknown++
@@ -346,6 +438,10 @@ func checkDeposits(h history.History, grace time.Duration, r *Result) []Violatio
 		}
 		detail := fmt.Sprintf("deposit of grant %s x%d (sent %s, returned %s) has an unknown outcome: a copy may land late and stay spendable "+
 			"past the allocator's expiry %s, and no fault of the region's store covers it", e.GrantID, e.Tokens, fmtTime(from), fmtTime(e.At), fmtTime(e.ExpiresMs*1e6))
+		if e.Kind == history.KindFallback {
+			detail = fmt.Sprintf("deposit of fallback allowance %s x%d (sent %s, returned %s) has an unknown outcome: a copy may land late and stay spendable "+
+				"past the end of its window %d, and no fault of the region's store covers it", e.GrantID, e.Tokens, fmtTime(from), fmtTime(e.At), e.Window)
+		}
 		if e.Err != "" {
 			detail += " (" + e.Err + ")"
 		}

@@ -131,8 +131,8 @@ func Render(w io.Writer, title string, h history.History, r *Result, quotas []Qu
 	}
 	fmt.Fprintf(&b, "grants received %d, replays checked %d, ledger reads %d, acquires never answered %d, ledger grants no region knows %d\n",
 		r.Grants, r.Replays, r.LedgerReads, r.Unresolved, r.Unclaimed)
-	fmt.Fprintf(&b, "deposit deadlines checked %d, deposits of unknown outcome %d (%d of them in a fault of their store)\n",
-		r.DepositsChecked, r.DepositsUnknown, r.DepositsExcused)
+	fmt.Fprintf(&b, "deposit deadlines checked %d, deposits of unknown outcome %d (%d of them in a fault of their store), fallback allowances journaled %d (%d tokens added)\n",
+		r.DepositsChecked, r.DepositsUnknown, r.DepositsExcused, r.Fallbacks, r.FallbackTokens)
 	names := make([]string, 0, len(r.Linearizability))
 	for n := range r.Linearizability {
 		names = append(names, n)

@@ -43,6 +43,18 @@ const (
 	// outlive its lease (Unknown), and Deadline the bound it gives the
 	// grant's acquire event (0 when it bounds nothing).
 	KindDeposit Kind = "deposit"
+	// KindFallback is a region agent's fallback allowance (a quota of
+	// fail_mode fallback) put into its store while cut off from the
+	// allocators: GrantID fb-<region>-<window>, Window the window it belongs
+	// to by the agent's estimate of the leader's clock (LeaderNowMs, at
+	// Call), Tokens what the deposit added (0 when the region's allowance
+	// of the window was in the store already: no chunk of its own), Call
+	// when it was sent and At when it returned. Outcome and Deadline as for
+	// a KindDeposit: OK, the chunk expires in the store at most at Deadline
+	// (At + the TTL it gave the store); Failed, nothing of it is spendable
+	// after At (Deadline = At); Unknown, a copy may land late (Deadline 0).
+	// LastAcquire is the agent process's last Acquire attempt before Call.
+	KindFallback Kind = "fallback"
 	// KindGetWindow is one read of a window's ledger (by the suite's observer).
 	KindGetWindow Kind = "getwindow"
 	// KindAdmit is Tokens admissions at At, spent from GrantID whose deadline
@@ -142,6 +154,24 @@ type Event struct {
 	Grants []LedgerGrant `json:"gs,omitempty"`
 	// Reason of a denial.
 	Reason string `json:"why,omitempty"`
+	// LastAcquire, on a KindFallback event, is the last Acquire attempt the
+	// agent process ended before the deposit was sent, answered or not
+	// (attempts the allocator refused are left out: a refusal does not
+	// change whether the agent counts itself cut off); nil when it had
+	// ended none.
+	LastAcquire *Attempt `json:"la,omitempty"`
+}
+
+// Attempt is one attempt of an Acquire request id, as a region agent's
+// lease journal records it.
+type Attempt struct {
+	// RequestID names the Acquire.
+	RequestID string `json:"id"`
+	// At is when the attempt ended (true Unix ns).
+	At int64 `json:"t"`
+	// Outcome: OK (answered) or Unknown (no answer, or an answer the agent
+	// could not use).
+	Outcome Outcome `json:"o"`
 }
 
 // LedgerGrant is one grant as a window ledger lists it.
