@@ -869,7 +869,9 @@ func (l *leases) pregrant(q *quota, now time.Time) *allotv1.Want {
 		return nil
 	}
 	q.pregranted = next
-	tokens := min(l.sizing(q).Chunk(q.demand), q.spec.Limit)
+	// The current window's tokens die the margin before its end: requests
+	// queue in that gap, and the pre-grant serves them when it opens.
+	tokens := min(l.sizing(q).PregrantChunk(q.demand, l.margin()), q.spec.Limit)
 	return &allotv1.Want{Quota: q.name, Tokens: tokens, DemandPerSecond: sanitizeRate(q.demand), NextWindow: true}
 }
 

@@ -197,6 +197,17 @@ func (s Sizing) Chunk(ratePerSec float64) int64 {
 	return n
 }
 
+// PregrantChunk returns the number of tokens to ask for as a pre-grant of
+// the next window at a demand of ratePerSec: a chunk (Chunk) plus the
+// demand of gap, the stretch before the window's start in which the
+// current window's tokens are already past their deadline (the lease
+// margin): the requests that queue in it are served from the pre-grant the
+// moment it opens, and the chunk must still last until the new window's
+// first renewal lands. Clamped to MaxChunk like Chunk.
+func (s Sizing) PregrantChunk(ratePerSec float64, gap time.Duration) int64 {
+	return min(satAdd(s.Chunk(ratePerSec), ceilTokens(ratePerSec, gap)), s.MaxChunk)
+}
+
 // LowWatermark returns the level of held tokens under which a chunk must be
 // renewed at a demand of ratePerSec: ceil(rate x Lead), the tokens spent
 // while the renewal is in flight. A negative or NaN rate counts as zero.

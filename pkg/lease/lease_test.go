@@ -426,3 +426,25 @@ func TestLeadWithinStockFits(t *testing.T) {
 		}
 	})
 }
+
+// TestPregrantChunk: a pre-grant is a chunk plus the demand of the gap
+// before the window's start (at 40/s, a 300 ms chunk and a 250 ms gap: 12 +
+// 10), clamped to MaxChunk; no demand asks for MinChunk.
+func TestPregrantChunk(t *testing.T) {
+	s := Sizing{MinChunk: 1, MaxChunk: 100, Lead: 200 * time.Millisecond, RTT: 100 * time.Millisecond}
+	for _, tt := range []struct {
+		rate float64
+		gap  time.Duration
+		want int64
+	}{
+		{40, 250 * time.Millisecond, 22},
+		{40, 0, 12},
+		{400, 250 * time.Millisecond, 100},
+		{0, 250 * time.Millisecond, 1},
+		{math.NaN(), time.Second, 1},
+	} {
+		if got := s.PregrantChunk(tt.rate, tt.gap); got != tt.want {
+			t.Errorf("PregrantChunk(%v/s, gap %s) = %d, want %d", tt.rate, tt.gap, got, tt.want)
+		}
+	}
+}
