@@ -88,6 +88,18 @@ func (a *Agent) retire(eng *admission.Engine, now time.Time) {
 	a.retired = append(kept, retiredEngine{eng: eng, at: now})
 }
 
+// acquireAttemptTimeout is how long the agent's client waits for one
+// endpoint's answer: a third of the Acquire call's bound (at least 100 ms,
+// at most the bound), so that a call can try the other endpoints. With the
+// client's default (2 s, the default AcquireTimeout) one endpoint that did
+// not answer took the whole call and cut the region off, although the
+// other allocators would have answered (a chaos run after a partition
+// healed: a 2 s attempt on a stalled connection, then 503s until the
+// retry).
+func acquireAttemptTimeout(call time.Duration) time.Duration {
+	return min(max(call/3, 100*time.Millisecond), call)
+}
+
 // idleWorker is how long a goroutine that ran a batch's check waits for
 // another before it leaves.
 const idleWorker = 250 * time.Millisecond
@@ -153,7 +165,7 @@ func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) 
 	}
 	client, owned := o.client, false
 	if client == nil && len(cfg.AllocatorEndpoints) > 0 {
-		var copts []allocator.ClientOption
+		copts := []allocator.ClientOption{allocator.WithAttemptTimeout(acquireAttemptTimeout(cfg.Lease.AcquireTimeout))}
 		if len(cfg.AllocatorGRPCEndpoints) > 0 {
 			copts = append(copts, allocator.WithGRPCEndpoints(cfg.AllocatorGRPCEndpoints...))
 		}

@@ -159,6 +159,10 @@ type LeaseConfig struct {
 	// machine); it costs each chunk that much of its life.
 	DepositTimeout time.Duration
 	// AcquireTimeout bounds one Acquire call, failover and retries included.
+	// One attempt on one allocator endpoint gets a third of it
+	// (acquireAttemptTimeout), so an endpoint that does not answer (a
+	// connection a partition left half-dead, a stopped node) leaves time to
+	// fail over to the others within the call.
 	AcquireTimeout time.Duration
 	// IdlePoll is how often a pool without demand is looked at.
 	IdlePoll time.Duration
