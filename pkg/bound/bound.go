@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/allot-dev/allot/internal/satmath"
 	"github.com/allot-dev/allot/pkg/lease"
 	"github.com/allot-dev/allot/pkg/policy"
 )
@@ -336,9 +337,9 @@ func heldCap(c Config) int64 { return max(c.MaxHeldPerRegion, 0) }
 func spendable(c Config, h int64, atTurn bool) (tokens, times int64) {
 	times = 1
 	if late := int64(lateBy(c)); late > 0 {
-		times = satAdd(times, mulDivCeil(late, 1, max(int64(c.TTL), 1)))
+		times = satAdd(times, satmath.MulDivCeil(late, 1, max(int64(c.TTL), 1)))
 		if c.Clamp {
-			ends := mulDivCeil(late, 1, max(int64(c.Window), 1))
+			ends := satmath.MulDivCeil(late, 1, max(int64(c.Window), 1))
 			if atTurn {
 				ends--
 			}
@@ -408,7 +409,7 @@ func carryOver(c Config, g, regions int64) Term {
 // timingNeed is what the expiry margin must cover: the drift over a TTL,
 // the one-way delay and the leaders' skew, and that sum spelled out.
 func timingNeed(c Config) (time.Duration, string) {
-	drift := mulDivCeil(int64(max(c.TTL, 0)), max(c.MaxDriftPPM, 0), 1_000_000)
+	drift := satmath.MulDivCeil(int64(max(c.TTL, 0)), max(c.MaxDriftPPM, 0), 1_000_000)
 	need := time.Duration(satAdd(satAdd(drift, int64(max(c.MaxOneWayDelay, 0))), int64(max(c.MaxLeaderSkew, 0))))
 	return need, fmt.Sprintf("drift %d ppm x TTL %s (%s) + one-way delay %s + leader skew %s = %s",
 		c.MaxDriftPPM, fmtDur(c.TTL), fmtDur(time.Duration(drift)), fmtDur(c.MaxOneWayDelay), fmtDur(c.MaxLeaderSkew), fmtDur(need))
@@ -522,7 +523,7 @@ func timingTerm(c Config, g, regions int64) Term {
 	}
 	capped := ""
 	if c.PeakAdmissionRate > 0 {
-		t.Tokens = min(t.Tokens, mulDivCeil(c.PeakAdmissionRate, int64(late), int64(time.Second)))
+		t.Tokens = min(t.Tokens, satmath.MulDivCeil(c.PeakAdmissionRate, int64(late), int64(time.Second)))
 		capped = fmt.Sprintf(", at a peak of %d/s", c.PeakAdmissionRate)
 	}
 	t.Assumption = fmt.Sprintf("Margin %s is %s short of %s: regions may spend for up to %s past the allocator's expiry, "+
@@ -555,7 +556,7 @@ func storeRollback(c Config, g int64) Term {
 	t.Tokens = held
 	how := "replication lag unknown"
 	if c.PeakAdmissionRate > 0 && c.StoreReplicationLag > 0 {
-		t.Tokens = min(held, mulDivCeil(c.PeakAdmissionRate, int64(c.StoreReplicationLag), int64(time.Second)))
+		t.Tokens = min(held, satmath.MulDivCeil(c.PeakAdmissionRate, int64(c.StoreReplicationLag), int64(time.Second)))
 		how = fmt.Sprintf("%s of lag at a peak of %d/s", fmtDur(c.StoreReplicationLag), c.PeakAdmissionRate)
 	}
 	t.Assumption = fmt.Sprintf("A regional store failover to an asynchronous replica, or a restart that reloads an RDB or AOF file, forgets recent debits (%s), "+
@@ -582,26 +583,6 @@ func satMul(a, b int64) int64 {
 		return math.MaxInt64
 	}
 	return int64(lo)
-}
-
-// mulDivCeil returns ceil(a*b/d) for non-negative a, b and positive d,
-// saturating at MaxInt64.
-func mulDivCeil(a, b, d int64) int64 {
-	if a <= 0 || b <= 0 || d <= 0 {
-		return 0
-	}
-	hi, lo := bits.Mul64(uint64(a), uint64(b))
-	if hi >= uint64(d) {
-		return math.MaxInt64
-	}
-	q, r := bits.Div64(hi, lo, uint64(d))
-	if r != 0 {
-		q++
-	}
-	if q > math.MaxInt64 {
-		return math.MaxInt64
-	}
-	return int64(q)
 }
 
 // fmtDur formats a duration without zero trailing units ("1m", not "1m0s").

@@ -7,9 +7,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/allot-dev/allot/examples"
-	"github.com/allot-dev/allot/pkg/policy"
 	"pgregory.net/rapid"
+
+	"github.com/allot-dev/allot/examples"
+	"github.com/allot-dev/allot/internal/satmath"
+	"github.com/allot-dev/allot/pkg/policy"
 )
 
 // atlas is P-TENANT from reference chapter 15: G = 1,000/min over two
@@ -579,7 +581,7 @@ func TestBoundProperties(t *testing.T) {
 		s.FallbackPerRegion = 0
 		s.QuorumCommit = true
 		s.StoreAsyncFailover = false
-		s.ExpiryMargin = time.Duration(mulDivCeil(int64(s.TTL), s.MaxDriftPPM, 1_000_000)) + s.MaxOneWayDelay + s.MaxLeaderSkew
+		s.ExpiryMargin = time.Duration(satmath.MulDivCeil(int64(s.TTL), s.MaxDriftPPM, 1_000_000)) + s.MaxOneWayDelay + s.MaxLeaderSkew
 		sb := Calculate(s)
 		if sb.Total != 0 {
 			t.Fatalf("strict config has overshoot %d:\n%s", sb.Total, sb)
@@ -617,11 +619,11 @@ func TestBoundProperties(t *testing.T) {
 }
 
 func TestArithmetic(t *testing.T) {
-	if got := mulDivCeil(1<<62, 1<<62, 1); got != 1<<63-1 {
+	if got := satmath.MulDivCeil(1<<62, 1<<62, 1); got != 1<<63-1 {
 		t.Errorf("mulDivCeil saturates: got %d", got)
 	}
-	if got := mulDivCeil(7, 1, 2); got != 4 {
-		t.Errorf("mulDivCeil(7,1,2) = %d", got)
+	if got := satmath.MulDivCeil(7, 1, 2); got != 4 {
+		t.Errorf("satmath.MulDivCeil(7,1,2) = %d", got)
 	}
 	if got := satMul(1<<40, 1<<40); got != 1<<63-1 {
 		t.Errorf("satMul saturates: got %d", got)

@@ -4,8 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"math/bits"
 	"time"
+
+	"github.com/allot-dev/allot/internal/satmath"
 )
 
 // WindowIndex returns the index of the window of windowMs milliseconds that
@@ -123,7 +124,7 @@ func NotBefore(receivedAt time.Time, notBeforeUnixMs, leaderNowUnixMs int64) tim
 func NotBeforeDrift(receivedAt time.Time, notBeforeUnixMs, leaderNowUnixMs, driftPPM int64) time.Time {
 	d := msToDuration(satSub(notBeforeUnixMs, leaderNowUnixMs))
 	if d > 0 && driftPPM > 0 {
-		d = time.Duration(satAdd(int64(d), mulDivCeil(int64(d), driftPPM, 1_000_000)))
+		d = time.Duration(satAdd(int64(d), satmath.MulDivCeil(int64(d), driftPPM, 1_000_000)))
 	}
 	if d < math.MaxInt64-time.Millisecond {
 		d += time.Millisecond
@@ -265,26 +266,7 @@ func satAdd(a, b int64) int64 {
 	return s
 }
 
-// mulDivCeil returns ceil(a*b/d) for non-negative a, b and positive d,
-// saturating at MaxInt64; 0 for other arguments.
-func mulDivCeil(a, b, d int64) int64 {
-	if a <= 0 || b <= 0 || d <= 0 {
-		return 0
-	}
-	hi, lo := bits.Mul64(uint64(a), uint64(b))
-	if hi >= uint64(d) {
-		return math.MaxInt64
-	}
-	q, r := bits.Div64(hi, lo, uint64(d))
-	if r != 0 {
-		q++
-	}
-	if q > math.MaxInt64 {
-		return math.MaxInt64
-	}
-	return int64(q)
-}
-
+// satSub returns a - b, saturating at the int64 bounds.
 func satSub(a, b int64) int64 {
 	if b == math.MinInt64 {
 		if a >= 0 {
