@@ -159,6 +159,7 @@ type Option func(*options)
 
 type options struct {
 	clock    Clock
+	fbClock  Clock
 	logger   *zap.Logger
 	rand     io.Reader
 	registry prometheus.Registerer
@@ -168,6 +169,15 @@ type options struct {
 // the fallback buckets and the breaker. The store keeps its own clock
 // (Redis TIME, or the MemoryStore's clock).
 func WithClock(c Clock) Option { return func(o *options) { o.clock = c } }
+
+// WithFallbackClock sets the clock whose wall time places the in-process
+// fallback's windows while the store fails: above all a global quota's
+// share, spent only Config.PoolFallbackMargin inside each window, which the
+// stated bound assumes is the allocator's window. The default is the
+// engine's clock (WithClock). The region agent passes its estimate of the
+// allocator leader's clock, so that its share follows the allocator's
+// windows even when its host's clock is off.
+func WithFallbackClock(c Clock) Option { return func(o *options) { o.fbClock = c } }
 
 // WithLogger sets the logger; the default discards everything.
 func WithLogger(l *zap.Logger) Option { return func(o *options) { o.logger = l } }

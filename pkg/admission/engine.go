@@ -26,9 +26,12 @@ type Engine struct {
 	cfg   Config
 	store Store
 	clock Clock
-	log   *zap.Logger
-	hash  hasher
-	start time.Time
+	// fbClock places the in-process fallback's windows (WithFallbackClock);
+	// nil: clock.
+	fbClock Clock
+	log     *zap.Logger
+	hash    hasher
+	start   time.Time
 
 	snap    atomic.Pointer[snapshot]
 	applyMu sync.Mutex
@@ -78,6 +81,7 @@ func New(cfg Config, store Store, doc *policy.Document, version uint64, opts ...
 		cfg:      cfg,
 		store:    store,
 		clock:    o.clock,
+		fbClock:  o.fbClock,
 		log:      o.logger.Named("admission"),
 		hash:     hasher{ns: cfg.Namespace, salt: cfg.KeySalt},
 		start:    o.clock.Now(),
@@ -833,6 +837,9 @@ func (e *Engine) failGroup(g *group, items []item, now time.Time, mono int64, co
 		}
 	}
 	wall := now.UnixMilli()
+	if e.fbClock != nil && len(fbItems) > 0 {
+		wall = e.fbClock.Now().UnixMilli()
+	}
 	if len(fbItems) > 0 {
 		deny, retryMs, closed, states := e.fb.decide(fbItems, wall)
 		if deny >= 0 {

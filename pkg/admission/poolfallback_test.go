@@ -1,9 +1,12 @@
 package admission_test
 
 import (
+	"context"
 	"fmt"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"github.com/allot-dev/allot/internal/redistest"
 	"github.com/allot-dev/allot/pkg/admission"
@@ -129,4 +132,52 @@ func TestPoolFallbackSpan(t *testing.T) {
 	wantAllowed(t, h.decide("route", "GET /pool"), "no margin, window start")
 	h.clock.Set(2*time.Second - time.Millisecond)
 	wantAllowed(t, h.decide("route", "GET /pool"), "no margin, window end")
+}
+
+// TestPoolFallbackClock: with WithFallbackClock, a global quota's
+// in-process share is placed by that clock, not the engine's: mid-window by
+// the fallback clock the share is spent although the engine's clock is in
+// the window's first 250 ms, and in its first 250 ms by the fallback clock
+// the quota answers Unavailable although the engine's clock is mid-window.
+// (The region agent passes its estimate of the allocator leader's clock.)
+func TestPoolFallbackClock(t *testing.T) {
+	addr, err := redistest.ClosedAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	client := redis.NewClient(&redis.Options{Addr: addr, DialTimeout: 200 * time.Millisecond, MaxRetries: -1, DialerRetries: 1})
+	t.Cleanup(func() { client.Close() })
+	store, err := admission.NewRedisStore(client, admission.DefaultRedisConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { store.Close() })
+	for _, tt := range []struct {
+		name             string
+		engine, fallback time.Duration // offsets from t0, a window's start
+		allowed          bool
+	}{
+		{"mid-window by the fallback clock", 100 * time.Millisecond, time.Second, true},
+		{"window start by the fallback clock", time.Second, 100 * time.Millisecond, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg := admission.DefaultConfig()
+			cfg.Namespace = namespace()
+			cfg.NegativeCacheTTL = 0
+			cfg.StoreTimeout = 100 * time.Millisecond
+			e, err := admission.New(cfg, store, parse(t, poolFallbackPolicy), 1,
+				admission.WithClock(newFakeClock(t0.Add(tt.engine))), admission.WithFallbackClock(newFakeClock(t0.Add(tt.fallback))))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { e.Close() })
+			d, err := e.Decide(context.Background(), &admission.Request{Descriptors: []policy.Entry{{Key: "route", Value: "GET /pool"}}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r := rule(t, d, "p-pool"); r.FailMode != policy.FailFallback || d.Allowed() != tt.allowed || (!tt.allowed && d.Outcome != admission.Unavailable) {
+				t.Fatalf("decided %+v (p-pool %+v); want allowed %t by the fallback, Unavailable otherwise", d, r, tt.allowed)
+			}
+		})
+	}
 }

@@ -192,7 +192,10 @@ func New(cfg Config, rdb redis.UniversalClient, opts ...Option) (*Agent, error) 
 	a.leases = newLeases(cfg.Lease, cfg.Region, client, o.clock, log, a.m, hex.EncodeToString(idb[:]),
 		newWithdrawer(rdb, cfg.Engine.Namespace), cfg.ShutdownTimeout)
 	a.leases.journal = o.observer
-	a.engOpts = []admission.Option{admission.WithClock(o.clock), admission.WithLogger(log), admission.WithRand(o.rand)}
+	a.engOpts = []admission.Option{admission.WithClock(o.clock), admission.WithLogger(log), admission.WithRand(o.rand),
+		// The engine's in-process fallback (a global quota's share while
+		// Redis fails) follows the allocator's windows, not this host's clock.
+		admission.WithFallbackClock(leaderWall{a.leases})}
 	if o.registry != nil {
 		a.engOpts = append(a.engOpts, admission.WithRegisterer(&engineRegisterer{reg: o.registry}))
 		if err := a.m.register(o.registry, a.leases); err != nil {

@@ -83,7 +83,9 @@
 //     had no answer since it started deposits none
 //     (allot_agent_fallback_withheld_total{reason="unmeasured"}). A request
 //     its pool cannot serve is then answered unavailable (503: the
-//     limiter's problem).
+//     limiter's problem). While Redis fails, the engine's in-process share
+//     of a fallback quota is placed by the same estimate of the leader's
+//     clock (admission.WithFallbackClock), not the host's clock.
 //     A pool the allocator reports exhausted for the window is marked in the
 //     store (MarkExhausted), so requests get 429 with Retry-After to the
 //     window's end. A request short of tokens while a renewal is on its way

@@ -40,6 +40,8 @@ func (l *leases) observeLeader(stampMs int64, sent, recv time.Time) {
 	rtt := max(recv.Sub(sent), 0)
 	half := (rtt + time.Millisecond) / 2
 	l.leader = leaderClock{ns: stampMs*int64(time.Millisecond) + int64(half), at: recv, err: half + l.driftOver(rtt)}
+	lc := l.leader
+	l.leaderSnap.Store(&lc)
 	l.offsetMs = stampMs - (sent.UnixMilli() + rtt.Milliseconds()/2)
 	l.m.clockOffset.Set(float64(l.offsetMs) / 1e3)
 }
@@ -60,6 +62,26 @@ func (l *leases) leaderNow(now time.Time) (ns int64, err time.Duration, ok bool)
 	}
 	since := max(now.Sub(l.leader.at), 0)
 	return l.leader.ns + int64(since), l.leader.err + l.driftOver(since), true
+}
+
+// leaderWall is an admission.Clock reading the leader's clock as last
+// measured and carried on by the monotonic clock (leaderNow's estimate,
+// without its error), or the agent's clock before the first measurement and
+// standalone. It takes no lock: the engine reads it for every decision its
+// in-process fallback makes while Redis fails. The estimate's error (half a
+// round trip, plus MaxDriftPPM of the time since the last answer) is far
+// under the pool fallback margin unless the agent has been cut off from the
+// allocator for many minutes as well.
+type leaderWall struct{ l *leases }
+
+// Now returns the estimate of the leader's clock now.
+func (w leaderWall) Now() time.Time {
+	now := w.l.clock.Now()
+	lc := w.l.leaderSnap.Load()
+	if lc == nil || w.l.client == nil {
+		return now
+	}
+	return time.Unix(0, lc.ns+int64(max(now.Sub(lc.at), 0)))
 }
 
 // leaderMs is leaderNow in Unix milliseconds, for scheduling only: before

@@ -123,3 +123,33 @@ func TestFallbackAllowancesOfTwoWindowsNeverLiveAtOnce(t *testing.T) {
 		})
 	}
 }
+
+// TestLeaderWall: the clock the agent gives its engine's in-process
+// fallback reads the agent's own clock until the leader's clock is
+// measured, and the leader's clock after, whatever the agent's says: an
+// agent clock 3 s behind reads true time (within the measuring call's
+// round trip) once an answer stamped by the leader (the machine's clock
+// here) is observed.
+func TestLeaderWall(t *testing.T) {
+	client, err := allocator.NewClient([]string{"127.0.0.1:1"}) // never called
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(client.Close)
+	agentClock := OffsetClock{Offset: -3 * time.Second}
+	l := newLeases(DefaultLeaseConfig(), "eu", client, agentClock, zap.NewNop(), newMetrics(), "test", newWithdrawer(nil, "lw"), time.Second)
+	w := leaderWall{l}
+	if d := time.Since(w.Now()); d < 3*time.Second-50*time.Millisecond || d > 3*time.Second+50*time.Millisecond {
+		t.Fatalf("before a measurement: %s behind the machine's clock, want the agent's 3 s", d)
+	}
+	sent := agentClock.Now()
+	stamp := time.Now().UnixMilli() // the leader's
+	recv := agentClock.Now()
+	l.mu.Lock()
+	l.observeLeader(stamp, sent, recv)
+	l.mu.Unlock()
+	time.Sleep(20 * time.Millisecond)
+	if d := time.Since(w.Now()); d < -5*time.Millisecond || d > 5*time.Millisecond {
+		t.Fatalf("after a measurement: %s off the leader's (the machine's) clock, want within 5 ms", d)
+	}
+}

@@ -199,8 +199,10 @@ type leases struct {
 	storeDelay time.Duration
 	acquireRTT time.Duration
 	offsetMs   int64 // leader wall clock minus ours, as last measured (the clock offset gauge)
-	// leader is the leader's clock as last measured (see leaderNow).
-	leader leaderClock
+	// leader is the leader's clock as last measured (see leaderNow);
+	// leaderSnap a copy for readers that do not hold mu (leaderWall).
+	leader     leaderClock
+	leaderSnap atomic.Pointer[leaderClock]
 	// warnedUnmeasured: the warning that fallback allowances are withheld
 	// until the leader's clock is measured was logged.
 	warnedUnmeasured bool
