@@ -19,6 +19,25 @@ import (
 	"github.com/allot-dev/allot/pkg/policy"
 )
 
+// unreachableStore is a Redis store whose address refuses connections (one
+// dial attempt, no retries): every call fails at once, so rules go to their
+// fail modes.
+func unreachableStore(t *testing.T) *admission.RedisStore {
+	t.Helper()
+	addr, err := redistest.ClosedAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	client := redis.NewClient(&redis.Options{Addr: addr, DialTimeout: 200 * time.Millisecond, MaxRetries: -1, DialerRetries: 1})
+	t.Cleanup(func() { client.Close() })
+	store, err := admission.NewRedisStore(client, admission.DefaultRedisConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { store.Close() })
+	return store
+}
+
 // failHarness is an engine on a Redis store at addr with a fake clock.
 func failHarness(t *testing.T, addr string, doc *policy.Document, mutate func(*admission.Config)) (*harness, *admission.RedisStore) {
 	t.Helper()
@@ -152,17 +171,7 @@ func TestFailModesUnreachable(t *testing.T) {
 // request per key and gateway and then refuses with a Retry-After. Applying
 // such a policy logs the rules whose share was raised.
 func TestFallbackShareFloor(t *testing.T) {
-	addr, err := redistest.ClosedAddr()
-	if err != nil {
-		t.Fatal(err)
-	}
-	client := redis.NewClient(&redis.Options{Addr: addr, DialTimeout: 200 * time.Millisecond, MaxRetries: -1, DialerRetries: 1})
-	t.Cleanup(func() { client.Close() })
-	store, err := admission.NewRedisStore(client, admission.DefaultRedisConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { store.Close() })
+	store := unreachableStore(t)
 	core, logs := observer.New(zap.WarnLevel)
 	clock := newFakeClock(t0)
 	cfg := admission.DefaultConfig()

@@ -6,8 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/redis/go-redis/v9"
-
 	"github.com/allot-dev/allot/internal/redistest"
 	"github.com/allot-dev/allot/pkg/admission"
 	"github.com/allot-dev/allot/pkg/policy"
@@ -141,17 +139,7 @@ func TestPoolFallbackSpan(t *testing.T) {
 // the quota answers Unavailable although the engine's clock is mid-window.
 // (The region agent passes its estimate of the allocator leader's clock.)
 func TestPoolFallbackClock(t *testing.T) {
-	addr, err := redistest.ClosedAddr()
-	if err != nil {
-		t.Fatal(err)
-	}
-	client := redis.NewClient(&redis.Options{Addr: addr, DialTimeout: 200 * time.Millisecond, MaxRetries: -1, DialerRetries: 1})
-	t.Cleanup(func() { client.Close() })
-	store, err := admission.NewRedisStore(client, admission.DefaultRedisConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { store.Close() })
+	store := unreachableStore(t)
 	for _, tt := range []struct {
 		name             string
 		engine, fallback time.Duration // offsets from t0, a window's start
