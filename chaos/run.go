@@ -18,6 +18,7 @@ import (
 
 	"github.com/allot-dev/allot/chaos/check"
 	"github.com/allot-dev/allot/chaos/history"
+	"github.com/allot-dev/allot/internal/pausewatch"
 	"github.com/allot-dev/allot/pkg/allocator"
 )
 
@@ -111,6 +112,14 @@ func (s *Suite) Report(name, title string, h history.History, r *check.Result, t
 	for _, q := range s.cfg.Quotas {
 		b.WriteString(latencyLine(h, q.Name, s.cfg.Window))
 	}
+	s.mu.Lock()
+	tp := append([]pausewatch.Pause(nil), s.pauses...)
+	s.mu.Unlock()
+	var logPath string
+	if s.logw != nil {
+		logPath = s.logw.Name()
+	}
+	b.WriteString(pauseLine(tp, logPath))
 	b.WriteString("\n")
 	if err := check.Render(&b, "per scenario (windows it touched, by the true clock):", h, r, s.Quotas(), s.cfg.Window); err != nil {
 		return "", err

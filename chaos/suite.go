@@ -15,6 +15,7 @@ import (
 
 	"github.com/allot-dev/allot/chaos/check"
 	"github.com/allot-dev/allot/chaos/history"
+	"github.com/allot-dev/allot/internal/pausewatch"
 	"github.com/allot-dev/allot/pkg/allocator"
 	"github.com/allot-dev/allot/pkg/faultproxy"
 	"github.com/allot-dev/allot/pkg/lease"
@@ -168,6 +169,7 @@ type Suite struct {
 	mu       sync.Mutex
 	closed   bool
 	cuts     map[string][][]string // iptables rules of partitions in force, by namespace/tag
+	pauses   []pausewatch.Pause    // of this process (notePause); guarded by mu
 }
 
 func (s *Suite) logf(format string, args ...any) {
@@ -263,6 +265,8 @@ func Start(ctx context.Context, cfg Config) (s *Suite, err error) {
 
 	bgCtx, bgCancel := context.WithCancel(context.Background())
 	s.bgCancel = bgCancel
+	s.bg.Add(1)
+	go func() { defer s.bg.Done(); _ = pausewatch.Run(bgCtx, pausewatch.Config{OnPause: s.notePause}) }()
 	if err = s.startProxies(startCtx, bgCtx); err != nil {
 		return s, err
 	}

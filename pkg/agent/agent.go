@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/allot-dev/allot/internal/gopool"
+	"github.com/allot-dev/allot/internal/pausewatch"
 	"github.com/allot-dev/allot/pkg/admission"
 	"github.com/allot-dev/allot/pkg/allocator"
 	"github.com/allot-dev/allot/pkg/policy"
@@ -517,6 +518,9 @@ func (a *Agent) Run(ctx context.Context) error {
 		g.Go(func() error { return w.Run(gctx) })
 	}
 	g.Go(func() error { return a.leases.Run(gctx) })
+	g.Go(func() error {
+		return pausewatch.Run(gctx, pausewatch.Config{Histogram: a.m.pauses, OnPause: pausewatch.LogTo(a.log)})
+	})
 	err := g.Wait()
 	return errors.Join(err, a.release())
 }

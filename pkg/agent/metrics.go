@@ -5,6 +5,8 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/allot-dev/allot/internal/pausewatch"
 )
 
 // metrics are the agent's Prometheus metrics. Per-quota lease figures are
@@ -29,6 +31,7 @@ type metrics struct {
 	fallbackDep  *prometheus.CounterVec // quota
 	fallbackHeld *prometheus.CounterVec // reason
 	clockOffset  prometheus.Gauge
+	pauses       prometheus.Histogram
 }
 
 // The label values the agent's counters take, each a bounded, known set:
@@ -127,6 +130,7 @@ func newMetrics() *metrics {
 			Name: "allot_agent_leader_clock_offset_seconds",
 			Help: "The allocator leader's wall clock minus this agent's, as measured by the last fresh Acquire answer (the leader's stamp against the middle of the call). 0 until the first answer.",
 		}),
+		pauses: pausewatch.NewHistogram("allot_agent_process_pause_seconds"),
 	}
 	m.zero()
 	return m
@@ -162,7 +166,7 @@ func (m *metrics) register(r prometheus.Registerer, l *leases) error {
 	for _, c := range []prometheus.Collector{
 		m.decisions, m.latency, m.badRequests, m.failMode, m.starveWaits, m.storeErrors, m.policyVer, m.policyUpd,
 		m.renewal, m.renewFail, m.acquireCalls, m.acquireWants, m.acquireToks, m.poolReads, m.cutOff, m.fallbackDep,
-		m.fallbackHeld, m.clockOffset,
+		m.fallbackHeld, m.clockOffset, m.pauses,
 		&leaseCollector{l: l},
 	} {
 		if err := r.Register(c); err != nil {

@@ -4,6 +4,8 @@ import (
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/allot-dev/allot/internal/pausewatch"
 )
 
 // Metrics are the allocator's Prometheus metrics. They register on the
@@ -28,6 +30,9 @@ type Metrics struct {
 	// WatchStreams is the number of WatchPolicy streams this node serves
 	// (Config.MaxWatchStreams caps it).
 	WatchStreams prometheus.Gauge
+	// Pauses are the stretches in which this process did not run (Run
+	// watches for them; see internal/pausewatch).
+	Pauses prometheus.Histogram
 
 	mu   sync.Mutex
 	node *Node
@@ -48,10 +53,11 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}),
 		LeaderChanges: prometheus.NewCounter(prometheus.CounterOpts{Name: "allot_allocator_leader_changes_total", Help: "Leader changes observed by this node."}),
 		WatchStreams:  prometheus.NewGauge(prometheus.GaugeOpts{Name: "allot_allocator_watch_streams", Help: "WatchPolicy streams this node serves."}),
+		Pauses:        pausewatch.NewHistogram("allot_allocator_process_pause_seconds"),
 	}
 	if reg != nil {
 		reg.MustRegister(m.Grants, m.TokensGranted, m.PoolExhausted, m.TokensReleased, m.Requests,
-			m.Forwarded, m.ApplyLatency, m.LeaderChanges, m.WatchStreams, (*stateCollector)(m))
+			m.Forwarded, m.ApplyLatency, m.LeaderChanges, m.WatchStreams, m.Pauses, (*stateCollector)(m))
 	}
 	return m
 }

@@ -190,7 +190,9 @@ func NewNode(cfg Config, opts ...Option) (*Node, error) {
 	}
 	n.trans = deps.Transport
 
-	rc := raftConfig(cfg, o.logger)
+	// Raft's lines carry the node's id, like the node's own: several nodes
+	// logging to one place (a test, a shared collector) stay apart.
+	rc := raftConfig(cfg, o.logger.With(zap.String("node", cfg.NodeID)))
 	if err := raft.ValidateConfig(rc); err != nil {
 		n.runClosers()
 		return nil, fmt.Errorf("raft config: %w", err)

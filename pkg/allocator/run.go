@@ -13,6 +13,8 @@ import (
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
 
+	"github.com/allot-dev/allot/internal/pausewatch"
+
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
 )
 
@@ -68,6 +70,9 @@ func Run(ctx context.Context, cfg Config, ro RunOptions, log *zap.Logger) error 
 		return err
 	}
 	srv := NewServer(node, log, metrics)
+	watchCtx, stopWatch := context.WithCancel(context.Background())
+	defer stopWatch()
+	go pausewatch.Run(watchCtx, pausewatch.Config{Histogram: metrics.Pauses, OnPause: pausewatch.LogTo(log.With(zap.String("node", cfg.NodeID)))})
 	var grpcSrv *grpc.Server
 	if grpcLn != nil {
 		grpcSrv = NewGRPCServer(srv)

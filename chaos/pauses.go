@@ -1,0 +1,105 @@
+package chaos
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/allot-dev/allot/internal/pausewatch"
+)
+
+// pauseMsg is what the processes' pause warnings (pausewatch.LogTo) say.
+const pauseMsg = "did not run for a while"
+
+// notePause records a pause of this (the test) process: the WAN proxies
+// and the observer run here, so calls through them stall with it.
+func (s *Suite) notePause(p pausewatch.Pause) {
+	s.mu.Lock()
+	s.pauses = append(s.pauses, p)
+	s.mu.Unlock()
+	if s.logw != nil {
+		fmt.Fprintf(s.logw, "chaos test process (WAN proxies, observer): %s for %s, ended %s\n", pauseMsg, p.Length.Round(time.Millisecond), p.End.UTC().Format("15:04:05.000"))
+	}
+	s.logf("the test process did not run for %s (ended %s)", p.Length.Round(time.Millisecond), p.End.UTC().Format("15:04:05.000"))
+}
+
+// loggedPause is one pause warning in the processes' log.
+type loggedPause struct {
+	who    string // "allocator a1", "agent eu"
+	length time.Duration
+	end    time.Time
+}
+
+// readPauses returns the pause warnings in the processes' JSON log lines
+// (other lines, such as Redis's, are skipped).
+func readPauses(r io.Reader) ([]loggedPause, error) {
+	var out []loggedPause
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		line := sc.Bytes()
+		if !strings.Contains(string(line), pauseMsg) {
+			continue
+		}
+		var e struct {
+			Msg    string  `json:"msg"`
+			Logger string  `json:"logger"`
+			Node   string  `json:"node"`
+			Region string  `json:"region"`
+			Pause  float64 `json:"pause"`
+			Ended  float64 `json:"ended"`
+		}
+		if json.Unmarshal(line, &e) != nil || !strings.Contains(e.Msg, pauseMsg) {
+			continue
+		}
+		who := e.Logger
+		switch {
+		case e.Node != "":
+			who = "allocator " + e.Node
+		case e.Region != "":
+			who = "agent " + e.Region
+		}
+		sec := int64(e.Ended)
+		out = append(out, loggedPause{who: who, length: time.Duration(e.Pause * float64(time.Second)),
+			end: time.Unix(sec, int64((e.Ended-float64(sec))*1e9))})
+	}
+	return out, sc.Err()
+}
+
+// pauseLine summarizes the pauses of the run's processes: the test
+// process's own (tp) and those the allocators and agents logged (in the
+// file at logPath). Several processes pausing at once point at the
+// machine; one alone at that process.
+func pauseLine(tp []pausewatch.Pause, logPath string) string {
+	var all []loggedPause
+	for _, p := range tp {
+		all = append(all, loggedPause{who: "test process", length: p.Length, end: p.End})
+	}
+	if logPath != "" {
+		f, err := os.Open(logPath)
+		if err != nil {
+			return fmt.Sprintf("process pauses: cannot read %s: %v\n", logPath, err)
+		}
+		lp, err := readPauses(f)
+		f.Close()
+		if err != nil {
+			return fmt.Sprintf("process pauses: reading %s: %v\n", logPath, err)
+		}
+		all = append(all, lp...)
+	}
+	if len(all) == 0 {
+		return fmt.Sprintf("process pauses (>= %s): none in the test process, the allocators or the agents\n", pausewatch.DefaultThreshold)
+	}
+	sort.Slice(all, func(i, j int) bool { return all[i].end.Before(all[j].end) })
+	var b strings.Builder
+	fmt.Fprintf(&b, "process pauses (>= %s), by when they ended:", pausewatch.DefaultThreshold)
+	for _, p := range all {
+		fmt.Fprintf(&b, " %s %s (%s);", p.end.UTC().Format("15:04:05.000"), p.who, p.length.Round(time.Millisecond))
+	}
+	return strings.TrimSuffix(b.String(), ";") + "\n"
+}

@@ -1,0 +1,41 @@
+package chaos
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/allot-dev/allot/internal/pausewatch"
+)
+
+func TestPauseLine(t *testing.T) {
+	log := strings.Join([]string{
+		`29108:M 05 Dec 2026 08:48:53.815 * Ready to accept connections`,
+		`{"level":"warn","ts":1796467034.52,"logger":"agent","msg":"this process did not run for a while (a stop-the-world pause, CPU starvation, or its VM or machine stalled); timeouts and deadlines in that stretch may have passed unseen","region":"eu","pause":1.416,"ended":1796467034.5}`,
+		`{"level":"warn","ts":1796467033.1,"logger":"allocator","msg":"this process did not run for a while (a stop-the-world pause, CPU starvation, or its VM or machine stalled); timeouts and deadlines in that stretch may have passed unseen","node":"a2","pause":0.75,"ended":1796467033.25}`,
+		`{"level":"warn","ts":1796467033.1,"logger":"raft","msg":"heartbeat timeout reached, starting election","node":"a2"}`,
+		`chaos test process (WAN proxies, observer): did not run for a while for 2s, ended 00:00:00.000`,
+	}, "\n")
+	path := filepath.Join(t.TempDir(), "processes.log")
+	if err := os.WriteFile(path, []byte(log), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	tp := []pausewatch.Pause{{End: time.Unix(1796467034, 0), Length: 2 * time.Second}}
+	got := pauseLine(tp, path)
+	want := "process pauses (>= 500ms), by when they ended: 10:37:13.250 allocator a2 (750ms); 10:37:14.000 test process (2s); 10:37:14.500 agent eu (1.416s)\n"
+	if got != want {
+		t.Fatalf("pauseLine:\n got %q\nwant %q", got, want)
+	}
+	if got := pauseLine(nil, path+".missing"); !strings.Contains(got, "cannot read") {
+		t.Fatalf("missing log: %q", got)
+	}
+	empty := filepath.Join(t.TempDir(), "empty.log")
+	if err := os.WriteFile(empty, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if got := pauseLine(nil, empty); !strings.HasPrefix(got, "process pauses (>= 500ms): none") {
+		t.Fatalf("no pauses: %q", got)
+	}
+}

@@ -1,0 +1,94 @@
+// Package pausetest checks, in tests of the commands, that a process
+// reports being stopped: it stops the process (SIGSTOP), continues it, and
+// reads the pause back from the process's /metrics and log.
+package pausetest
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"io"
+	"net/http"
+	"os/exec"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// Stop is how long CheckStop stops the process.
+const Stop = 1500 * time.Millisecond
+
+// CheckStop stops the process cmd runs (started, serving metricsURL, its
+// output going to out) for Stop, continues it, and checks that the
+// histogram metric counts one pause and that the log (zap's JSON, out) has
+// one pause warning of about Stop. It ends the process (SIGTERM) before it
+// reads out.
+func CheckStop(t *testing.T, cmd *exec.Cmd, out *bytes.Buffer, metricsURL, metric string) {
+	t.Helper()
+	if n := count(t, metricsURL, metric); n != 0 {
+		t.Fatalf("%v pauses counted before any", n)
+	}
+	if err := cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(Stop)
+	if err := cmd.Process.Signal(syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	counted := 0.0
+	for counted < 1 && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+		counted = count(t, metricsURL, metric)
+	}
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	_ = cmd.Wait() // out is complete from here on
+	if counted != 1 {
+		t.Fatalf("%v pauses counted after one stop of %s; output:\n%s", counted, Stop, out.String())
+	}
+	var logged []float64
+	sc := bufio.NewScanner(strings.NewReader(out.String()))
+	for sc.Scan() {
+		var entry struct {
+			Msg   string  `json:"msg"`
+			Pause float64 `json:"pause"` // seconds, as zap's production encoder writes durations
+		}
+		if json.Unmarshal(sc.Bytes(), &entry) == nil && strings.Contains(entry.Msg, "did not run for a while") {
+			logged = append(logged, entry.Pause)
+		}
+	}
+	// The watcher wakes every 100 ms, so it sees the stop less up to one
+	// interval (and a little scheduling delay).
+	if len(logged) != 1 || logged[0] < Stop.Seconds()-0.2 || logged[0] > 2*Stop.Seconds() {
+		t.Fatalf("logged pauses %v s, want one of about %s; output:\n%s", logged, Stop, out.String())
+	}
+}
+
+// count returns the histogram's _count from metricsURL.
+func count(t *testing.T, metricsURL, metric string) float64 {
+	t.Helper()
+	resp, err := http.Get(metricsURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, metric+"_count "); ok {
+			n, err := strconv.ParseFloat(v, 64)
+			if err != nil {
+				t.Fatalf("%q: %v", line, err)
+			}
+			return n
+		}
+	}
+	t.Fatalf("%s has no %s_count:\n%s", metricsURL, metric, b)
+	return 0
+}

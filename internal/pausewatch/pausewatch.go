@@ -1,0 +1,112 @@
+// Package pausewatch notices when its process stopped running for a while:
+// a goroutine that wakes every Interval and finds it woke much later than
+// asked was not run in between. Stop-the-world pauses, CPU starvation, a VM
+// losing its host's CPU, a SIGSTOP and a machine swapping all look like
+// this, and all of them make a process miss deadlines it otherwise keeps
+// (lease renewals, Raft heartbeats, a client's timeout). Logging such a
+// pause in every process of a deployment tells which of them stalled when
+// calls between them did: one process, or the whole machine.
+package pausewatch
+
+import (
+	"context"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+)
+
+// Defaults of Config.
+const (
+	DefaultInterval  = 100 * time.Millisecond
+	DefaultThreshold = 500 * time.Millisecond
+)
+
+// Pause is one stretch in which the watching goroutine did not run.
+type Pause struct {
+	// End is when the watcher ran again (wall clock).
+	End time.Time
+	// Length is how much later than asked the watcher woke: the part of
+	// the stretch the process was not running (at least Threshold).
+	Length time.Duration
+}
+
+// Config configures Run.
+type Config struct {
+	// Interval is how often the watcher wakes (default DefaultInterval).
+	Interval time.Duration
+	// Threshold is the lateness reported as a pause (default
+	// DefaultThreshold). A loaded machine delays wake-ups by a few
+	// milliseconds; a pause worth a log line is hundreds of them.
+	Threshold time.Duration
+	// OnPause is called with each pause, from the watching goroutine.
+	OnPause func(Pause)
+	// Histogram, when set, observes each pause's length in seconds.
+	Histogram prometheus.Observer
+
+	// sleep and now are time.Sleep and time.Now, replaced in tests.
+	sleep func(time.Duration)
+	now   func() time.Time
+}
+
+// NewHistogram returns the histogram of pause lengths for Config.Histogram,
+// named name (say allot_agent_process_pause_seconds).
+func NewHistogram(name string) prometheus.Histogram {
+	return prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name:    name,
+		Help:    "Stretches in which this process did not run (a wake-up late by at least the pause threshold), by length.",
+		Buckets: []float64{0.5, 1, 2, 5, 10, 30, 60},
+	})
+}
+
+// LogTo returns an OnPause that logs each pause on log as a warning.
+func LogTo(log *zap.Logger) func(Pause) {
+	return func(p Pause) {
+		log.Warn("this process did not run for a while (a stop-the-world pause, CPU starvation, or its VM or machine stalled); timeouts and deadlines in that stretch may have passed unseen",
+			zap.Duration("pause", p.Length), zap.Time("ended", p.End))
+	}
+}
+
+// Run watches until ctx ends; it returns nil.
+func Run(ctx context.Context, cfg Config) error {
+	if cfg.Interval <= 0 {
+		cfg.Interval = DefaultInterval
+	}
+	if cfg.Threshold <= 0 {
+		cfg.Threshold = DefaultThreshold
+	}
+	sleep, now := cfg.sleep, cfg.now
+	if sleep == nil {
+		sleep = func(d time.Duration) {
+			t := time.NewTimer(d)
+			defer t.Stop()
+			select {
+			case <-t.C:
+			case <-ctx.Done():
+			}
+		}
+	}
+	if now == nil {
+		now = time.Now
+	}
+	last := now()
+	for ctx.Err() == nil {
+		sleep(cfg.Interval)
+		t := now()
+		// time.Time's monotonic reading makes Sub immune to steps of the
+		// wall clock: a clock set back or forward is not a pause.
+		late := t.Sub(last) - cfg.Interval
+		last = t
+		if late < cfg.Threshold || ctx.Err() != nil {
+			continue
+		}
+		p := Pause{End: t, Length: late}
+		if cfg.Histogram != nil {
+			cfg.Histogram.Observe(late.Seconds())
+		}
+		if cfg.OnPause != nil {
+			cfg.OnPause(p)
+		}
+	}
+	return nil
+}
