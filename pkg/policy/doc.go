@@ -70,9 +70,11 @@
 // and operator views) and to the regional store's key names, unlike the
 // counters of other rules, whose wildcard values are hashed: key templates
 // by identifiers that may be shown, such as tenant or plan ids, not by users
-// or client addresses. Validate refuses a template with a user or ip entry
-// without a value: its pools would name users or clients in clear, one per
-// client.
+// or client addresses. Validate refuses a template with an entry without a
+// value whose key names principals or credentials (ip, remote_address,
+// client_ip, user, user_id, email, api_key, apikey, token, authorization,
+// client_id, session, session_id): its pools would name them in clear, one
+// per client. Other keys are the operator's to choose well.
 //
 // Matched rules come back in the fixed evaluation order: ip, global, tenant,
 // user, route, and by rule name within a scope. The ip scope comes first

@@ -244,10 +244,26 @@ func (r *Rule) validateGlobal(c *collector, p string, regions int) {
 
 // privateTemplateKeys are the descriptor keys a global_quota template must
 // not leave without a value, with what their values are: one pool per
-// client, named in clear in the allocator's state, snapshots and views.
+// client, named in clear in the allocator's state, snapshots and views. The
+// list holds this project's principal keys and the usual names of client
+// addresses (Envoy's remote_address action), credentials and user
+// identities; a key outside it is taken to name something of the service's
+// own (a tenant, a plan, a route). docs/allocator.md says to key templates by
+// tenant or plan.
 var privateTemplateKeys = map[string]string{
-	"ip":   "client addresses",
-	"user": "user ids",
+	"ip":             "client addresses",
+	"remote_address": "client addresses",
+	"client_ip":      "client addresses",
+	"user":           "user ids",
+	"user_id":        "user ids",
+	"email":          "email addresses",
+	"api_key":        "API keys (credentials)",
+	"apikey":         "API keys (credentials)",
+	"token":          "credentials",
+	"authorization":  "credentials",
+	"client_id":      "client ids",
+	"session":        "session ids",
+	"session_id":     "session ids",
 }
 
 func (r *Rule) validateMatch(c *collector, p string) {

@@ -114,6 +114,12 @@ func TestValidateRejects(t *testing.T) {
 		{"template keyed by a fixed tenant and user", func(d *Document) {
 			d.Rules[atlas].Match = append(d.Rules[atlas].Match, Match{Key: "user"})
 		}, at(atlas, "match[1].key") + `: a global_quota template cannot be keyed by "user"`},
+		{"template keyed by an API key", func(d *Document) {
+			d.Rules[atlas].Match = []Match{{Key: "tenant"}, {Key: "api_key"}}
+		}, at(atlas, "match[1].key") + `: a global_quota template cannot be keyed by "api_key": instance names carry values in clear, so the allocator's state would hold API keys (credentials)`},
+		{"template keyed by Envoy's client address", func(d *Document) {
+			d.Rules[atlas].Match = []Match{{Key: "tenant"}, {Key: "remote_address"}}
+		}, at(atlas, "match[1].key") + `: a global_quota template cannot be keyed by "remote_address"`},
 		{"shadow template", func(d *Document) { d.Rules[atlas].Match[0] = Match{Key: "tenant"}; d.Rules[atlas].Shadow = true }, at(atlas, "shadow") + ": a shadow global_quota is not supported"},
 		{"global quota per user", func(d *Document) {
 			d.Rules[atlas].Scope = ScopeUser
