@@ -23,16 +23,17 @@ func (s *Suite) notePause(p pausewatch.Pause) {
 	s.pauses = append(s.pauses, p)
 	s.mu.Unlock()
 	if s.logw != nil {
-		fmt.Fprintf(s.logw, "chaos test process (WAN proxies, observer): %s for %s, ended %s\n", pauseMsg, p.Length.Round(time.Millisecond), p.End.UTC().Format("15:04:05.000"))
+		fmt.Fprintf(s.logw, "chaos test process (WAN proxies, observer): %s for %s, ended %s, cpu %s, %d GCs\n", pauseMsg,
+			p.Length.Round(time.Millisecond), p.End.UTC().Format("15:04:05.000"), p.CPU.Round(time.Millisecond), p.GCs)
 	}
-	s.logf("the test process did not run for %s (ended %s)", p.Length.Round(time.Millisecond), p.End.UTC().Format("15:04:05.000"))
+	s.logf("the test process did not run for %s (ended %s; it used %s of CPU then, %d GCs)", p.Length.Round(time.Millisecond),
+		p.End.UTC().Format("15:04:05.000"), p.CPU.Round(time.Millisecond), p.GCs)
 }
 
 // loggedPause is one pause warning in the processes' log.
 type loggedPause struct {
-	who    string // "allocator a1", "agent eu"
-	length time.Duration
-	end    time.Time
+	who string // "allocator a1", "agent eu"
+	pausewatch.Pause
 }
 
 // readPauses returns the pause warnings in the processes' JSON log lines
@@ -53,6 +54,8 @@ func readPauses(r io.Reader) ([]loggedPause, error) {
 			Region string  `json:"region"`
 			Pause  float64 `json:"pause"`
 			Ended  float64 `json:"ended"`
+			CPU    float64 `json:"cpu"`
+			GCs    uint64  `json:"gcs"`
 		}
 		if json.Unmarshal(line, &e) != nil || !strings.Contains(e.Msg, pauseMsg) {
 			continue
@@ -65,11 +68,14 @@ func readPauses(r io.Reader) ([]loggedPause, error) {
 			who = "agent " + e.Region
 		}
 		sec := int64(e.Ended)
-		out = append(out, loggedPause{who: who, length: time.Duration(e.Pause * float64(time.Second)),
-			end: time.Unix(sec, int64((e.Ended-float64(sec))*1e9))})
+		out = append(out, loggedPause{who: who, Pause: pausewatch.Pause{Length: seconds(e.Pause), CPU: seconds(e.CPU), GCs: e.GCs,
+			End: time.Unix(sec, int64((e.Ended-float64(sec))*1e9))}})
 	}
 	return out, sc.Err()
 }
+
+// seconds converts zap's encoding of a duration.
+func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
 
 // pauseLine summarizes the pauses of the run's processes: the test
 // process's own (tp) and those the allocators and agents logged (in the
@@ -78,7 +84,7 @@ func readPauses(r io.Reader) ([]loggedPause, error) {
 func pauseLine(tp []pausewatch.Pause, logPath string) string {
 	var all []loggedPause
 	for _, p := range tp {
-		all = append(all, loggedPause{who: "test process", length: p.Length, end: p.End})
+		all = append(all, loggedPause{who: "test process", Pause: p})
 	}
 	if logPath != "" {
 		f, err := os.Open(logPath)
@@ -95,11 +101,11 @@ func pauseLine(tp []pausewatch.Pause, logPath string) string {
 	if len(all) == 0 {
 		return fmt.Sprintf("process pauses (>= %s): none in the test process, the allocators or the agents\n", pausewatch.DefaultThreshold)
 	}
-	sort.Slice(all, func(i, j int) bool { return all[i].end.Before(all[j].end) })
+	sort.Slice(all, func(i, j int) bool { return all[i].End.Before(all[j].End) })
 	var b strings.Builder
-	fmt.Fprintf(&b, "process pauses (>= %s), by when they ended:", pausewatch.DefaultThreshold)
+	fmt.Fprintf(&b, "process pauses (>= %s; the process's CPU time and GCs in each), by when they ended:", pausewatch.DefaultThreshold)
 	for _, p := range all {
-		fmt.Fprintf(&b, " %s %s (%s);", p.end.UTC().Format("15:04:05.000"), p.who, p.length.Round(time.Millisecond))
+		fmt.Fprintf(&b, " %s %s (%s, cpu %s, %d GCs);", p.End.UTC().Format("15:04:05.000"), p.who, p.Length.Round(time.Millisecond), p.CPU.Round(time.Millisecond), p.GCs)
 	}
 	return strings.TrimSuffix(b.String(), ";") + "\n"
 }

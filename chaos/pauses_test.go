@@ -13,8 +13,8 @@ import (
 func TestPauseLine(t *testing.T) {
 	log := strings.Join([]string{
 		`29108:M 05 Dec 2026 08:48:53.815 * Ready to accept connections`,
-		`{"level":"warn","ts":1796467034.52,"logger":"agent","msg":"this process did not run for a while (a stop-the-world pause, CPU starvation, or its VM or machine stalled); timeouts and deadlines in that stretch may have passed unseen","region":"eu","pause":1.416,"ended":1796467034.5}`,
-		`{"level":"warn","ts":1796467033.1,"logger":"allocator","msg":"this process did not run for a while (a stop-the-world pause, CPU starvation, or its VM or machine stalled); timeouts and deadlines in that stretch may have passed unseen","node":"a2","pause":0.75,"ended":1796467033.25}`,
+		`{"level":"warn","ts":1796467034.52,"logger":"agent","msg":"this process did not run for a while (a stop-the-world pause, CPU starvation, or its VM or machine stalled); timeouts and deadlines in that stretch may have passed unseen","region":"eu","pause":1.416,"ended":1796467034.5,"cpu":0.002,"gcs":0}`,
+		`{"level":"warn","ts":1796467033.1,"logger":"allocator","msg":"this process did not run for a while (a stop-the-world pause, CPU starvation, or its VM or machine stalled); timeouts and deadlines in that stretch may have passed unseen","node":"a2","pause":0.75,"ended":1796467033.25,"cpu":0.9,"gcs":1}`,
 		`{"level":"warn","ts":1796467033.1,"logger":"raft","msg":"heartbeat timeout reached, starting election","node":"a2"}`,
 		`chaos test process (WAN proxies, observer): did not run for a while for 2s, ended 00:00:00.000`,
 	}, "\n")
@@ -22,9 +22,9 @@ func TestPauseLine(t *testing.T) {
 	if err := os.WriteFile(path, []byte(log), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	tp := []pausewatch.Pause{{End: time.Unix(1796467034, 0), Length: 2 * time.Second}}
+	tp := []pausewatch.Pause{{End: time.Unix(1796467034, 0), Length: 2 * time.Second, CPU: 30 * time.Millisecond, GCs: 2}}
 	got := pauseLine(tp, path)
-	want := "process pauses (>= 500ms), by when they ended: 10:37:13.250 allocator a2 (750ms); 10:37:14.000 test process (2s); 10:37:14.500 agent eu (1.416s)\n"
+	want := "process pauses (>= 500ms; the process's CPU time and GCs in each), by when they ended: 10:37:13.250 allocator a2 (750ms, cpu 900ms, 1 GCs); 10:37:14.000 test process (2s, cpu 30ms, 2 GCs); 10:37:14.500 agent eu (1.416s, cpu 2ms, 0 GCs)\n"
 	if got != want {
 		t.Fatalf("pauseLine:\n got %q\nwant %q", got, want)
 	}

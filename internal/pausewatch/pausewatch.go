@@ -10,6 +10,8 @@ package pausewatch
 
 import (
 	"context"
+	"runtime/metrics"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -29,6 +31,15 @@ type Pause struct {
 	// Length is how much later than asked the watcher woke: the part of
 	// the stretch the process was not running (at least Threshold).
 	Length time.Duration
+	// CPU is the CPU time (user and system, all threads) the process used
+	// from the wake-up before the pause to the one after it. Near zero:
+	// nothing of the process ran (stopped, or the machine gave it no CPU).
+	// Near the stretch's length or more: it ran, but its scheduler kept
+	// the watcher waiting (goroutines or the garbage collector took every
+	// thread).
+	CPU time.Duration
+	// GCs is the number of garbage collections that ended in that stretch.
+	GCs uint64
 }
 
 // Config configures Run.
@@ -44,9 +55,28 @@ type Config struct {
 	// Histogram, when set, observes each pause's length in seconds.
 	Histogram prometheus.Observer
 
-	// sleep and now are time.Sleep and time.Now, replaced in tests.
+	// sleep, now and usage are time.Sleep, time.Now and processUsage,
+	// replaced in tests.
 	sleep func(time.Duration)
 	now   func() time.Time
+	usage func() (cpu time.Duration, gcs uint64)
+}
+
+// processUsage returns the CPU time the process has used and the garbage
+// collections it has finished.
+func processUsage() (time.Duration, uint64) {
+	var ru syscall.Rusage
+	var cpu time.Duration
+	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) == nil {
+		cpu = time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	}
+	s := []metrics.Sample{{Name: "/gc/cycles/total:gc-cycles"}}
+	metrics.Read(s)
+	var gcs uint64
+	if s[0].Value.Kind() == metrics.KindUint64 {
+		gcs = s[0].Value.Uint64()
+	}
+	return cpu, gcs
 }
 
 // NewHistogram returns the histogram of pause lengths for Config.Histogram,
@@ -59,11 +89,13 @@ func NewHistogram(name string) prometheus.Histogram {
 	})
 }
 
-// LogTo returns an OnPause that logs each pause on log as a warning.
+// LogTo returns an OnPause that logs each pause on log as a warning, with
+// the process's CPU time and garbage collections in that stretch (see
+// Pause).
 func LogTo(log *zap.Logger) func(Pause) {
 	return func(p Pause) {
 		log.Warn("this process did not run for a while (a stop-the-world pause, CPU starvation, or its VM or machine stalled); timeouts and deadlines in that stretch may have passed unseen",
-			zap.Duration("pause", p.Length), zap.Time("ended", p.End))
+			zap.Duration("pause", p.Length), zap.Time("ended", p.End), zap.Duration("cpu", p.CPU), zap.Uint64("gcs", p.GCs))
 	}
 }
 
@@ -89,18 +121,24 @@ func Run(ctx context.Context, cfg Config) error {
 	if now == nil {
 		now = time.Now
 	}
+	usage := cfg.usage
+	if usage == nil {
+		usage = processUsage
+	}
 	last := now()
+	lastCPU, lastGCs := usage()
 	for ctx.Err() == nil {
 		sleep(cfg.Interval)
 		t := now()
+		cpu, gcs := usage()
 		// time.Time's monotonic reading makes Sub immune to steps of the
 		// wall clock: a clock set back or forward is not a pause.
 		late := t.Sub(last) - cfg.Interval
-		last = t
+		p := Pause{End: t, Length: late, CPU: cpu - lastCPU, GCs: gcs - lastGCs}
+		last, lastCPU, lastGCs = t, cpu, gcs
 		if late < cfg.Threshold || ctx.Err() != nil {
 			continue
 		}
-		p := Pause{End: t, Length: late}
 		if cfg.Histogram != nil {
 			cfg.Histogram.Observe(late.Seconds())
 		}

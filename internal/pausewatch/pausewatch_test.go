@@ -2,6 +2,7 @@ package pausewatch
 
 import (
 	"context"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -23,8 +24,17 @@ func script(t *testing.T, cfg Config, sleeps []time.Duration) ([]Pause, observed
 	clock := time.Unix(1_700_000_000, 0)
 	i := 0
 	cfg.now = func() time.Time { return clock }
+	var cpu time.Duration
+	var gcs uint64
+	cfg.usage = func() (time.Duration, uint64) { return cpu, gcs }
 	cfg.sleep = func(time.Duration) {
 		clock = clock.Add(sleeps[i])
+		// The process runs a tenth of each stretch and collects once in
+		// each one longer than a second.
+		cpu += sleeps[i] / 10
+		if sleeps[i] > time.Second {
+			gcs++
+		}
 		i++
 		if i == len(sleeps) {
 			cancel()
@@ -52,6 +62,12 @@ func TestPausesAboveThresholdAreReported(t *testing.T) {
 		if p.Length != want[i] {
 			t.Errorf("pause %d: length %s, want %s", i, p.Length, want[i])
 		}
+		if wantCPU := (want[i] + iv) / 10; p.CPU != wantCPU {
+			t.Errorf("pause %d: cpu %s, want %s", i, p.CPU, wantCPU)
+		}
+	}
+	if got[0].GCs != 1 || got[1].GCs != 0 {
+		t.Errorf("GCs in the pauses: %d and %d, want 1 and 0", got[0].GCs, got[1].GCs)
 	}
 	// The first pause ended after the first three wake-ups.
 	end := time.Unix(1_700_000_000, 0).Add(3*iv + 20*time.Millisecond + 2*time.Second)
@@ -60,6 +76,25 @@ func TestPausesAboveThresholdAreReported(t *testing.T) {
 	}
 	if len(h) != 2 || h[0] != 2 || h[1] != 0.5 {
 		t.Errorf("histogram observed %v, want [2 0.5] (seconds)", h)
+	}
+}
+
+// TestProcessUsage: the CPU time read grows with work the process does, and
+// the GC count with a collection.
+func TestProcessUsage(t *testing.T) {
+	cpu0, gc0 := processUsage()
+	deadline := time.Now().Add(50 * time.Millisecond)
+	x := 0
+	for time.Now().Before(deadline) {
+		x++
+	}
+	runtime.GC()
+	cpu1, gc1 := processUsage()
+	if cpu1 <= cpu0 {
+		t.Errorf("cpu %s then %s after 50 ms of work (%d loops)", cpu0, cpu1, x)
+	}
+	if gc1 <= gc0 {
+		t.Errorf("gc count %d then %d across runtime.GC", gc0, gc1)
 	}
 }
 

@@ -50,21 +50,28 @@ func CheckStop(t *testing.T, cmd *exec.Cmd, out *bytes.Buffer, metricsURL, metri
 	if counted != 1 {
 		t.Fatalf("%v pauses counted after one stop of %s; output:\n%s", counted, Stop, out.String())
 	}
-	var logged []float64
+	type entry struct {
+		Msg   string  `json:"msg"`
+		Pause float64 `json:"pause"` // seconds, as zap's production encoder writes durations
+		CPU   float64 `json:"cpu"`
+	}
+	var logged []entry
 	sc := bufio.NewScanner(strings.NewReader(out.String()))
 	for sc.Scan() {
-		var entry struct {
-			Msg   string  `json:"msg"`
-			Pause float64 `json:"pause"` // seconds, as zap's production encoder writes durations
-		}
-		if json.Unmarshal(sc.Bytes(), &entry) == nil && strings.Contains(entry.Msg, "did not run for a while") {
-			logged = append(logged, entry.Pause)
+		var e entry
+		if json.Unmarshal(sc.Bytes(), &e) == nil && strings.Contains(e.Msg, "did not run for a while") {
+			logged = append(logged, e)
 		}
 	}
 	// The watcher wakes every 100 ms, so it sees the stop less up to one
 	// interval (and a little scheduling delay).
-	if len(logged) != 1 || logged[0] < Stop.Seconds()-0.2 || logged[0] > 2*Stop.Seconds() {
-		t.Fatalf("logged pauses %v s, want one of about %s; output:\n%s", logged, Stop, out.String())
+	if len(logged) != 1 || logged[0].Pause < Stop.Seconds()-0.2 || logged[0].Pause > 2*Stop.Seconds() {
+		t.Fatalf("logged pauses %+v, want one of about %s; output:\n%s", logged, Stop, out.String())
+	}
+	// A stopped process uses no CPU: what the stretch shows is the
+	// interval around it (a quiet process uses little of that).
+	if logged[0].CPU > Stop.Seconds()/3 {
+		t.Fatalf("a stopped process used %vs of CPU in its pause of %vs; output:\n%s", logged[0].CPU, logged[0].Pause, out.String())
 	}
 }
 
