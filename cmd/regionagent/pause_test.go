@@ -1,9 +1,7 @@
 package main
 
 import (
-	"bytes"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -32,19 +30,9 @@ func TestPauseIsReported(t *testing.T) {
 		t.Fatal(err)
 	}
 	api := freeAddr(t)
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), "REGIONAGENT_ARGS=-region eu -store embedded -policy "+pf+" -api-addr "+api+" -log-level warn")
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-	}()
+	cmd, out := pausetest.Start(t, "REGIONAGENT_ARGS=-region eu -store embedded -policy "+pf+" -api-addr "+api+" -log-level warn")
 	if err := waitReady(api); err != nil {
 		t.Fatal(err)
 	}
-	pausetest.CheckStop(t, cmd, &out, "http://"+api+"/metrics", "allot_agent_process_pause_seconds")
+	pausetest.CheckStop(t, cmd, out, "http://"+api+"/metrics", "allot_agent_process_pause_seconds")
 }

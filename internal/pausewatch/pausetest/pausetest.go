@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
+	"os"
 	"os/exec"
 	"strconv"
 	"strings"
@@ -16,6 +17,25 @@ import (
 	"testing"
 	"time"
 )
+
+// Start re-executes the test binary (whose TestMain runs the command when
+// it finds env) with env added to its environment, its output going to out;
+// the process is killed at the test's end if it still runs.
+func Start(t *testing.T, env ...string) (*exec.Cmd, *bytes.Buffer) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), env...)
+	out := &bytes.Buffer{}
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	return cmd, out
+}
 
 // Stop is how long CheckStop stops the process.
 const Stop = 1500 * time.Millisecond
