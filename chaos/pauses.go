@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/allot-dev/allot/chaos/history"
 	"github.com/allot-dev/allot/internal/pausewatch"
 )
 
@@ -74,14 +75,32 @@ func readPauses(r io.Reader) ([]loggedPause, error) {
 	return out, sc.Err()
 }
 
+// injected returns ", stop-leader's SIGSTOP" when p is an allocator's pause
+// that such a scenario ended with its SIGCONT, "" otherwise.
+func injected(p loggedPause, faults []history.Fault) string {
+	id, ok := strings.CutPrefix(p.who, "allocator ")
+	if !ok {
+		return ""
+	}
+	for _, f := range faults {
+		if f.Scenario == "stop-leader" && f.Action == "heal" && f.Detail == "SIGCONT "+id &&
+			time.Duration(p.End.UnixNano()-f.At).Abs() < time.Second {
+			return ", stop-leader's SIGSTOP"
+		}
+	}
+	return ""
+}
+
 // seconds converts zap's encoding of a duration.
 func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
 
 // pauseLine summarizes the pauses of the run's processes: the test
 // process's own (tp) and those the allocators and agents logged (in the
 // file at logPath). Several processes pausing at once point at the
-// machine; one alone at that process.
-func pauseLine(tp []pausewatch.Pause, logPath string) string {
+// machine; one alone at that process. A pause of an allocator that a
+// stop-leader scenario's SIGCONT ended (within a second, by faults) is
+// marked as that scenario's.
+func pauseLine(tp []pausewatch.Pause, logPath string, faults []history.Fault) string {
 	var all []loggedPause
 	for _, p := range tp {
 		all = append(all, loggedPause{who: "test process", Pause: p})
@@ -105,7 +124,8 @@ func pauseLine(tp []pausewatch.Pause, logPath string) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "process pauses (>= %s; the process's CPU time and GCs in each), by when they ended:", pausewatch.DefaultThreshold)
 	for _, p := range all {
-		fmt.Fprintf(&b, " %s %s (%s, cpu %s, %d GCs);", p.End.UTC().Format("15:04:05.000"), p.who, p.Length.Round(time.Millisecond), p.CPU.Round(time.Millisecond), p.GCs)
+		fmt.Fprintf(&b, " %s %s (%s, cpu %s, %d GCs%s);", p.End.UTC().Format("15:04:05.000"), p.who, p.Length.Round(time.Millisecond),
+			p.CPU.Round(time.Millisecond), p.GCs, injected(p, faults))
 	}
 	return strings.TrimSuffix(b.String(), ";") + "\n"
 }

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/allot-dev/allot/chaos/history"
 	"github.com/allot-dev/allot/internal/pausewatch"
 )
 
@@ -23,19 +24,31 @@ func TestPauseLine(t *testing.T) {
 		t.Fatal(err)
 	}
 	tp := []pausewatch.Pause{{End: time.Unix(1796467034, 0), Length: 2 * time.Second, CPU: 30 * time.Millisecond, GCs: 2}}
-	got := pauseLine(tp, path)
-	want := "process pauses (>= 500ms; the process's CPU time and GCs in each), by when they ended: 10:37:13.250 allocator a2 (750ms, cpu 900ms, 1 GCs); 10:37:14.000 test process (2s, cpu 30ms, 2 GCs); 10:37:14.500 agent eu (1.416s, cpu 2ms, 0 GCs)\n"
+	faults := []history.Fault{
+		{Scenario: "stop-leader", Action: "inject", Detail: "SIGSTOP leader a2 for 800ms", At: time.Unix(1796467032, 450e6).UnixNano()},
+		{Scenario: "stop-leader", Action: "heal", Detail: "SIGCONT a2", At: time.Unix(1796467033, 251e6).UnixNano()},
+	}
+	got := pauseLine(tp, path, faults)
+	want := "process pauses (>= 500ms; the process's CPU time and GCs in each), by when they ended: 10:37:13.250 allocator a2 (750ms, cpu 900ms, 1 GCs, stop-leader's SIGSTOP); 10:37:14.000 test process (2s, cpu 30ms, 2 GCs); 10:37:14.500 agent eu (1.416s, cpu 2ms, 0 GCs)\n"
 	if got != want {
 		t.Fatalf("pauseLine:\n got %q\nwant %q", got, want)
 	}
-	if got := pauseLine(nil, path+".missing"); !strings.Contains(got, "cannot read") {
+	// The same pause without the scenario's SIGCONT (or another node's) is
+	// not marked.
+	faults[1].Detail = "SIGCONT a3"
+	got = pauseLine(tp, path, faults)
+	want = strings.Replace(want, ", stop-leader's SIGSTOP", "", 1)
+	if got != want {
+		t.Fatalf("pauseLine:\n got %q\nwant %q", got, want)
+	}
+	if got := pauseLine(nil, path+".missing", nil); !strings.Contains(got, "cannot read") {
 		t.Fatalf("missing log: %q", got)
 	}
 	empty := filepath.Join(t.TempDir(), "empty.log")
 	if err := os.WriteFile(empty, nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if got := pauseLine(nil, empty); !strings.HasPrefix(got, "process pauses (>= 500ms): none") {
+	if got := pauseLine(nil, empty, nil); !strings.HasPrefix(got, "process pauses (>= 500ms): none") {
 		t.Fatalf("no pauses: %q", got)
 	}
 }

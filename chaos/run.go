@@ -119,7 +119,7 @@ func (s *Suite) Report(name, title string, h history.History, r *check.Result, t
 	if s.logw != nil {
 		logPath = s.logw.Name()
 	}
-	b.WriteString(pauseLine(tp, logPath))
+	b.WriteString(pauseLine(tp, logPath, h.Faults))
 	b.WriteString("\n")
 	if err := check.Render(&b, "per scenario (windows it touched, by the true clock):", h, r, s.Quotas(), s.cfg.Window); err != nil {
 		return "", err
