@@ -42,14 +42,13 @@ const Stop = 1500 * time.Millisecond
 
 // CheckStop stops the process cmd runs (started, serving metricsURL, its
 // output going to out) for Stop, continues it, and checks that the
-// histogram metric counts one pause and that the log (zap's JSON, out) has
-// one pause warning of about Stop. It ends the process (SIGTERM) before it
-// reads out.
+// histogram metric counts the pause and that the log (zap's JSON, out) has a
+// pause warning of about Stop that shows next to no CPU. It ends the process
+// (SIGTERM) before it reads out. A loaded machine may make the process
+// pause on its own as well, so other pauses are allowed around the stop.
 func CheckStop(t *testing.T, cmd *exec.Cmd, out *bytes.Buffer, metricsURL, metric string) {
 	t.Helper()
-	if n := count(t, metricsURL, metric); n != 0 {
-		t.Fatalf("%v pauses counted before any", n)
-	}
+	before := count(t, metricsURL, metric)
 	if err := cmd.Process.Signal(syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
 	}
@@ -58,8 +57,8 @@ func CheckStop(t *testing.T, cmd *exec.Cmd, out *bytes.Buffer, metricsURL, metri
 		t.Fatal(err)
 	}
 	deadline := time.Now().Add(5 * time.Second)
-	counted := 0.0
-	for counted < 1 && time.Now().Before(deadline) {
+	counted := before
+	for counted == before && time.Now().Before(deadline) {
 		time.Sleep(50 * time.Millisecond)
 		counted = count(t, metricsURL, metric)
 	}
@@ -67,8 +66,8 @@ func CheckStop(t *testing.T, cmd *exec.Cmd, out *bytes.Buffer, metricsURL, metri
 		t.Fatal(err)
 	}
 	_ = cmd.Wait() // out is complete from here on
-	if counted != 1 {
-		t.Fatalf("%v pauses counted after one stop of %s; output:\n%s", counted, Stop, out.String())
+	if counted == before {
+		t.Fatalf("%s_count still %v after a stop of %s; output:\n%s", metric, counted, Stop, out.String())
 	}
 	type entry struct {
 		Msg   string  `json:"msg"`
@@ -84,15 +83,18 @@ func CheckStop(t *testing.T, cmd *exec.Cmd, out *bytes.Buffer, metricsURL, metri
 		}
 	}
 	// The watcher wakes every 100 ms, so it sees the stop less up to one
-	// interval (and a little scheduling delay).
-	if len(logged) != 1 || logged[0].Pause < Stop.Seconds()-0.2 || logged[0].Pause > 2*Stop.Seconds() {
-		t.Fatalf("logged pauses %+v, want one of about %s; output:\n%s", logged, Stop, out.String())
+	// interval (and a little scheduling delay). A stopped process uses no
+	// CPU: what the warning shows is the interval around the stop, in
+	// which a quiet process uses little.
+	for _, e := range logged {
+		if e.Pause >= Stop.Seconds()-0.2 && e.Pause <= 2*Stop.Seconds() {
+			if e.CPU > Stop.Seconds()/3 {
+				t.Fatalf("a stopped process used %vs of CPU in its pause of %vs; output:\n%s", e.CPU, e.Pause, out.String())
+			}
+			return
+		}
 	}
-	// A stopped process uses no CPU: what the stretch shows is the
-	// interval around it (a quiet process uses little of that).
-	if logged[0].CPU > Stop.Seconds()/3 {
-		t.Fatalf("a stopped process used %vs of CPU in its pause of %vs; output:\n%s", logged[0].CPU, logged[0].Pause, out.String())
-	}
+	t.Fatalf("logged pauses %+v, none of about %s; output:\n%s", logged, Stop, out.String())
 }
 
 // count returns the histogram's _count from metricsURL.
