@@ -14,9 +14,6 @@ import (
 	"github.com/allot-dev/allot/internal/pausewatch"
 )
 
-// pauseMsg is what the processes' pause warnings (pausewatch.LogTo) say.
-const pauseMsg = "did not run for a while"
-
 // notePause records a pause of this (the test) process: the WAN proxies
 // and the observer run here, so calls through them stall with it.
 func (s *Suite) notePause(p pausewatch.Pause) {
@@ -24,7 +21,7 @@ func (s *Suite) notePause(p pausewatch.Pause) {
 	s.pauses = append(s.pauses, p)
 	s.mu.Unlock()
 	if s.logw != nil {
-		fmt.Fprintf(s.logw, "chaos test process (WAN proxies, observer): %s for %s, ended %s, cpu %s, %d GCs\n", pauseMsg,
+		fmt.Fprintf(s.logw, "chaos test process (WAN proxies, observer) did not run for %s, ended %s, cpu %s, %d GCs\n",
 			p.Length.Round(time.Millisecond), p.End.UTC().Format("15:04:05.000"), p.CPU.Round(time.Millisecond), p.GCs)
 	}
 	s.logf("the test process did not run for %s (ended %s; it used %s of CPU then, %d GCs)", p.Length.Round(time.Millisecond),
@@ -45,7 +42,7 @@ func readPauses(r io.Reader) ([]loggedPause, error) {
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	for sc.Scan() {
 		line := sc.Bytes()
-		if !strings.Contains(string(line), pauseMsg) {
+		if !strings.Contains(string(line), "did not run") {
 			continue
 		}
 		var e struct {
@@ -58,7 +55,7 @@ func readPauses(r io.Reader) ([]loggedPause, error) {
 			CPU    float64 `json:"cpu"`
 			GCs    uint64  `json:"gcs"`
 		}
-		if json.Unmarshal(line, &e) != nil || !strings.Contains(e.Msg, pauseMsg) {
+		if json.Unmarshal(line, &e) != nil || e.Msg != pausewatch.Message {
 			continue
 		}
 		who := e.Logger

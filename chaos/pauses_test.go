@@ -12,12 +12,13 @@ import (
 )
 
 func TestPauseLine(t *testing.T) {
+	msg := `"msg":"` + pausewatch.Message + `"`
 	log := strings.Join([]string{
 		`29108:M 05 Dec 2026 08:48:53.815 * Ready to accept connections`,
-		`{"level":"warn","ts":1796467034.52,"logger":"agent","msg":"this process did not run for a while (a stop-the-world pause, CPU starvation, or its VM or machine stalled); timeouts and deadlines in that stretch may have passed unseen","region":"eu","pause":1.416,"ended":1796467034.5,"cpu":0.002,"gcs":0}`,
-		`{"level":"warn","ts":1796467033.1,"logger":"allocator","msg":"this process did not run for a while (a stop-the-world pause, CPU starvation, or its VM or machine stalled); timeouts and deadlines in that stretch may have passed unseen","node":"a2","pause":0.75,"ended":1796467033.25,"cpu":0.9,"gcs":1}`,
+		`{"level":"warn","ts":1796467034.52,"logger":"agent",` + msg + `,"region":"eu","pause":1.416,"ended":1796467034.5,"cpu":0.002,"gcs":0}`,
+		`{"level":"warn","ts":1796467033.1,"logger":"allocator",` + msg + `,"node":"a2","pause":0.75,"ended":1796467033.25,"cpu":0.9,"gcs":1}`,
 		`{"level":"warn","ts":1796467033.1,"logger":"raft","msg":"heartbeat timeout reached, starting election","node":"a2"}`,
-		`chaos test process (WAN proxies, observer): did not run for a while for 2s, ended 00:00:00.000`,
+		`chaos test process (WAN proxies, observer) did not run for 2s, ended 00:00:00.000, cpu 0s, 0 GCs`,
 	}, "\n")
 	path := filepath.Join(t.TempDir(), "processes.log")
 	if err := os.WriteFile(path, []byte(log), 0o644); err != nil {

@@ -89,13 +89,16 @@ func NewHistogram(name string) prometheus.Histogram {
 	})
 }
 
+// Message is the message of the warning LogTo logs; tools that read the
+// logs (the chaos suite's report) look for it.
+const Message = "this process did not run for a while (a stop-the-world pause, CPU starvation, or its VM or machine stalled); timeouts and deadlines in that stretch may have passed unseen"
+
 // LogTo returns an OnPause that logs each pause on log as a warning, with
 // the process's CPU time and garbage collections in that stretch (see
 // Pause).
 func LogTo(log *zap.Logger) func(Pause) {
 	return func(p Pause) {
-		log.Warn("this process did not run for a while (a stop-the-world pause, CPU starvation, or its VM or machine stalled); timeouts and deadlines in that stretch may have passed unseen",
-			zap.Duration("pause", p.Length), zap.Time("ended", p.End), zap.Duration("cpu", p.CPU), zap.Uint64("gcs", p.GCs))
+		log.Warn(Message, zap.Duration("pause", p.Length), zap.Time("ended", p.End), zap.Duration("cpu", p.CPU), zap.Uint64("gcs", p.GCs))
 	}
 }
 

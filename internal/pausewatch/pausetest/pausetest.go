@@ -16,6 +16,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/allot-dev/allot/internal/pausewatch"
 )
 
 // Start re-executes the test binary (whose TestMain runs the command when
@@ -78,7 +80,7 @@ func CheckStop(t *testing.T, cmd *exec.Cmd, out *bytes.Buffer, metricsURL, metri
 	sc := bufio.NewScanner(strings.NewReader(out.String()))
 	for sc.Scan() {
 		var e entry
-		if json.Unmarshal(sc.Bytes(), &e) == nil && strings.Contains(e.Msg, "did not run for a while") {
+		if json.Unmarshal(sc.Bytes(), &e) == nil && e.Msg == pausewatch.Message {
 			logged = append(logged, e)
 		}
 	}
