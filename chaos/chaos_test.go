@@ -21,6 +21,7 @@ var (
 	seedFlag = flag.Int64("chaos.seed", 0, "seed of the run's random choices (0: from the time; printed either way)")
 	onlyFlag = flag.String("chaos.scenarios", "", "comma-separated scenarios to run instead of all of them (short schedule only)")
 	histFlag = flag.Bool("chaos.history", false, "write the whole history to chaos/out/history.jsonl even when every check passes")
+	profFlag = flag.Bool("chaos.pauseprofiles", false, "keep CPU profiles of the test process around each of its pauses of 0.5 s or more in chaos/out/logs (pause-<end>-<n>.pprof)")
 	kindFlag = flag.String("chaos.regions", RegionAgent, "what runs each region of TestChaos: agent (regionagent + redis-server + load generator) or driver (the chaosregion driver)")
 )
 
@@ -99,6 +100,7 @@ func TestChaos(t *testing.T) {
 	began := time.Now()
 	cfg := DefaultConfig(seed)
 	cfg.RegionKind = *kindFlag
+	cfg.PauseProfiles = *profFlag
 	if cfg.RegionKind == RegionDriver {
 		// The driver has no starve wait: a clamped Birch would be denied
 		// at every window's turn (docs/chaos.md, findings).

@@ -2,10 +2,13 @@ package chaos
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
+	"runtime/pprof"
 	"sort"
 	"strings"
 	"time"
@@ -125,4 +128,69 @@ func pauseLine(tp []pausewatch.Pause, logPath string, faults []history.Fault) st
 			p.CPU.Round(time.Millisecond), p.GCs, injected(p, faults))
 	}
 	return strings.TrimSuffix(b.String(), ";") + "\n"
+}
+
+// pauseProfileSegment is how long each CPU profile segment of
+// Config.PauseProfiles runs.
+const pauseProfileSegment = 5 * time.Second
+
+// profilePauses profiles this process's CPU in segments of segment
+// (pauseProfileSegment in the suite) until ctx ends, and keeps in dir the segment in which
+// a pause of this process ended, with the one before it (the work that
+// starved the watcher may have begun there), as pause-<end>-<n>.pprof; it
+// deletes the others. A pause is hundreds of milliseconds of one process's
+// work: an aggregate profile of a whole run would not show it.
+func (s *Suite) profilePauses(ctx context.Context, dir string, segment time.Duration) {
+	var prev string // the last segment's file, kept until the next one ends
+	defer func() {
+		if prev != "" {
+			os.Remove(prev)
+		}
+	}()
+	seen := 0 // pauses already looked at
+	for i := 0; ctx.Err() == nil; i++ {
+		f, err := os.CreateTemp(dir, "segment-*.pprof")
+		if err != nil {
+			s.logf("pause profiles: %v", err)
+			return
+		}
+		if err := pprof.StartCPUProfile(f); err != nil { // another profile runs (go test -cpuprofile)
+			f.Close()
+			os.Remove(f.Name())
+			s.logf("pause profiles: %v", err)
+			return
+		}
+		t := time.NewTimer(segment)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+		}
+		pprof.StopCPUProfile()
+		f.Close()
+		s.mu.Lock()
+		ps := s.pauses[seen:]
+		seen = len(s.pauses)
+		s.mu.Unlock()
+		if len(ps) > 0 {
+			end := ps[len(ps)-1].End.UTC().Format("150405.000")
+			for n, seg := range []string{prev, f.Name()} {
+				if seg == "" {
+					continue
+				}
+				kept := filepath.Join(dir, fmt.Sprintf("pause-%s-%d.pprof", end, n))
+				if err := os.Rename(seg, kept); err != nil {
+					s.logf("pause profiles: %v", err)
+				} else {
+					s.logf("pause profiles: kept %s", kept)
+				}
+			}
+			prev = ""
+			continue
+		}
+		if prev != "" {
+			os.Remove(prev)
+		}
+		prev = f.Name()
+	}
 }

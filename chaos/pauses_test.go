@@ -1,8 +1,10 @@
 package chaos
 
 import (
+	"context"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -51,5 +53,44 @@ func TestPauseLine(t *testing.T) {
 	}
 	if got := pauseLine(nil, empty, nil); !strings.HasPrefix(got, "process pauses (>= 500ms): none") {
 		t.Fatalf("no pauses: %q", got)
+	}
+}
+
+// TestProfilePauses: the CPU profile segments around a pause of the process
+// are kept, as readable profiles, and every other segment is deleted.
+func TestProfilePauses(t *testing.T) {
+	dir := t.TempDir()
+	s := &Suite{cfg: Config{Logf: t.Logf}}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); s.profilePauses(ctx, dir, 100*time.Millisecond) }()
+	time.Sleep(350 * time.Millisecond) // three segments without a pause
+	s.mu.Lock()
+	s.pauses = append(s.pauses, pausewatch.Pause{End: time.Unix(1796467034, 0), Length: time.Second})
+	s.mu.Unlock()
+	time.Sleep(350 * time.Millisecond)
+	cancel()
+	<-done
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range ents {
+		names = append(names, e.Name())
+	}
+	want := []string{"pause-" + time.Unix(1796467034, 0).UTC().Format("150405.000") + "-0.pprof", "pause-" + time.Unix(1796467034, 0).UTC().Format("150405.000") + "-1.pprof"}
+	if !slices.Equal(names, want) {
+		t.Fatalf("files %v, want %v", names, want)
+	}
+	for _, n := range names {
+		b, err := os.ReadFile(filepath.Join(dir, n))
+		if err != nil {
+			t.Fatal(err)
+		}
+		// A CPU profile is a gzipped protocol buffer.
+		if len(b) < 2 || b[0] != 0x1f || b[1] != 0x8b {
+			t.Errorf("%s is not a gzipped profile (%d bytes)", n, len(b))
+		}
 	}
 }

@@ -100,6 +100,11 @@ type Config struct {
 	// NewRegion, when set, makes every region instead (RegionKind is then
 	// only reported).
 	NewRegion func(name string) Region
+	// PauseProfiles keeps CPU profiles of the test process around each of
+	// its pauses in OutDir/logs (profilePauses). Off by default: profiling
+	// costs the process a little CPU, and the suite's checks are timing
+	// sensitive.
+	PauseProfiles bool
 }
 
 // The region kinds of Config.RegionKind.
@@ -267,6 +272,10 @@ func Start(ctx context.Context, cfg Config) (s *Suite, err error) {
 	s.bgCancel = bgCancel
 	s.bg.Add(1)
 	go func() { defer s.bg.Done(); _ = pausewatch.Run(bgCtx, pausewatch.Config{OnPause: s.notePause}) }()
+	if cfg.PauseProfiles {
+		s.bg.Add(1)
+		go func() { defer s.bg.Done(); s.profilePauses(bgCtx, logDir, pauseProfileSegment) }()
+	}
 	if err = s.startProxies(startCtx, bgCtx); err != nil {
 		return s, err
 	}
