@@ -243,16 +243,33 @@ func (s Span) Affects(region string) bool {
 // Recorder collects events and the fault timeline; it is safe for
 // concurrent use.
 type Recorder struct {
-	mu     sync.Mutex
-	events []Event
+	mu sync.Mutex
+	// events are kept in blocks of eventBlock: one slice grown by append
+	// would copy all of a soak's events (hundreds of MB) at each doubling,
+	// holding mu, in a copy the garbage collector cannot interrupt, and
+	// that stalled the whole test process for up to a second.
+	events [][]Event
+	n      int // events recorded
 	faults []Fault
 	spans  []Span
 }
 
+// eventBlock is how many events one block of Recorder.events holds (~1 MB).
+const eventBlock = 4096
+
 // Record appends events.
 func (r *Recorder) Record(evs ...Event) {
 	r.mu.Lock()
-	r.events = append(r.events, evs...)
+	for len(evs) > 0 {
+		if len(r.events) == 0 || len(r.events[len(r.events)-1]) == eventBlock {
+			r.events = append(r.events, make([]Event, 0, eventBlock))
+		}
+		last := &r.events[len(r.events)-1]
+		k := min(len(evs), eventBlock-len(*last))
+		*last = append(*last, evs[:k]...)
+		evs = evs[k:]
+		r.n += k
+	}
 	r.mu.Unlock()
 }
 
@@ -284,8 +301,12 @@ type History struct {
 func (r *Recorder) Snapshot() History {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	events := make([]Event, 0, r.n)
+	for _, b := range r.events {
+		events = append(events, b...)
+	}
 	h := History{
-		Events: append([]Event(nil), r.events...),
+		Events: events,
 		Faults: append([]Fault(nil), r.faults...),
 		Spans:  append([]Span(nil), r.spans...),
 	}
