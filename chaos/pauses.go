@@ -45,7 +45,7 @@ func readPauses(r io.Reader) ([]loggedPause, error) {
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	for sc.Scan() {
 		line := sc.Bytes()
-		if !strings.Contains(string(line), "did not run") {
+		if !strings.Contains(string(line), pausewatch.Message) { // cheap, before decoding
 			continue
 		}
 		var e struct {
