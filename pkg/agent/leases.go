@@ -1741,7 +1741,7 @@ func (l *leases) shutdown(ctx context.Context) error {
 		tokens int64
 	}
 	var (
-		mu          sync.Mutex // guards errs and backs while withdrawals run side by side, then the releases' sums
+		mu          sync.Mutex // guards errs, backs and unreplayed while withdrawals and replays run side by side, then the releases' sums
 		errs        []error
 		backs       []back
 		withdrawals errgroup.Group
@@ -1782,26 +1782,41 @@ func (l *leases) shutdown(ctx context.Context) error {
 		}
 	}
 	_ = withdrawals.Wait() // each withdrawal reports into errs
-	unreplayed := 0
+	// Cut-short Acquires are replayed side by side as well: each may wait
+	// up to AcquireTimeout for an allocator that is slow or gone, and one
+	// after another they would leave the last ones no budget.
+	var (
+		unreplayed int
+		replays    errgroup.Group
+	)
+	replays.SetLimit(shutdownReleases)
 	for _, c := range pend {
-		cctx, cancel := context.WithTimeout(ctx, l.cfg.AcquireTimeout)
-		sent := l.clock.Now()
-		resp, err := l.client.Acquire(cctx, c.req)
-		cancel()
-		l.journalAcquire(c, sent, l.clock.Now(), resp, err)
-		if err != nil || validateAcquire(c.req, resp) != nil {
-			unreplayed++
-			continue
-		}
-		for _, g := range resp.Grants {
-			if g.Tokens > 0 {
-				l.mu.Lock()
-				q := l.quotas[g.Quota]
-				l.mu.Unlock()
-				backs = append(backs, back{q: q, name: g.Quota, grant: g.GrantId, tokens: g.Tokens})
+		replays.Go(func() error {
+			cctx, cancel := context.WithTimeout(ctx, l.cfg.AcquireTimeout)
+			sent := l.clock.Now()
+			resp, err := l.client.Acquire(cctx, c.req)
+			cancel()
+			l.journalAcquire(c, sent, l.clock.Now(), resp, err)
+			if err != nil || validateAcquire(c.req, resp) != nil {
+				mu.Lock()
+				unreplayed++
+				mu.Unlock()
+				return nil
 			}
-		}
+			for _, g := range resp.Grants {
+				if g.Tokens > 0 {
+					l.mu.Lock()
+					q := l.quotas[g.Quota]
+					l.mu.Unlock()
+					mu.Lock()
+					backs = append(backs, back{q: q, name: g.Quota, grant: g.GrantId, tokens: g.Tokens})
+					mu.Unlock()
+				}
+			}
+			return nil
+		})
 	}
+	_ = replays.Wait() // a failed replay is counted in unreplayed
 	// Releases go out side by side: one at a time, a slow allocator (or
 	// thousands of quotas) would run out the shutdown budget long before
 	// the last one. Only what the allocator acknowledged counts as handed

@@ -936,3 +936,83 @@ func TestShutdownReleasesACutShortAcquire(t *testing.T) {
 		t.Fatalf("released %d of grant %s (%d granted): want the whole cut-short grant handed back on shutdown", released, g, held)
 	}
 }
+
+// TestShutdownReplaysSideBySide: three Acquires (one quota each) are cut
+// short by the stop after the allocator committed them, and the allocator
+// takes 400 ms to answer each replay. Shutdown replays them side by side,
+// so within its 900 ms budget every grant comes back; one at a time, the
+// third replay would start after 800 ms and be cut short, its tokens left
+// to expire with the lease.
+func TestShutdownReplaysSideBySide(t *testing.T) {
+	rdb, fa, doc, cfg := threeQuotasAgent(t)
+	cfg.Lease.AcquireTimeout = time.Minute
+	cfg.Lease.MaxWantsPerCall = 1 // one Acquire per quota
+	cfg.ShutdownTimeout = 900 * time.Millisecond
+	var (
+		mu        sync.Mutex
+		held      = map[string]bool{}   // request ids of the cut-short calls
+		grants    = map[string]string{} // quota -> its cut-short grant
+		committed = make(chan struct{}, 3)
+	)
+	fa.setHook(func(ctx context.Context, req *allotv1.AcquireRequest, commit func() (*allotv1.AcquireResponse, error)) (*allotv1.AcquireResponse, error) {
+		mu.Lock()
+		replay := held[req.RequestId]
+		if !replay && len(held) < 3 {
+			held[req.RequestId] = true
+		} else if !replay {
+			mu.Unlock()
+			return commit()
+		}
+		mu.Unlock()
+		if replay {
+			select {
+			case <-time.After(400 * time.Millisecond):
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+			return commit() // the recorded answer
+		}
+		resp, err := commit()
+		if err != nil {
+			return resp, err
+		}
+		mu.Lock()
+		for _, g := range resp.Grants {
+			grants[g.Quota] = g.GrantId
+		}
+		mu.Unlock()
+		committed <- struct{}{}
+		<-ctx.Done() // the answer never leaves before the agent stops
+		return nil, ctx.Err()
+	})
+	a := runAgent(t, newAgent(t, cfg, rdb, agent.WithPolicy(doc, 1)))
+	for _, ten := range []string{"a", "b", "c"} {
+		go func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			_, _ = a.Check(ctx, tenant(ten)) // starts the renewal; its verdict does not matter
+		}()
+	}
+	for range 3 {
+		select {
+		case <-committed:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the agent did not ask for all three chunks")
+		}
+	}
+	if err := a.stop(); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	released := map[string]int64{}
+	for _, r := range fa.releaseLog() {
+		released[r.GrantId] += r.Tokens
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for _, quota := range []string{"q-a", "q-b", "q-c"} {
+		g := grants[quota]
+		if held := fa.window(quota).Granted; g == "" || released[g] == 0 || released[g] != held {
+			t.Errorf("%s: released %d of cut-short grant %q (%d granted): want it all handed back on shutdown", quota, released[g], g, held)
+		}
+	}
+}
