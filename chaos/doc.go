@@ -17,6 +17,8 @@
 //     the WAN delay of deploy/multiregion);
 //   - chaos/loadgen and chaos/cmd/chaosregion -mode load: the load
 //     generator of an agent region (AgentRegion, the default);
+//   - chaos/wan and chaos/cmd/chaosregion -mode wan: a region's WAN links
+//     to the allocators, out of the test process;
 //   - chaos/driver and chaos/cmd/chaosregion: the region driver, a region in
 //     one process with deliberately broken modes for the checkers' own test
 //     (DriverRegion, -chaos.regions=driver);

@@ -48,6 +48,9 @@ func (s *Suite) Finish(ctx context.Context) (history.History, error) {
 		}()
 	}
 	wg.Wait()
+	pctx, pcancel := context.WithTimeout(ctx, 10*time.Second)
+	errs = append(errs, s.stopProxies(pctx))
+	pcancel()
 	rctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	errs = append(errs, s.obs.readAll(rctx))
 	cancel()

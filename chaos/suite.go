@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"path/filepath"
 	"sort"
@@ -15,6 +14,7 @@ import (
 
 	"github.com/allot-dev/allot/chaos/check"
 	"github.com/allot-dev/allot/chaos/history"
+	"github.com/allot-dev/allot/chaos/wan"
 	"github.com/allot-dev/allot/internal/pausewatch"
 	"github.com/allot-dev/allot/pkg/allocator"
 	"github.com/allot-dev/allot/pkg/faultproxy"
@@ -161,8 +161,7 @@ type Suite struct {
 	allocs      *topology.Allocators
 	client      *allocator.Client
 	regions     []Region
-	proxies     []*faultproxy.Proxy
-	grpcProxies []*faultproxy.Proxy // the proxies of the allocators' gRPC ports
+	wans        []*wanProc // each region's WAN proxies
 	ctl         *control
 	obs         *observer
 	quotas      []check.Quota
@@ -276,10 +275,10 @@ func Start(ctx context.Context, cfg Config) (s *Suite, err error) {
 		s.bg.Add(1)
 		go func() { defer s.bg.Done(); s.profilePauses(bgCtx, logDir, pauseProfileSegment) }()
 	}
-	if err = s.startProxies(startCtx, bgCtx); err != nil {
+	if s.ctl, err = newControl(filepath.Join(s.dir, "ctl.sock"), s.rec.Record); err != nil {
 		return s, err
 	}
-	if s.ctl, err = newControl(filepath.Join(s.dir, "ctl.sock"), s.rec.Record); err != nil {
+	if err = s.startProxies(startCtx); err != nil {
 		return s, err
 	}
 	s.obs = &observer{client: s.client, clock: s.clock, record: s.rec.Record, quotas: s.quotas}
@@ -413,47 +412,98 @@ func (s *Suite) publish(ctx context.Context) error {
 }
 
 // startProxies puts a fault proxy on every region-to-allocator link, one
-// for the Connect API port and one for the gRPC port: it listens in the
-// region's namespace, dials the allocator from there (so the region's
-// iptables rules cut it), and a DNAT rule in the region steers the region's
-// own connections to that port through it.
-func (s *Suite) startProxies(ctx, runCtx context.Context) error {
+// for the Connect API port and one for the gRPC port. A region's proxies
+// run in a process of their own (chaosregion -mode wan, package chaos/wan)
+// inside the region's namespace, so that a stall of this process does not
+// stall the network: they listen there, dial the allocators from there (so
+// the region's iptables rules cut them), and a DNAT rule in the region
+// steers the region's own connections to each allocator port through its
+// proxy.
+func (s *Suite) startProxies(ctx context.Context) error {
 	for i, name := range s.cfg.Regions {
 		rh := s.regionHosts[name]
+		cfg := wan.Config{Region: name, Mark: proxyMark, WAN: s.cfg.WAN, StatsPath: filepath.Join(s.dir, name+"-wan-stats.json")}
+		type rule struct{ dst, port, listen string }
+		var rules []rule
 		for j, ah := range s.allocHosts {
 			for k, port := range []int{topology.LabAPIPort, topology.LabGRPCPort} {
 				listen := fmt.Sprintf("%s:%d", rh.IP, proxyBasePort+100*k+j)
-				ln, err := rh.Listen("tcp", listen)
-				if err != nil {
-					return err
-				}
-				target := fmt.Sprintf("%s:%d", ah.IP, port)
-				dialer := topology.MarkedDialer(proxyMark, 2*time.Second)
-				p := faultproxy.New(ln, func(ctx context.Context) (net.Conn, error) {
-					return rh.DialContext(ctx, dialer, "tcp", target)
-				}, s.cfg.WAN, uint64(s.cfg.Seed)*1000+uint64(500*k+i*10+j))
-				s.proxies = append(s.proxies, p)
-				if port == topology.LabGRPCPort {
-					s.grpcProxies = append(s.grpcProxies, p)
-				}
-				s.bg.Add(1)
-				go func() { defer s.bg.Done(); _ = p.Run(runCtx) }()
-				if err := rh.IPTables(ctx, "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "-d", ah.IP, "--dport", strconv.Itoa(port),
-					"-m", "mark", "!", "--mark", fmt.Sprintf("0x%x", proxyMark), "-j", "DNAT", "--to-destination", listen); err != nil {
-					return err
-				}
+				cfg.Links = append(cfg.Links, wan.Link{Listen: listen, Target: fmt.Sprintf("%s:%d", ah.IP, port),
+					Seed: uint64(s.cfg.Seed)*1000 + uint64(500*k+i*10+j), GRPC: port == topology.LabGRPCPort})
+				rules = append(rules, rule{dst: ah.IP, port: strconv.Itoa(port), listen: listen})
+			}
+		}
+		proc, conn, err := s.ctl.start(ctx, rh, "chaoswan-"+name, s.bins["./chaos/cmd/chaosregion"], []string{"-mode", "wan"},
+			filepath.Join(s.dir, name+"-wan.json"), cfg, name+wan.HelloSuffix, "region "+name+": WAN proxies", s.logw)
+		if proc != nil {
+			s.wans = append(s.wans, &wanProc{region: name, proc: proc, conn: conn, stats: cfg.StatsPath})
+		}
+		if err != nil {
+			return err
+		}
+		// The proxies listen before their hello: the rules steer
+		// connections to open ports only.
+		for _, r := range rules {
+			if err := rh.IPTables(ctx, "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "-d", r.dst, "--dport", r.port,
+				"-m", "mark", "!", "--mark", fmt.Sprintf("0x%x", proxyMark), "-j", "DNAT", "--to-destination", r.listen); err != nil {
+				return err
 			}
 		}
 	}
 	return nil
 }
 
+// wanProc is a region's WAN process.
+type wanProc struct {
+	region  string
+	proc    *topology.Process
+	conn    *driverConn
+	stats   string // its stats file
+	stopped bool   // stopProxies has stopped it (or found it gone)
+}
+
+// stopProxies stops the WAN processes (after the regions: their last
+// releases cross the WAN). It is safe to call more than once.
+func (s *Suite) stopProxies(ctx context.Context) error {
+	var errs []error
+	for _, w := range s.wans {
+		if w.stopped {
+			continue
+		}
+		w.stopped = true
+		if w.proc.Exited() {
+			// It carried the region's every call to the allocators: a
+			// run it left early is not the run the history says.
+			errs = append(errs, fmt.Errorf("region %s: the WAN proxies exited during the run: %s", w.region, w.proc.Output()))
+			continue
+		}
+		if w.conn == nil { // it never said hello: nothing to hand over
+			w.proc.Kill()
+		} else if err := w.conn.call(ctx, history.Command{Op: history.OpStop}); err != nil {
+			errs = append(errs, fmt.Errorf("region %s: stop the WAN proxies: %w", w.region, err))
+		}
+		select {
+		case <-w.proc.Done():
+		case <-ctx.Done():
+			w.proc.Kill()
+			errs = append(errs, fmt.Errorf("region %s: WAN proxies killed after %w", w.region, ctx.Err()))
+		}
+		if w.conn != nil {
+			w.conn.wait(time.Second)
+		}
+	}
+	return errors.Join(errs...)
+}
+
 // GRPCChunks is how many chunks the WAN proxies carried between regions
-// and the allocators' gRPC listeners (agents lease there).
+// and the allocators' gRPC listeners (agents lease there), by the stats
+// their processes last wrote (each second, and when they stop).
 func (s *Suite) GRPCChunks() int64 {
 	var n int64
-	for _, p := range s.grpcProxies {
-		n += p.Stats().Chunks
+	for _, w := range s.wans {
+		if st, err := wan.ReadStats(w.stats); err == nil {
+			n += st.GRPCChunks
+		}
 	}
 	return n
 }
@@ -475,6 +525,9 @@ func (s *Suite) Close() error {
 		if err := r.Stop(ctx); err != nil {
 			errs = append(errs, err)
 		}
+	}
+	if err := s.stopProxies(ctx); err != nil {
+		errs = append(errs, err)
 	}
 	if s.bgCancel != nil {
 		s.bgCancel()

@@ -19,6 +19,7 @@ import (
 
 	"github.com/allot-dev/allot/chaos/driver"
 	"github.com/allot-dev/allot/chaos/loadgen"
+	"github.com/allot-dev/allot/chaos/wan"
 )
 
 func main() {
@@ -33,8 +34,8 @@ func main() {
 
 func run(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("chaosregion", flag.ContinueOnError)
-	mode := fs.String("mode", "driver", "driver (lease and spend on its own) or load (offer requests to a region agent)")
-	config := fs.String("config", "", "config (JSON of driver.Config, or of loadgen.Config with -mode load)")
+	mode := fs.String("mode", "driver", "driver (lease and spend on its own), load (offer requests to a region agent) or wan (proxy the region's links to the allocators)")
+	config := fs.String("config", "", "config (JSON of driver.Config; of loadgen.Config with -mode load; of wan.Config with -mode wan)")
 	ctl := fs.String("ctl", "", "the suite's control socket (unix path)")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -47,6 +48,8 @@ func run(ctx context.Context, args []string) error {
 		return driver.Serve(ctx, *config, *ctl)
 	case "load":
 		return loadgen.Serve(ctx, *config, *ctl)
+	case "wan":
+		return wan.Serve(ctx, *config, *ctl)
 	}
-	return fmt.Errorf("-mode %q: want driver or load", *mode)
+	return fmt.Errorf("-mode %q: want driver, load or wan", *mode)
 }
