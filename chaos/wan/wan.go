@@ -108,6 +108,9 @@ func Serve(ctx context.Context, configPath, ctlPath string) error {
 	if err != nil {
 		return err
 	}
+	for _, l := range cfg.Links {
+		log.Info("WAN link listening", zap.String("listen", l.Listen), zap.String("target", l.Target), zap.Bool("grpc", l.GRPC))
+	}
 	conn, out, err := history.DialControl(ctlPath, cfg.Region+HelloSuffix)
 	if err != nil {
 		s.close()
