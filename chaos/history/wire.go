@@ -1,7 +1,7 @@
 package history
 
 import (
-	"bufio"
+	"bytes"
 	"encoding/json"
 	"io"
 	"sync"
@@ -9,23 +9,32 @@ import (
 )
 
 // Wire writes Messages as JSON lines to a region process's control
-// connection, buffered and flushed every 20 ms (and by Flush and Close), so
-// thousands of events a second cost a few writes. It is safe for concurrent
-// use; after the first write error it drops everything and Send returns
-// that error.
+// connection. Send only queues: a writer goroutine writes what is queued
+// every 20 ms (and Flush and Close do at once), so thousands of events a
+// second cost a few writes, and a suite that reads late (its process
+// stalled) never blocks the process that sends: the load generators keep
+// their pace and their events wait in memory, in order. It is safe for
+// concurrent use; after the first write error it drops everything and
+// Send returns that error.
 type Wire struct {
-	mu   sync.Mutex
-	w    *bufio.Writer
-	enc  *json.Encoder
-	err  error
+	out io.Writer
+
+	mu      sync.Mutex // guards pending, err and enc
+	pending *bytes.Buffer
+	enc     *json.Encoder // onto pending
+	err     error
+
+	wmu   sync.Mutex    // held while writing: one batch at a time, in queue order
+	spare *bytes.Buffer // the batch buffer written last, reused; guarded by wmu
+
 	stop chan struct{}
 	done chan struct{}
 }
 
-// NewWire starts a Wire on w; Close stops its flusher.
+// NewWire starts a Wire on w; Close stops its writer.
 func NewWire(w io.Writer) *Wire {
-	wr := &Wire{w: bufio.NewWriterSize(w, 64<<10), stop: make(chan struct{}), done: make(chan struct{})}
-	wr.enc = json.NewEncoder(wr.w)
+	wr := &Wire{out: w, pending: new(bytes.Buffer), spare: new(bytes.Buffer), stop: make(chan struct{}), done: make(chan struct{})}
+	wr.enc = json.NewEncoder(wr.pending)
 	go func() {
 		defer close(wr.done)
 		t := time.NewTicker(20 * time.Millisecond)
@@ -42,7 +51,7 @@ func NewWire(w io.Writer) *Wire {
 	return wr
 }
 
-// Send buffers m.
+// Send queues m; it does not wait for the connection.
 func (w *Wire) Send(m Message) error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -52,16 +61,33 @@ func (w *Wire) Send(m Message) error {
 	return w.err
 }
 
-// Flush writes what is buffered.
+// Flush writes everything queued before it was called, and returns once
+// written.
 func (w *Wire) Flush() {
+	w.wmu.Lock()
+	defer w.wmu.Unlock()
 	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.err == nil {
-		w.err = w.w.Flush()
+	batch := w.pending
+	w.pending, w.spare = w.spare, nil
+	w.enc = json.NewEncoder(w.pending)
+	failed := w.err != nil
+	w.mu.Unlock()
+	var err error
+	if !failed && batch.Len() > 0 {
+		_, err = w.out.Write(batch.Bytes())
+	}
+	batch.Reset()
+	w.spare = batch
+	if err != nil {
+		w.mu.Lock()
+		if w.err == nil {
+			w.err = err
+		}
+		w.mu.Unlock()
 	}
 }
 
-// Close stops the flusher and flushes once more. Call it once.
+// Close stops the writer and flushes once more. Call it once.
 func (w *Wire) Close() {
 	close(w.stop)
 	<-w.done
