@@ -13,37 +13,18 @@ import (
 	"time"
 
 	"github.com/allot-dev/allot/chaos/history"
+	"github.com/allot-dev/allot/internal/loopback"
 	"github.com/allot-dev/allot/pkg/faultproxy"
+	"github.com/allot-dev/allot/pkg/topology"
 )
-
-// echoServer answers every connection with what it reads.
-func echoServer(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() { defer c.Close(); _, _ = io.Copy(c, c) }()
-		}
-	}()
-	return ln.Addr().String()
-}
 
 func freeAddr(t *testing.T) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	addr, err := topology.FreePort("127.0.0.1")
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	return ln.Addr().String()
+	return addr
 }
 
 // TestServe runs a WAN process's Serve against a control socket of the
@@ -58,7 +39,7 @@ func TestServe(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ctl.Close()
-	echo := echoServer(t)
+	echo := loopback.Echo(t)
 	api, grpc := freeAddr(t), freeAddr(t)
 	cfg := Config{Region: "eu", WAN: faultproxy.Config{DelayMin: 20 * time.Millisecond, DelayMax: 20 * time.Millisecond},
 		StatsPath: filepath.Join(dir, "stats.json"),

@@ -1,36 +1,12 @@
 package agent_test
 
 import (
-	"io"
-	"net"
 	"testing"
 	"time"
 
+	"github.com/allot-dev/allot/internal/loopback"
 	"github.com/allot-dev/allot/pkg/agent"
 )
-
-// blackHole listens on a loopback port, accepts connections and reads
-// them, and never answers: an allocator endpoint behind a connection a
-// partition left half-dead, or a stopped node.
-func blackHole(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			t.Cleanup(func() { c.Close() })
-			go func() { _, _ = io.Copy(io.Discard, c) }()
-		}
-	}()
-	return ln.Addr().String()
-}
 
 // TestAcquireFailsOverWithinTheCall: the first allocator endpoint never
 // answers; the agent's own client (no WithAllocatorClient) gives one
@@ -41,7 +17,7 @@ func blackHole(t *testing.T) string {
 // was cut off, and the request was answered 503.
 func TestAcquireFailsOverWithinTheCall(t *testing.T) {
 	rdb, fa, doc, cfg := threeQuotasAgent(t)
-	cfg.AllocatorEndpoints = []string{blackHole(t), fa.addr}
+	cfg.AllocatorEndpoints = []string{loopback.BlackHole(t), fa.addr}
 	cfg.Lease.AcquireTimeout = 2 * time.Second // the default
 	cfg.StarveWait = 1500 * time.Millisecond
 	a, err := agent.New(cfg, rdb, agent.WithPolicy(doc, 1), agent.WithLogger(testLogger(t)))

@@ -8,31 +8,13 @@ import (
 	"net"
 	"testing"
 	"time"
-)
 
-// echo starts an upstream that echoes every connection.
-func echo(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() { defer c.Close(); _, _ = io.Copy(c, c) }()
-		}
-	}()
-	return ln.Addr().String()
-}
+	"github.com/allot-dev/allot/internal/loopback"
+)
 
 func start(t *testing.T, cfg Config) *Proxy {
 	t.Helper()
-	up := echo(t)
+	up := loopback.Echo(t)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
