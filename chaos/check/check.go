@@ -374,7 +374,7 @@ func tally(h history.History, quotas map[string]Quota) map[string][]*Window {
 		}
 		switch e.Kind {
 		case history.KindAdmit:
-			win := get(e.Quota, trueWindow(e.At, q.WindowMs))
+			win := get(e.Quota, trueWindow(replayStart(e), q.WindowMs)) // a replay: its first send's window
 			win.Admitted += e.Tokens
 			region(win, e.Region).Admitted += e.Tokens
 		case history.KindDeny:

@@ -721,6 +721,57 @@ func TestFailedDepositEndsTheGrant(t *testing.T) {
 	}
 }
 
+// TestReplayedAdmissionIsPlacedFromItsFirstSend: an admission answered as
+// a replay (the request's first answer was lost, the retry got the stored
+// decision back) was decided by an earlier attempt, at some instant from
+// its first send to its answer: a grant live anywhere in that span covers
+// it, and the bound counts it in the window of its first send. The same
+// admission answered fresh is a point at its answer, where no grant is
+// live.
+func TestReplayedAdmissionIsPlacedFromItsFirstSend(t *testing.T) {
+	g1 := acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_900, "g1")
+	base := []history.Event{g1, deposit(g1, history.OK, 10*sec+60*ms, 10*sec+70*ms),
+		read(10, 11*sec, 11*sec+ms, 940, 60, 0, history.LedgerGrant{GrantID: "g1", Region: "eu", Tokens: 60})}
+	adm := func(call, at int64, replayed bool) history.Event {
+		return history.Event{Kind: history.KindAdmit, Region: "eu", Quota: "atlas", Tokens: 60, Call: call, At: at, Replayed: replayed}
+	}
+	q := atlas
+	q.Limit = 1000 // the bound is not what this tests
+	tests := []struct {
+		name       string
+		adm        history.Event
+		unleased   int64
+		wantWindow int64 // where the bound counts it
+	}{
+		{name: "replay of a decision the grant covered", adm: adm(10*sec+100*ms, 12*sec+300*ms, true), wantWindow: 10},
+		{name: "the same answer decided fresh", adm: adm(10*sec+100*ms, 12*sec+300*ms, false), unleased: 60, wantWindow: 12},
+		{name: "replay first sent after the grant expired", adm: adm(10*sec+950*ms, 12*sec+300*ms, true), unleased: 60, wantWindow: 10},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := run(t, history.History{Events: append(append([]history.Event(nil), base...), tt.adm)}, q)
+			var got int64
+			for _, v := range r.Violations {
+				if v.Check != CheckUnleased {
+					t.Errorf("unexpected violation %v", v)
+					continue
+				}
+				var n int64
+				fmt.Sscan(v.Detail, &n)
+				got += n
+			}
+			if got != tt.unleased {
+				t.Fatalf("admissions without a lease = %d, want %d: %v", got, tt.unleased, r.Violations)
+			}
+			for _, w := range r.Windows["atlas"] {
+				if w.Admitted > 0 && w.Index != tt.wantWindow {
+					t.Fatalf("counted in window %d, want %d", w.Index, tt.wantWindow)
+				}
+			}
+		})
+	}
+}
+
 // TestDepositUnknown: a deposit whose outcome is unknown may land late and
 // outlive its lease by any amount: a violation, unless a fault that stops
 // or kills its region's store (Span.Store) comes within FaultGrace of it.

@@ -247,7 +247,7 @@ func checkLeases(h history.History, quotas map[string]Quota, answerDelay, grace 
 				// The agent's engine admits an in-process share while
 				// the store fails: FallbackPerRegion more in a window a
 				// fault of the region's store touches, none elsewhere.
-				uk := leaseKey{region: k.region, quota: k.quota, window: trueWindow(e.At, q.WindowMs)}
+				uk := leaseKey{region: k.region, quota: k.quota, window: trueWindow(replayStart(e), q.WindowMs)}
 				allow := FallbackAllowance(q, h.Spans, k.region, uk.window, grace)
 				share := allow - q.FallbackPerRegion
 				take := min(e.Tokens, max(share-inProcess[uk], 0), max(allow-used[uk], 0))
@@ -260,7 +260,7 @@ func checkLeases(h history.History, quotas map[string]Quota, answerDelay, grace 
 				why = fmt.Sprintf("neither a received grant nor a journaled fallback allowance was live for it (earliest-deadline-first matching), "+
 					"and the in-process share of window %d while the region's store fails, %d, was spent (with the allowances, %d of %d)", uk.window, share, used[uk], allow)
 			} else if q.FallbackPerRegion > 0 && q.WindowMs > 0 {
-				uk := leaseKey{region: k.region, quota: k.quota, window: trueWindow(e.At, q.WindowMs)}
+				uk := leaseKey{region: k.region, quota: k.quota, window: trueWindow(replayStart(e), q.WindowMs)}
 				allow := FallbackAllowance(q, h.Spans, k.region, uk.window, grace)
 				take := min(e.Tokens, max(allow-used[uk], 0))
 				used[uk] += take
@@ -358,9 +358,12 @@ func ledgerGrants(h history.History) map[reqKey][]history.Event {
 
 // unmatched returns the admissions (split by token) that no grant can
 // cover, and the grants with what the admissions left of them: grants are
-// intervals [received, expiry) with a capacity, each admission is a point;
-// taking points in time order and giving each to the live grant that
-// expires first is optimal.
+// intervals [received, expiry) with a capacity, each admission is a point
+// (At), or, when it is a replay, an interval [Call, At] (decided by an
+// earlier attempt whose answer was lost). Taking admissions in the order of
+// their ends and giving each to the grant live within it that expires first
+// is optimal: a grant that expires later serves every later admission the
+// earlier one could.
 func unmatched(adm []history.Event, grants []history.Event) ([]history.Event, []*history.Event) {
 	sort.SliceStable(adm, func(i, j int) bool { return adm[i].At < adm[j].At })
 	sort.Slice(grants, func(i, j int) bool { return grants[i].At < grants[j].At })
@@ -370,6 +373,7 @@ func unmatched(adm []history.Event, grants []history.Event) ([]history.Event, []
 		all[i] = &g
 	}
 	live := &byExpiry{}
+	var gone []*history.Event // expired before the current admission, tokens left: for replays
 	var out []history.Event
 	gi := 0
 	for _, a := range adm {
@@ -377,10 +381,34 @@ func unmatched(adm []history.Event, grants []history.Event) ([]history.Event, []
 			heap.Push(live, all[gi])
 			gi++
 		}
+		for live.Len() > 0 && ((*live)[0].ExpiresMs*1e6 <= a.At || (*live)[0].Tokens == 0) {
+			g := heap.Pop(live).(*history.Event)
+			if g.Tokens > 0 {
+				gone = append(gone, g)
+			}
+		}
 		need := a.Tokens
-		for need > 0 && live.Len() > 0 {
+		if from := replayStart(a); from < a.At {
+			// Grants that expired within [from, At), earliest expiry
+			// first, before the live ones, which expire later.
+			for need > 0 {
+				var best *history.Event
+				for _, g := range gone {
+					if g.Tokens > 0 && g.ExpiresMs*1e6 > from && (best == nil || g.ExpiresMs < best.ExpiresMs) {
+						best = g
+					}
+				}
+				if best == nil {
+					break
+				}
+				take := min(need, best.Tokens)
+				best.Tokens -= take
+				need -= take
+			}
+		}
+		for need > 0 && live.Len() > 0 { // every grant left expires after At
 			g := (*live)[0]
-			if g.ExpiresMs*1e6 <= a.At || g.Tokens == 0 {
+			if g.Tokens == 0 {
 				heap.Pop(live)
 				continue
 			}
@@ -395,6 +423,15 @@ func unmatched(adm []history.Event, grants []history.Event) ([]history.Event, []
 		}
 	}
 	return out, all
+}
+
+// replayStart is the earliest instant admission a can have been decided:
+// its first send when it is a replay (history.Event.Replayed), else At.
+func replayStart(a history.Event) int64 {
+	if a.Replayed && a.Call > 0 && a.Call < a.At {
+		return a.Call
+	}
+	return a.At
 }
 
 type byExpiry []*history.Event

@@ -134,7 +134,10 @@ type Event struct {
 	LeaderNowMs int64 `json:"ln,omitempty"`
 	// Deadline is the region's deadline for the grant, in true Unix ns.
 	Deadline int64 `json:"d,omitempty"`
-	// Replayed is the allocator's replayed flag.
+	// Replayed is the allocator's replayed flag on an Acquire; on an
+	// admission, that the answer repeated an earlier decision of the same
+	// request id (the store's idempotency record): that decision was made
+	// at some instant from Call to At, by an attempt whose answer was lost.
 	Replayed bool `json:"rp,omitempty"`
 	// Exhausted is the allocator's pool_exhausted flag.
 	Exhausted bool `json:"ex,omitempty"`

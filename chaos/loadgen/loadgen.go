@@ -252,7 +252,10 @@ func (g *Generator) check(quota, id string) {
 			ev.At = now
 			switch m := resp.Msg; {
 			case m.GetAllowed():
-				ev.Kind = history.KindAdmit
+				// A replay repeats a decision an earlier attempt made,
+				// whose answer was lost: the checkers place it anywhere
+				// from the first send to this answer.
+				ev.Kind, ev.Replayed = history.KindAdmit, m.GetReplayed()
 			case m.GetUnavailable():
 				ev.Kind, ev.Reason = history.KindDeny, history.ReasonUnavailable
 			default:

@@ -16,7 +16,8 @@ import (
 )
 
 // fakeAgent answers by tenant: "ok" allowed, "limited" 429, "down" 503;
-// "flaky" fails the first attempt of every request id, then allows.
+// "flaky" fails the first attempt of every request id, then allows as a
+// replay (the store decided the first attempt; its answer was lost).
 type fakeAgent struct {
 	allotv1connect.UnimplementedAdmissionServiceHandler
 	mu   sync.Mutex
@@ -38,7 +39,7 @@ func (f *fakeAgent) Check(_ context.Context, req *connect.Request[allotv1.CheckR
 		if n == 1 {
 			return nil, connect.NewError(connect.CodeUnavailable, errors.New("restarting"))
 		}
-		resp.Allowed = true
+		resp.Allowed, resp.Replayed = true, true
 	}
 	return connect.NewResponse(resp), nil
 }
@@ -112,6 +113,12 @@ func TestGenerator(t *testing.T) {
 	for _, n := range fa.seen {
 		if n == 2 {
 			twice++
+		}
+	}
+	for _, e := range out.evs {
+		if e.Kind == history.KindAdmit && e.Replayed != (e.Quota == "flaky") {
+			t.Errorf("admission of %s recorded with replayed %t: want the agent's flag", e.Quota, e.Replayed)
+			break
 		}
 	}
 	if twice != got["flaky"]["admit/"] {

@@ -345,6 +345,27 @@ func TestReleaseSlotReportsTheCallersEnd(t *testing.T) {
 	}
 }
 
+// TestCheckSaysWhenItReplays: a retry of an admitted request id gets the
+// earlier decision back, uncharged, and says so (replayed, the earlier
+// decision id), whichever agent of the region answers it; a new id is
+// decided afresh.
+func TestCheckSaysWhenItReplays(t *testing.T) {
+	_, s := standalone(t, nil)
+	user := entries("tenant", "acme", "user", "u1")
+	first := check(t, s.connect, &allotv1.CheckRequest{Entries: user, RequestId: "retry-1"})
+	if !first.Allowed || first.Replayed {
+		t.Fatalf("first answer: %+v, want allowed and not replayed", first)
+	}
+	again := check(t, s.connect, &allotv1.CheckRequest{Entries: user, RequestId: "retry-1"})
+	if !again.Allowed || !again.Replayed || again.DecisionId != first.DecisionId || again.Remaining != first.Remaining {
+		t.Fatalf("retry: %+v, want the first decision (%s, %d remaining) replayed", again, first.DecisionId, first.Remaining)
+	}
+	other := check(t, s.connect, &allotv1.CheckRequest{Entries: user, RequestId: "retry-2"})
+	if !other.Allowed || other.Replayed || other.Remaining != first.Remaining-1 {
+		t.Fatalf("a new request id: %+v, want decided and charged (%d remaining)", other, first.Remaining-1)
+	}
+}
+
 // TestEnvoyRequestIDEntryIsADescriptorByDefault: without
 // Config.EnvoyRequestIDKey, a request_id entry is a descriptor entry like
 // any other: a client that controls it (x-request-id passed through) cannot

@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/allot-dev/allot/pkg/admission"
 	"github.com/allot-dev/allot/pkg/policy"
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
 	"github.com/allot-dev/allot/proto/allot/v1/allotv1connect"
@@ -75,6 +76,7 @@ func checkResponse(v *Verdict) *allotv1.CheckResponse {
 		PolicyVersion:     v.PolicyVersion,
 		WouldDeny:         v.WouldDeny,
 		Unavailable:       v.Unavailable,
+		Replayed:          v.Source == admission.SourceReplay,
 	}
 }
 

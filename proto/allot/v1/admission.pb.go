@@ -180,7 +180,12 @@ type CheckResponse struct {
 	WouldDeny []string `protobuf:"bytes,8,rep,name=would_deny,json=wouldDeny,proto3" json:"would_deny,omitempty"`
 	// unavailable is true when the limiter itself could not decide a
 	// fail-closed rule (answer 503, not 429).
-	Unavailable   bool `protobuf:"varint,9,opt,name=unavailable,proto3" json:"unavailable,omitempty"`
+	Unavailable bool `protobuf:"varint,9,opt,name=unavailable,proto3" json:"unavailable,omitempty"`
+	// replayed is true when this answer repeats the decision made earlier for
+	// the same request_id (the store's idempotency record, e.g. after a retry
+	// whose first answer was lost): this call charged nothing, and
+	// decision_id is the earlier decision's.
+	Replayed      bool `protobuf:"varint,10,opt,name=replayed,proto3" json:"replayed,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -274,6 +279,13 @@ func (x *CheckResponse) GetWouldDeny() []string {
 func (x *CheckResponse) GetUnavailable() bool {
 	if x != nil {
 		return x.Unavailable
+	}
+	return false
+}
+
+func (x *CheckResponse) GetReplayed() bool {
+	if x != nil {
+		return x.Replayed
 	}
 	return false
 }
@@ -605,7 +617,7 @@ const file_allot_v1_admission_proto_rawDesc = "" +
 	"\aentries\x18\x01 \x03(\v2\x19.allot.v1.DescriptorEntryR\aentries\x12\x12\n" +
 	"\x04cost\x18\x02 \x01(\x03R\x04cost\x12\x1d\n" +
 	"\n" +
-	"request_id\x18\x03 \x01(\tR\trequestId\"\xaa\x02\n" +
+	"request_id\x18\x03 \x01(\tR\trequestId\"\xc6\x02\n" +
 	"\rCheckResponse\x12\x18\n" +
 	"\aallowed\x18\x01 \x01(\bR\aallowed\x12\x12\n" +
 	"\x04rule\x18\x02 \x01(\tR\x04rule\x12\x14\n" +
@@ -617,7 +629,9 @@ const file_allot_v1_admission_proto_rawDesc = "" +
 	"\x0epolicy_version\x18\a \x01(\x04R\rpolicyVersion\x12\x1d\n" +
 	"\n" +
 	"would_deny\x18\b \x03(\tR\twouldDeny\x12 \n" +
-	"\vunavailable\x18\t \x01(\bR\vunavailable\"h\n" +
+	"\vunavailable\x18\t \x01(\bR\vunavailable\x12\x1a\n" +
+	"\breplayed\x18\n" +
+	" \x01(\bR\breplayed\"h\n" +
 	"\x12ReleaseSlotRequest\x123\n" +
 	"\aentries\x18\x01 \x03(\v2\x19.allot.v1.DescriptorEntryR\aentries\x12\x1d\n" +
 	"\n" +
