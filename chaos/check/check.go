@@ -242,6 +242,9 @@ type Result struct {
 	// Unresolved counts Acquires never answered (their effect is unknown)
 	// and ledger grants no region knows of.
 	Unresolved, Unclaimed int
+	// ReplayedAdmissions counts admissions answered as replays of an
+	// earlier decision (placed from their first send: see checkLeases).
+	ReplayedAdmissions int
 	// DepositsChecked counts the grants whose Deadline (an agent's store
 	// expiry bound, a driver's own deadline) was held to the allocator's
 	// expiry; DepositsUnknown the deposits whose outcome was unknown, and

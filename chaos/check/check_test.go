@@ -763,6 +763,9 @@ func TestReplayedAdmissionIsPlacedFromItsFirstSend(t *testing.T) {
 			if got != tt.unleased {
 				t.Fatalf("admissions without a lease = %d, want %d: %v", got, tt.unleased, r.Violations)
 			}
+			if want := map[bool]int{true: 1}[tt.adm.Replayed]; r.ReplayedAdmissions != want {
+				t.Errorf("ReplayedAdmissions = %d, want %d", r.ReplayedAdmissions, want)
+			}
 			for _, w := range r.Windows["atlas"] {
 				if w.Admitted > 0 && w.Index != tt.wantWindow {
 					t.Fatalf("counted in window %d, want %d", w.Index, tt.wantWindow)

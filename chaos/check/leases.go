@@ -137,6 +137,9 @@ func checkLeases(h history.History, quotas map[string]Quota, answerDelay, grace 
 		if e.Kind != history.KindAdmit {
 			continue
 		}
+		if e.Replayed {
+			r.ReplayedAdmissions++
+		}
 		if e.GrantID == "" {
 			anonymous[rq{e.Region, e.Quota}] = append(anonymous[rq{e.Region, e.Quota}], e)
 			continue
