@@ -41,6 +41,10 @@ var (
 	// published a policy: the node lost its data or was never started, and
 	// must join that cluster rather than found one.
 	ErrClusterRunning = errors.New("the bootstrap peers run a cluster already")
+	// ErrForeignState means a node asked to join a cluster (RunOptions.Join)
+	// with a data dir holding Raft state, and the cluster does not list the
+	// node: the state is another cluster's, or the node was removed.
+	ErrForeignState = errors.New("the data dir holds Raft state of a node the cluster does not list")
 )
 
 // recoverySteps is what an operator can do about lost Raft state; the

@@ -107,3 +107,44 @@ func memberIDs(ms []*allotv1.Member) string {
 	}
 	return strings.Join(ids, ",")
 }
+
+// joinProbeTimeout bounds how long a node with Raft state that starts with
+// -join waits for the member it joins through to list the cluster.
+const joinProbeTimeout = 2 * time.Second
+
+// probeJoinTarget checks, before a node whose data dir holds Raft state
+// (marker m) starts Raft with -join via, that the cluster at via lists the
+// node: a member restarting with the -join it was added with does. A
+// cluster that answers without it means the state is another cluster's (a
+// data dir reused from a torn-down cluster) or this node was removed:
+// starting Raft on it would put that state beside the cluster's log, and
+// what the node applied from it is never undone (a leader overwrites a
+// follower's log, not what its state machine applied), so it refuses
+// (ErrForeignState). A cluster that does not answer is no reason to refuse:
+// its members restart with their -join too, and must not wait for each
+// other.
+func probeJoinTarget(cfg Config, via string, m *dataDirMarker, log *zap.Logger) error {
+	ctx, cancel := context.WithTimeout(context.Background(), joinProbeTimeout)
+	defer cancel()
+	hc := NewHTTPClient()
+	defer hc.CloseIdleConnections()
+	op := allotv1connect.NewOperatorServiceClient(hc, "http://"+via)
+	resp, err := op.GetCluster(ctx, connect.NewRequest(&allotv1.GetClusterRequest{}))
+	if err != nil {
+		log.Warn("could not ask the member to join through whether it lists this node; starting from the data dir's Raft state",
+			zap.String("join", via), zap.Error(err))
+		return nil
+	}
+	r := resp.Msg
+	for _, mem := range r.GetMembers() {
+		if mem.GetId() == cfg.NodeID {
+			return nil
+		}
+	}
+	return fmt.Errorf("-join %s with data dir %s, which holds the Raft state of node %q (%s, marked %s), but the cluster there "+
+		"(node %s, term %d, members %s) does not list this node: %w. The state is another cluster's, or this node was "+
+		"removed; joining with it would keep what it applied from that state beside the cluster's log. Empty the data "+
+		"dir and start again with -join %s: the node catches up from the leader (docs/operations.md, \"Recover an "+
+		"allocator node\")", via, cfg.DataDir, m.NodeID, m.Origin, m.Created.Format(time.RFC3339), r.GetNodeId(), r.GetTerm(),
+		memberIDs(r.GetMembers()), ErrForeignState, via)
+}

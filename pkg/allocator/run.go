@@ -46,6 +46,18 @@ func Run(ctx context.Context, cfg Config, ro RunOptions, log *zap.Logger) error 
 	if ro.ShutdownGrace <= 0 {
 		ro.ShutdownGrace = 5 * time.Second
 	}
+	if ro.Join != "" && cfg.DataDir != "" {
+		// Before Raft starts on the data dir: it must be this cluster's.
+		m, err := readMarker(cfg.DataDir)
+		if err != nil {
+			return err
+		}
+		if m != nil {
+			if err := probeJoinTarget(cfg, ro.Join, m, log); err != nil {
+				return err
+			}
+		}
+	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	metrics := NewMetrics(reg)
