@@ -15,7 +15,9 @@
 // no longer holds (emptied, deleted, damaged, or its snapshots gone), and a
 // -bootstrap from an empty data dir refuses when a -peer answers as a
 // cluster with a policy: a node whose data is lost is removed and joins
-// again (docs/operations.md, "Recover an allocator node").
+// again (docs/operations.md, "Recover an allocator node"). A -join with a
+// data dir that holds Raft state refuses when the member it joins through
+// answers without listing this node (the state is another cluster's).
 package main
 
 import (
