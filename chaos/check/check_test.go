@@ -695,16 +695,7 @@ func TestFailedDepositEndsTheGrant(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			r := run(t, history.History{Events: append(append([]history.Event(nil), base...), tt.adm...)}, q)
-			var got int64
-			for _, v := range r.Violations {
-				if v.Check != CheckUnleased {
-					t.Errorf("unexpected violation %v", v)
-					continue
-				}
-				var n int64
-				fmt.Sscan(v.Detail, &n)
-				got += n
-			}
+			got := unleasedTokens(t, r)
 			if got != tt.want {
 				t.Fatalf("admissions without a lease = %d, want %d: %v", got, tt.want, r.Violations)
 			}
@@ -750,16 +741,7 @@ func TestReplayedAdmissionIsPlacedFromItsFirstSend(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			r := run(t, history.History{Events: append(append([]history.Event(nil), base...), tt.adm)}, q)
-			var got int64
-			for _, v := range r.Violations {
-				if v.Check != CheckUnleased {
-					t.Errorf("unexpected violation %v", v)
-					continue
-				}
-				var n int64
-				fmt.Sscan(v.Detail, &n)
-				got += n
-			}
+			got := unleasedTokens(t, r)
 			if got != tt.unleased {
 				t.Fatalf("admissions without a lease = %d, want %d: %v", got, tt.unleased, r.Violations)
 			}
@@ -773,6 +755,23 @@ func TestReplayedAdmissionIsPlacedFromItsFirstSend(t *testing.T) {
 			}
 		})
 	}
+}
+
+// unleasedTokens sums the admissions r's spent_without_lease violations
+// count (each detail starts with the number); any other violation fails t.
+func unleasedTokens(t *testing.T, r *Result) int64 {
+	t.Helper()
+	var got int64
+	for _, v := range r.Violations {
+		if v.Check != CheckUnleased {
+			t.Errorf("unexpected violation %v", v)
+			continue
+		}
+		var n int64
+		fmt.Sscan(v.Detail, &n)
+		got += n
+	}
+	return got
 }
 
 // TestDepositUnknown: a deposit whose outcome is unknown may land late and
