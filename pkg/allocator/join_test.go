@@ -97,6 +97,13 @@ func TestRunRefusesToJoinWithAnotherClustersState(t *testing.T) {
 			t.Fatalf("the cluster added j1: %+v", ms)
 		}
 	}
+	// State of a node whose id a member of the cluster holds at another
+	// Raft address: not that member's state either.
+	_, twin := foreignDataDir(t, "n1")
+	err = Run(ctx, twin, RunOptions{Join: tc.addrs[0], ShutdownGrace: time.Second}, zaptest.NewLogger(t))
+	if !errors.Is(err, ErrForeignState) || !strings.Contains(err.Error(), `lists node "n1" at raft address n1`) {
+		t.Fatalf("Run() with the state of another n1 = %v, want ErrForeignState naming the member's raft address", err)
+	}
 }
 
 // TestRunJoinsAgainWithItsOwnState: a member that joined, restarted with

@@ -120,7 +120,8 @@ const joinProbeTimeout = 2 * time.Second
 // starting Raft on it would put that state beside the cluster's log, and
 // what the node applied from it is never undone (a leader overwrites a
 // follower's log, not what its state machine applied), so it refuses
-// (ErrForeignState). A cluster that does not answer is no reason to refuse:
+// (ErrForeignState), as when it lists this node's id at another Raft
+// address. A cluster that does not answer is no reason to refuse:
 // its members restart with their -join too, and must not wait for each
 // other.
 func probeJoinTarget(cfg Config, via string, m *dataDirMarker, log *zap.Logger) error {
@@ -137,8 +138,18 @@ func probeJoinTarget(cfg Config, via string, m *dataDirMarker, log *zap.Logger) 
 	}
 	r := resp.Msg
 	for _, mem := range r.GetMembers() {
-		if mem.GetId() == cfg.NodeID {
+		switch {
+		case mem.GetId() != cfg.NodeID:
+		case mem.GetRaftAddress() == cfg.RaftAddr:
 			return nil
+		default:
+			// Another member holds this id (the cluster refuses to add
+			// it twice), so the state is not that member's either.
+			return fmt.Errorf("-join %s with data dir %s, which holds the Raft state of node %q (%s, marked %s), but the "+
+				"cluster there lists node %q at raft address %s, not this node's %s: %w. Start this node with another -id "+
+				"and an empty data dir, or move the member (allotctl -addr %s member remove %s) and start this one with "+
+				"an empty data dir and -join %s", via, cfg.DataDir, m.NodeID, m.Origin, m.Created.Format(time.RFC3339),
+				cfg.NodeID, mem.GetRaftAddress(), cfg.RaftAddr, ErrForeignState, via, cfg.NodeID, via)
 		}
 	}
 	return fmt.Errorf("-join %s with data dir %s, which holds the Raft state of node %q (%s, marked %s), but the cluster there "+
