@@ -19,9 +19,8 @@ import (
 type Wire struct {
 	out io.Writer
 
-	mu      sync.Mutex // guards pending, err and enc
+	mu      sync.Mutex // guards pending and err
 	pending *bytes.Buffer
-	enc     *json.Encoder // onto pending
 	err     error
 
 	wmu   sync.Mutex    // held while writing: one batch at a time, in queue order
@@ -34,7 +33,6 @@ type Wire struct {
 // NewWire starts a Wire on w; Close stops its writer.
 func NewWire(w io.Writer) *Wire {
 	wr := &Wire{out: w, pending: new(bytes.Buffer), spare: new(bytes.Buffer), stop: make(chan struct{}), done: make(chan struct{})}
-	wr.enc = json.NewEncoder(wr.pending)
 	go func() {
 		defer close(wr.done)
 		t := time.NewTicker(20 * time.Millisecond)
@@ -51,12 +49,18 @@ func NewWire(w io.Writer) *Wire {
 	return wr
 }
 
-// Send queues m; it does not wait for the connection.
+// Send queues m; it does not wait for the connection. m is encoded before
+// the lock is taken, so concurrent senders wait only for the append.
 func (w *Wire) Send(m Message) error {
+	b, err := json.Marshal(m)
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.err == nil {
-		w.err = w.enc.Encode(m)
+		w.err = err
+	}
+	if w.err == nil {
+		w.pending.Write(b)
+		w.pending.WriteByte('\n')
 	}
 	return w.err
 }
@@ -69,7 +73,6 @@ func (w *Wire) Flush() {
 	w.mu.Lock()
 	batch := w.pending
 	w.pending, w.spare = w.spare, nil
-	w.enc = json.NewEncoder(w.pending)
 	failed := w.err != nil
 	w.mu.Unlock()
 	var err error

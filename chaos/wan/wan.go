@@ -18,7 +18,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"path/filepath"
 	"sync"
 	"time"
 
@@ -208,5 +207,5 @@ func (s *set) writeStats() error {
 	if err := os.WriteFile(tmp, b, 0o644); err != nil {
 		return err
 	}
-	return os.Rename(tmp, filepath.Clean(s.cfg.StatsPath))
+	return os.Rename(tmp, s.cfg.StatsPath)
 }
