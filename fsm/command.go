@@ -31,6 +31,9 @@ const (
 	// group-committed into one entry; each is applied in order as if it were
 	// its own entry at the batch's time, and fails or succeeds on its own.
 	CmdBatch CommandType = 5
+	// CmdSetCluster records the cluster's identity, once: the first leader
+	// of a cluster proposes a random id, and every later one is ignored.
+	CmdSetCluster CommandType = 6
 )
 
 // MaxBatch is the most commands one CmdBatch entry carries.
@@ -49,6 +52,8 @@ func (t CommandType) String() string {
 		return "set_member"
 	case CmdBatch:
 		return "batch"
+	case CmdSetCluster:
+		return "set_cluster"
 	}
 	return fmt.Sprintf("CommandType(%d)", uint8(t))
 }
@@ -71,6 +76,8 @@ type Command struct {
 	// Batch is set for CmdBatch: Acquire and Release commands only (their own
 	// NowUnixMs is ignored; the batch's applies).
 	Batch []Command `json:"batch,omitempty"`
+	// Cluster is set for CmdSetCluster.
+	Cluster *SetCluster `json:"cluster,omitempty"`
 }
 
 // Want is one quota's share of an Acquire batch.
@@ -191,6 +198,16 @@ type SetMember struct {
 	Remove bool `json:"remove,omitempty"`
 }
 
+// SetCluster names the cluster. The id tells this cluster's state apart from
+// another's made with the same node ids and addresses (a cluster torn down
+// and founded again), so that a node can refuse to start on another
+// cluster's data dir (see package allocator).
+type SetCluster struct {
+	// ID is the cluster's id: 1 to MaxClusterIDBytes letters, digits, '-'
+	// or '_'.
+	ID string `json:"id"`
+}
+
 // Encode returns the log entry bytes of c: FormatV1 followed by c as JSON.
 // It fails only on values JSON cannot carry (a NaN or infinite demand).
 func Encode(c Command) ([]byte, error) {
@@ -223,7 +240,7 @@ func Decode(b []byte) (Command, error) {
 		return Command{}, fmt.Errorf("command: trailing data after JSON object: %w", ErrMalformedCommand)
 	}
 	set := 0
-	for _, p := range []bool{c.Acquire != nil, c.Release != nil, c.Publish != nil, c.Member != nil, c.Batch != nil} {
+	for _, p := range []bool{c.Acquire != nil, c.Release != nil, c.Publish != nil, c.Member != nil, c.Batch != nil, c.Cluster != nil} {
 		if p {
 			set++
 		}
@@ -238,12 +255,14 @@ func Decode(b []byte) (Command, error) {
 		ok = c.Publish != nil
 	case CmdSetMember:
 		ok = c.Member != nil
+	case CmdSetCluster:
+		ok = c.Cluster != nil
 	case CmdBatch:
 		ok = len(c.Batch) > 0 && len(c.Batch) <= MaxBatch
 		for i, sub := range c.Batch {
 			subOK := (sub.Type == CmdAcquire && sub.Acquire != nil && sub.Release == nil) ||
 				(sub.Type == CmdRelease && sub.Release != nil && sub.Acquire == nil)
-			if !subOK || sub.Publish != nil || sub.Member != nil || sub.Batch != nil {
+			if !subOK || sub.Publish != nil || sub.Member != nil || sub.Batch != nil || sub.Cluster != nil {
 				return Command{}, fmt.Errorf("command: batch[%d]: only acquire or release with exactly its payload: %w", i, ErrMalformedCommand)
 			}
 		}

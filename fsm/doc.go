@@ -77,12 +77,16 @@
 //     versions are kept for audit.
 //   - SetMember records (or removes) the API address of an allocator
 //     member, so that every replica can direct clients to the leader.
+//   - SetCluster records the cluster's id, once: the first leader of a
+//     cluster proposes a random one, and later ones change nothing (the
+//     result names the id that stays). It tells the state of this cluster
+//     from that of another founded with the same node ids and addresses.
 //   - Batch carries up to MaxBatch Acquire and Release commands the leader
 //     group-committed into one entry; each is applied on its own, as if it
 //     had an entry of its own, and has its own result or error.
 //
 // Apply returns *AcquireResult, *ReleaseResult, *PublishResult,
-// *SetMemberResult or *BatchResult through
+// *SetMemberResult, *SetClusterResult or *BatchResult through
 // ApplyFuture.Response, or an error wrapping ErrUnknownQuota,
 // ErrInvalidArgument, ErrStaleVersion, ErrUnknownGrant, ErrResourceExhausted
 // or ErrMalformedCommand whose message names the offending field. A command is
@@ -183,7 +187,10 @@
 //     older build serve (their snapshots restore on the new build, not the
 //     other way round: see Snapshots).
 //     Likewise, builds before MaxHeldPerRegion refuse a spec that sets it
-//     (an unknown field): publish no cap while they serve.
+//     (an unknown field): publish no cap while they serve. Builds before
+//     SetCluster refuse that entry (which changes no grant, so they
+//     diverge only in the id) and cannot restore a snapshot that carries
+//     an id.
 //  6. Report demand on every Acquire when a quota uses fair_share: a region
 //     that reports none has no need, so under contention it gets no share.
 package fsm

@@ -60,6 +60,8 @@ const (
 	MaxMemberIDBytes = 256
 	// MaxAPIAddressBytes bounds a member's API address.
 	MaxAPIAddressBytes = 256
+	// MaxClusterIDBytes bounds the cluster's id.
+	MaxClusterIDBytes = 64
 	// MaxMembers bounds the member table.
 	MaxMembers = 1000
 )
@@ -118,6 +120,8 @@ type state struct {
 	lastGrantIndex uint64
 	// members maps Raft server IDs to API addresses.
 	members map[string]string
+	// clusterID is the cluster's id; empty until a SetCluster.
+	clusterID string
 	// carries maps a pool's name (a single pool's, an instance's) or a
 	// template's to the tokens that pools of that name reset by a publish
 	// had granted and that may still be spent (see carry), in ascending
@@ -635,6 +639,8 @@ func (f *FSM) Apply(l *raft.Log) any {
 		res, err = s.publish(now, cmd.Publish)
 	case CmdSetMember:
 		res, err = s.setMember(cmd.Member)
+	case CmdSetCluster:
+		res, err = s.setCluster(cmd.Cluster)
 	}
 	if err != nil {
 		return fmt.Errorf("%s: %w", cmd.Type, err)
@@ -1099,6 +1105,35 @@ func (s *state) setMember(m *SetMember) (*SetMemberResult, error) {
 	}
 	s.members[m.ID] = m.APIAddress
 	return &SetMemberResult{ID: m.ID, APIAddress: m.APIAddress}, nil
+}
+
+// setCluster records the cluster's id unless it has one: the first id
+// committed stays.
+func (s *state) setCluster(c *SetCluster) (*SetClusterResult, error) {
+	if err := checkClusterID(c.ID); err != nil {
+		return nil, err
+	}
+	if s.clusterID != "" {
+		return &SetClusterResult{ID: s.clusterID}, nil
+	}
+	s.clusterID = c.ID
+	return &SetClusterResult{ID: c.ID, Set: true}, nil
+}
+
+// checkClusterID validates a cluster id: 1 to MaxClusterIDBytes letters,
+// digits, '-' or '_'.
+func checkClusterID(id string) error {
+	if err := checkName("cluster id", id, MaxClusterIDBytes); err != nil {
+		return err
+	}
+	for i := 0; i < len(id); i++ {
+		switch c := id[i]; {
+		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9', c == '-', c == '_':
+		default:
+			return fmt.Errorf("cluster id: byte %d is %q; letters, digits, '-' and '_' only: %w", i, c, ErrInvalidArgument)
+		}
+	}
+	return nil
 }
 
 func (s *state) current() *PolicyRecord {

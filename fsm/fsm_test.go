@@ -2,6 +2,7 @@ package fsm
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -31,6 +32,7 @@ func TestEncodeDecodeRoundTrip(t *testing.T) {
 			ExpectedVersion: 1, Author: "a", Reason: "why", Document: []byte{0, 1, 2}, Quotas: []QuotaSpec{spec, atlas(StrategyDemand)},
 		}}},
 		{name: "set member", give: Command{Type: CmdSetMember, NowUnixMs: 45, Member: &SetMember{ID: "a1", APIAddress: "10.0.0.1:7000", Remove: true}}},
+		{name: "set cluster", give: Command{Type: CmdSetCluster, NowUnixMs: 45, Cluster: &SetCluster{ID: "c0ffee"}}},
 		{name: "batch", give: Command{Type: CmdBatch, NowUnixMs: 46, Batch: []Command{
 			{Type: CmdAcquire, NowUnixMs: 47, Acquire: acquire},
 			{Type: CmdRelease, NowUnixMs: 48, Release: release},
@@ -863,6 +865,42 @@ func TestConcurrentReadsDuringApply(t *testing.T) {
 	}
 	close(stop)
 	wg.Wait()
+}
+
+func TestSetCluster(t *testing.T) {
+	h := newHarness(t)
+	set := func(id string) any {
+		return h.apply(Command{Type: CmdSetCluster, NowUnixMs: t0, Cluster: &SetCluster{ID: id}})
+	}
+	if h.f.ClusterID() != "" {
+		t.Fatalf("a new FSM has cluster id %q", h.f.ClusterID())
+	}
+	for _, bad := range []string{"", "a b", "ü", "id/1", strings.Repeat("c", MaxClusterIDBytes+1)} {
+		wantErr(t, set(bad), ErrInvalidArgument)
+	}
+	if h.f.ClusterID() != "" {
+		t.Fatalf("a refused id was recorded: %q", h.f.ClusterID())
+	}
+	if r, ok := set("first-id_1").(*SetClusterResult); !ok || r.ID != "first-id_1" || !r.Set {
+		t.Fatalf("first SetCluster = %+v, want it set", r)
+	}
+	// A later leader's proposal (both proposed before either committed)
+	// changes nothing: the first one committed stays.
+	if r, ok := set("second").(*SetClusterResult); !ok || r.ID != "first-id_1" || r.Set {
+		t.Fatalf("second SetCluster = %+v, want the first id kept", r)
+	}
+	if h.f.ClusterID() != "first-id_1" {
+		t.Fatalf("ClusterID() = %q", h.f.ClusterID())
+	}
+	f := New()
+	if err := restore(f, snapshotBytes(t, h.f)); err != nil || f.ClusterID() != "first-id_1" {
+		t.Fatalf("restored cluster id %q (%v), want first-id_1", f.ClusterID(), err)
+	}
+	// A batch carries only acquires and releases.
+	b, _ := json.Marshal(Command{Type: CmdBatch, NowUnixMs: t0, Batch: []Command{{Type: CmdSetCluster, Cluster: &SetCluster{ID: "x"}}}})
+	if _, err := Decode(append([]byte{FormatV1}, b...)); !errors.Is(err, ErrMalformedCommand) {
+		t.Fatalf("Decode of a batch with a set_cluster = %v, want ErrMalformedCommand", err)
+	}
 }
 
 func TestSetMember(t *testing.T) {

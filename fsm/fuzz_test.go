@@ -32,6 +32,7 @@ func fuzzSeeds(tb testing.TB) [][]byte {
 		enc(Command{Type: CmdPublishPolicy, NowUnixMs: t0 + 4, Publish: &Publish{ExpectedVersion: 2, Author: "a"}}),
 		enc(Command{Type: CmdSetMember, NowUnixMs: t0 + 5, Member: &SetMember{ID: "a1", APIAddress: "127.0.0.1:7000"}}),
 		enc(Command{Type: CmdSetMember, NowUnixMs: t0 + 5, Member: &SetMember{ID: "a1", Remove: true}}),
+		enc(Command{Type: CmdSetCluster, NowUnixMs: t0 + 5, Cluster: &SetCluster{ID: "c1"}}),
 		enc(Command{Type: CmdBatch, NowUnixMs: t0 + 3, Batch: []Command{
 			{Type: CmdAcquire, Acquire: &Acquire{Region: "us", RequestID: "b1", Wants: []Want{{Quota: "atlas", Tokens: 5}, {Quota: "std/x"}}}},
 			{Type: CmdRelease, Release: &Release{Region: "eu", GrantID: "1-0", Tokens: 1, RequestID: "b2"}},
@@ -81,7 +82,7 @@ func FuzzApply(f *testing.F) {
 			if after := snapshotBytes(t, m); !bytes.Equal(before, after) {
 				t.Fatalf("rejected entry changed the state: %v", r)
 			}
-		case *AcquireResult, *ReleaseResult, *PublishResult, *SetMemberResult:
+		case *AcquireResult, *ReleaseResult, *PublishResult, *SetMemberResult, *SetClusterResult:
 		case *BatchResult:
 			for i, sub := range r.Results {
 				switch sub.(type) {

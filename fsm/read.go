@@ -152,6 +152,14 @@ func (f *FSM) Members() map[string]string {
 	return out
 }
 
+// ClusterID returns the cluster's id (see SetCluster); empty until the
+// first leader of a cluster has recorded one.
+func (f *FSM) ClusterID() string {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	return f.s.clusterID
+}
+
 // Stats returns counters for metrics.
 func (f *FSM) Stats() Stats {
 	f.mu.RLock()

@@ -93,6 +93,15 @@ type SetMemberResult struct {
 	Removed bool `json:"removed"`
 }
 
+// SetClusterResult is Apply's response to a SetCluster.
+type SetClusterResult struct {
+	// ID is the cluster's id after the command: the earlier one when the
+	// cluster had one already.
+	ID string `json:"id"`
+	// Set is true when this command set it.
+	Set bool `json:"set"`
+}
+
 // PolicyRecord is one published policy version. Records are immutable.
 type PolicyRecord struct {
 	// Version numbers policies from 1 without gaps.

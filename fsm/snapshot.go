@@ -78,6 +78,9 @@ type snapshotHeader struct {
 	Idempotency    int    `json:"idempotency"`
 	// Members is the member table, sorted by ID.
 	Members []snapMember `json:"members"`
+	// ClusterID is the cluster's id (SetCluster), absent until one is
+	// recorded: builds before it cannot restore a snapshot that has one.
+	ClusterID string `json:"cluster_id,omitempty"`
 }
 
 type snapMember struct {
@@ -206,6 +209,7 @@ func (s *state) snapshot() *snapshotDoc {
 		Carries:        len(d.carries),
 		Idempotency:    len(d.idempotency),
 		Members:        members,
+		ClusterID:      s.clusterID,
 	}
 	return d
 }
@@ -394,6 +398,12 @@ func decodeSnapshot(dec *json.Decoder, format int) (*state, error) {
 			return nil, fmt.Errorf("members[%d]: out of range", i)
 		}
 		s.members[m.ID] = m.APIAddress
+	}
+	if h.ClusterID != "" {
+		if err := checkClusterID(h.ClusterID); err != nil {
+			return nil, err
+		}
+		s.clusterID = h.ClusterID
 	}
 
 	for i := range h.Policies {

@@ -18,6 +18,7 @@ func busyHarness(t testing.TB) *harness {
 	h.publish(t0, atlas(StrategyFairShare), birch)
 	h.apply(Command{Type: CmdSetMember, NowUnixMs: t0, Member: &SetMember{ID: "a2", APIAddress: "10.0.0.2:7000"}})
 	h.apply(Command{Type: CmdSetMember, NowUnixMs: t0, Member: &SetMember{ID: "a1", APIAddress: "10.0.0.1:7000"}})
+	h.apply(Command{Type: CmdSetCluster, NowUnixMs: t0, Cluster: &SetCluster{ID: "3f2a9c"}})
 	for i := range 40 {
 		now := t0 + int64(i)*700
 		region := []string{"eu", "us", "apac"}[i%3]
@@ -49,7 +50,7 @@ func TestSnapshotDeterministic(t *testing.T) {
 	if !bytes.Equal(sa, snapshotBytes(t, a.f)) {
 		t.Fatal("two snapshots of one state differ")
 	}
-	for _, want := range []string{`{"format":2,`, `"author":"alice"`, `"request_id":"req-39"`, `"request_id":"rel-37"`, `"demand":`} {
+	for _, want := range []string{`{"format":2,`, `"author":"alice"`, `"request_id":"req-39"`, `"request_id":"rel-37"`, `"demand":`, `"cluster_id":"3f2a9c"`} {
 		if !bytes.Contains(sa, []byte(want)) {
 			t.Fatalf("snapshot lacks %s", want)
 		}
@@ -151,6 +152,7 @@ func TestRestoreRejectsBadSnapshots(t *testing.T) {
 		}},
 		{name: "window too old", mod: func(l []map[string]any) { window0(l)["index"] = window0(l)["index"].(float64) - 10 }},
 		{name: "bad idempotency kind", mod: func(l []map[string]any) { idem0(l)["kind"] = 9 }},
+		{name: "bad cluster id", mod: func(l []map[string]any) { header(l)["cluster_id"] = "a b" }},
 		{name: "members out of order", mod: func(l []map[string]any) {
 			ms := header(l)["members"].([]any)
 			ms[0], ms[1] = ms[1], ms[0]
