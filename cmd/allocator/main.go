@@ -17,7 +17,11 @@
 // cluster with a policy: a node whose data is lost is removed and joins
 // again (docs/operations.md, "Recover an allocator node"). A -join with a
 // data dir that holds Raft state refuses when the member it joins through
-// answers without listing this node (the state is another cluster's).
+// answers without listing this node (the state is another cluster's). The
+// first leader of a cluster gives it a random id, which each node records in
+// its data dir; a node restarting with -join or -bootstrap refuses when the
+// member it joins through, or a -peer, runs a cluster with another id (one
+// founded again with the same node ids and addresses).
 package main
 
 import (

@@ -69,6 +69,10 @@ type dataDirMarker struct {
 	Origin string `json:"origin"`
 	// Created is when the marker was written.
 	Created time.Time `json:"created"`
+	// ClusterID is the id of the cluster whose state this is (fsm.SetCluster),
+	// recorded once the node has applied it; empty before (and in markers of
+	// builds before cluster ids).
+	ClusterID string `json:"cluster_id,omitempty"`
 	// Note tells a reader what the file is for.
 	Note string `json:"note"`
 }
@@ -503,6 +507,18 @@ func checkBoltFile(path string) error {
 // origin.
 func (d *dataDir) mark(id, origin string) error {
 	m := dataDirMarker{NodeID: id, Origin: origin, Created: time.Now().UTC()}
+	if err := writeMarker(d.path, m); err != nil {
+		return err
+	}
+	d.marker = &m
+	return nil
+}
+
+// setClusterID records the cluster's id in the data dir's marker, which
+// must exist; the rest of the marker stays as it was.
+func (d *dataDir) setClusterID(id string) error {
+	m := *d.marker
+	m.ClusterID = id
 	if err := writeMarker(d.path, m); err != nil {
 		return err
 	}

@@ -7,8 +7,12 @@ import (
 	"testing"
 	"time"
 
+	"connectrpc.com/connect"
 	"github.com/hashicorp/raft"
 	"go.uber.org/zap/zaptest"
+
+	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
+	"github.com/allot-dev/allot/proto/allot/v1/allotv1connect"
 )
 
 // startedRun runs Run with cfg and ro until the test ends (or stop is
@@ -51,8 +55,25 @@ func (r *startedRun) waitReady(t *testing.T) {
 	}
 }
 
+// waitMarkedCluster waits until dir's marker records a cluster id, and
+// returns it.
+func waitMarkedCluster(t *testing.T, dir string) string {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if m, _ := readMarker(dir); m != nil && m.ClusterID != "" {
+			return m.ClusterID
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the marker of %s never recorded a cluster id", dir)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
 // foreignDataDir returns a data dir holding the Raft state of node id of a
-// single-node cluster of its own, stopped.
+// single-node cluster of its own (its marker with the cluster's id),
+// stopped.
 func foreignDataDir(t *testing.T, id string) (string, Config) {
 	t.Helper()
 	dir := t.TempDir()
@@ -62,12 +83,8 @@ func foreignDataDir(t *testing.T, id string) (string, Config) {
 		t.Fatal(err)
 	}
 	d.waitLeader(t)
-	deadline := time.Now().Add(5 * time.Second)
-	for m, _ := readMarker(dir); m == nil; m, _ = readMarker(dir) {
-		if time.Now().After(deadline) {
-			t.Fatal("the data dir was never marked")
-		}
-		time.Sleep(10 * time.Millisecond)
+	if waitMarkedCluster(t, dir) != d.FSM().ClusterID() {
+		t.Fatalf("the marker's cluster id is not the state's %q", d.FSM().ClusterID())
 	}
 	d.stop()
 	cfg.Bootstrap, cfg.Peers = false, nil
@@ -127,11 +144,9 @@ func TestRunJoinsAgainWithItsOwnState(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	for m, _ := readMarker(cfg.DataDir); m == nil; m, _ = readMarker(cfg.DataDir) { // written once replicated
-		if time.Now().After(deadline) {
-			t.Fatal("a2's data dir was never marked after it joined")
-		}
-		time.Sleep(20 * time.Millisecond)
+	// Written once replicated, with the cluster's id once applied.
+	if id := waitMarkedCluster(t, cfg.DataDir); id != d1.FSM().ClusterID() {
+		t.Fatalf("a2's marker records cluster %q, the cluster is %q", id, d1.FSM().ClusterID())
 	}
 	first.stop()
 	if err := <-first.done; errors.Is(err, ErrForeignState) {
@@ -156,4 +171,101 @@ func isVoter(n *Node, id string) bool {
 		}
 	}
 	return false
+}
+
+// TestClusterIDRecordedEverywhere: a new cluster's first leader gives it an
+// id, every member applies the same one, and GetCluster reports it.
+func TestClusterIDRecordedEverywhere(t *testing.T) {
+	tc := newTestCluster(t, 3)
+	tc.leader()
+	deadline := time.Now().Add(10 * time.Second)
+	var id string
+	for {
+		id = tc.nodes[0].FSM().ClusterID()
+		same := id != ""
+		for _, n := range tc.nodes {
+			same = same && n.FSM().ClusterID() == id
+		}
+		if same {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the members never agreed on a cluster id: %q, %q, %q",
+				tc.nodes[0].FSM().ClusterID(), tc.nodes[1].FSM().ClusterID(), tc.nodes[2].FSM().ClusterID())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if len(id) != 32 {
+		t.Fatalf("cluster id %q: want 32 hex digits (128 random bits)", id)
+	}
+	r, err := clusterOf(tc.addrs[1])
+	if err != nil || r.GetClusterId() != id {
+		t.Fatalf("GetCluster = %v (%v), want cluster_id %q", r, err, id)
+	}
+	// Another cluster gets another id.
+	if other := newTestCluster(t, 1); other.leader() != nil {
+		for other.nodes[0].FSM().ClusterID() == "" && time.Now().Before(deadline) {
+			time.Sleep(10 * time.Millisecond)
+		}
+		if got := other.nodes[0].FSM().ClusterID(); got == "" || got == id {
+			t.Fatalf("a second cluster's id is %q, the first one's %q", got, id)
+		}
+	}
+}
+
+func clusterOf(api string) (*allotv1.GetClusterResponse, error) {
+	hc := NewHTTPClient()
+	defer hc.CloseIdleConnections()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	resp, err := allotv1connect.NewOperatorServiceClient(hc, "http://"+api).GetCluster(ctx, connect.NewRequest(&allotv1.GetClusterRequest{}))
+	if err != nil {
+		return nil, err
+	}
+	return resp.Msg, nil
+}
+
+// TestRunRefusesTheStateOfAClusterFoundedAgain: node a2's data dir holds
+// the state of a cluster that was torn down; a new cluster was founded with
+// a2 among its peers, at a2's address. The new cluster lists a2 where a2
+// is, so only the cluster ids tell the states apart: a2 refuses to start,
+// with -join as with -bootstrap, and names both ids.
+func TestRunRefusesTheStateOfAClusterFoundedAgain(t *testing.T) {
+	dirA, a2 := foreignDataDir(t, "a2")
+	markedA := waitMarkedCluster(t, dirA)
+	peers := []Peer{{ID: "b1", RaftAddr: freeAddr(t), APIAddr: freeAddr(t)}, {ID: "b2", RaftAddr: freeAddr(t), APIAddr: freeAddr(t)},
+		{ID: "a2", RaftAddr: a2.RaftAddr, APIAddr: a2.APIAddr}}
+	for _, p := range peers[:2] {
+		cfg := fastConfig(p.ID, p.APIAddr)
+		cfg.RaftAddr, cfg.DataDir, cfg.Bootstrap, cfg.Peers = p.RaftAddr, t.TempDir(), true, peers
+		runNode(t, cfg, RunOptions{}).waitReady(t)
+	}
+	deadline := time.Now().Add(15 * time.Second)
+	var idB string
+	for idB == "" {
+		if r, err := clusterOf(peers[0].APIAddr); err == nil {
+			idB = r.GetClusterId()
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the new cluster never recorded an id")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	check := func(how string, cfg Config, ro RunOptions) {
+		t.Helper()
+		ro.ShutdownGrace = time.Second
+		err := Run(ctx, cfg, ro, zaptest.NewLogger(t).Named(how))
+		if !errors.Is(err, ErrForeignState) || !strings.Contains(err.Error(), "cluster "+markedA) || !strings.Contains(err.Error(), "runs cluster "+idB) {
+			t.Fatalf("Run with %s = %v, want ErrForeignState naming clusters %s and %s", how, err, markedA, idB)
+		}
+	}
+	check("-join", a2, RunOptions{Join: peers[0].APIAddr})
+	founder := a2
+	founder.Bootstrap, founder.Peers = true, peers
+	check("-bootstrap", founder, RunOptions{})
+	if m, err := readMarker(dirA); err != nil || m.ClusterID != markedA {
+		t.Fatalf("the refused node's marker changed: %+v (%v)", m, err)
+	}
 }

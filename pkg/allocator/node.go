@@ -2,6 +2,8 @@ package allocator
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -234,6 +236,13 @@ func NewNode(cfg Config, opts ...Option) (*Node, error) {
 					return nil, err
 				}
 			}
+		} else if n.dir != nil && n.dir.marker != nil && n.dir.marker.ClusterID != "" {
+			// A founder restarting on its state: the peers must not run
+			// another cluster of the same ids and addresses.
+			if err := probePeersCluster(cfg, n.dir.marker, n.log); err != nil {
+				n.runClosers()
+				return nil, err
+			}
 		}
 	}
 
@@ -260,36 +269,94 @@ func NewNode(cfg Config, opts ...Option) (*Node, error) {
 		defer r.DeregisterObserver(observer)
 		n.watchLeadership(obsCh)
 	}()
-	if n.dir != nil && n.dir.marker == nil {
+	if n.dir != nil {
 		n.wg.Add(1)
 		go func() {
 			defer n.wg.Done()
-			n.markOnceReplicated()
+			n.tendMarker()
 		}()
 	}
 	return n, nil
 }
 
-// markOnceReplicated writes the data dir's marker once a node that started
-// without Raft state (a node that joins, or a new member started without
-// -join) has its first entries or snapshot from a leader.
-func (n *Node) markOnceReplicated() {
+// tendMarker completes the data dir's marker as the node learns, and
+// watches that the state stays the marked cluster's. It writes the marker
+// once a node that started without Raft state (a node that joins, or a new
+// member started without -join) has its first entries or snapshot from a
+// leader, and records the cluster's id once the state machine has applied
+// it. Should the state machine then hold another cluster's id (a snapshot
+// installed by the leader of a cluster founded again with the same node ids
+// and addresses, which the start-up checks could not see), it says so once,
+// as an error: the two clusters' states are mixed.
+func (n *Node) tendMarker() {
 	t := time.NewTicker(200 * time.Millisecond)
 	defer t.Stop()
+	warned := false
 	for {
-		if n.raft.LastIndex() > 0 {
+		if n.dir.marker == nil && n.raft.LastIndex() > 0 {
 			if err := n.dir.mark(n.cfg.NodeID, "replicated"); err != nil {
 				n.log.Error("the data dir's marker could not be written; it is written at the next start", zap.Error(err))
 				return
 			}
 			n.log.Info("first Raft entries stored; data dir marked", zap.String("marker", filepath.Join(n.dir.path, markerName)))
-			return
+		}
+		id := n.fsm.ClusterID()
+		switch m := n.dir.marker; {
+		case m == nil || id == "":
+		case m.ClusterID == id:
+			t.Reset(time.Second) // the state is the marked cluster's: watch it at leisure
+		case m.ClusterID == "":
+			if err := n.dir.setClusterID(id); err != nil {
+				n.log.Error("the cluster's id could not be recorded in the data dir's marker; it is recorded at the next start", zap.Error(err))
+				return
+			}
+			n.log.Info("cluster id recorded in the data dir's marker", zap.String("cluster", id))
+		case !warned:
+			warned = true
+			n.log.Error("this node's state machine holds the state of another cluster than its data dir's: the states of two clusters "+
+				"founded with the same node ids and addresses are mixed. Stop the nodes of the cluster that should not exist, "+
+				"and recover this node (docs/operations.md, \"Recover an allocator node\")",
+				zap.String("marked_cluster", m.ClusterID), zap.String("state_cluster", id), zap.String("marker", filepath.Join(n.dir.path, markerName)))
 		}
 		select {
 		case <-n.stop:
 			return
 		case <-t.C:
 		}
+	}
+}
+
+// newClusterID returns a random cluster id: 128 bits in hex.
+func newClusterID() (string, error) {
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", err
+	}
+	return hex.EncodeToString(b[:]), nil
+}
+
+// recordClusterID gives the cluster an id when its state has none: a new
+// cluster's first leader, or the first leader of a build with cluster ids.
+// Two leaders in turn may both propose one; the first committed stays
+// (fsm.SetCluster).
+func (n *Node) recordClusterID() {
+	if n.fsm.ClusterID() != "" {
+		return
+	}
+	id, err := newClusterID()
+	if err != nil {
+		n.log.Warn("make a cluster id", zap.Error(err))
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), n.cfg.ApplyTimeout)
+	defer cancel()
+	res, err := n.Apply(ctx, fsm.Command{Type: fsm.CmdSetCluster, Cluster: &fsm.SetCluster{ID: id}})
+	if err != nil {
+		n.log.Warn("record the cluster's id; the next leader tries again", zap.Error(err))
+		return
+	}
+	if r, ok := res.(*fsm.SetClusterResult); ok && r.Set {
+		n.log.Info("cluster id recorded", zap.String("cluster", r.ID))
 	}
 }
 
@@ -389,8 +456,8 @@ func (n *Node) runClosers() error {
 }
 
 // watchLeadership counts leader changes and, when this node becomes leader,
-// records its own API address in the replicated member table so followers can
-// forward to it.
+// gives the cluster an id if it has none and records its own API address in
+// the replicated member table so followers can forward to it.
 func (n *Node) watchLeadership(obs <-chan raft.Observation) {
 	var lastLeader raft.ServerID
 	for {
@@ -409,6 +476,7 @@ func (n *Node) watchLeadership(obs <-chan raft.Observation) {
 				n.wg.Add(1)
 				go func() {
 					defer n.wg.Done()
+					n.recordClusterID()
 					n.announceMembers()
 				}()
 			}

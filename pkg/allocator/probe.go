@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	"connectrpc.com/connect"
@@ -28,45 +29,11 @@ const bootstrapProbeTimeout = time.Second
 // or answer without a policy (founders starting together), are no reason
 // to refuse: the probe only catches what it can see.
 func probeRunningCluster(cfg Config, log *zap.Logger) error {
-	var others []Peer
-	for _, p := range cfg.Peers {
-		if p.ID != cfg.NodeID {
-			others = append(others, p)
-		}
-	}
-	if len(others) == 0 {
-		return nil
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), bootstrapProbeTimeout)
-	defer cancel()
-	hc := NewHTTPClient()
-	defer hc.CloseIdleConnections()
-	type answer struct {
-		peer Peer
-		resp *allotv1.GetClusterResponse
-		err  error
-	}
-	answers := make(chan answer, len(others))
-	for _, p := range others {
-		go func() {
-			op := allotv1connect.NewOperatorServiceClient(hc, "http://"+p.APIAddr)
-			resp, err := op.GetCluster(ctx, connect.NewRequest(&allotv1.GetClusterRequest{}))
-			a := answer{peer: p, err: err}
-			if err == nil {
-				a.resp = resp.Msg
-			}
-			answers <- a
-		}()
-	}
-	var running *answer
-	for range others {
-		a := <-answers
-		if a.err != nil {
-			log.Debug("bootstrap peer did not answer", zap.String("peer", a.peer.ID), zap.Error(a.err))
-			continue
-		}
-		if a.resp.GetPolicyVersion() > 0 && running == nil {
+	var running *peerAnswer
+	for _, a := range askPeers(cfg, log) {
+		if a.resp.GetPolicyVersion() > 0 {
 			running = &a
+			break
 		}
 	}
 	if running == nil {
@@ -100,6 +67,88 @@ func probeRunningCluster(cfg Config, log *zap.Logger) error {
 		"cluster with -join %s, not -bootstrap", cfg.DataDir, what, cfg.NodeID, ErrClusterRunning, p.APIAddr)
 }
 
+// otherCluster refuses, with ErrForeignState, to start on a data dir marked
+// with a cluster id (m) when a member (who; its API at addr) answered (r)
+// with another one: the data dir holds the state of a cluster that was torn down and
+// founded again with the same node ids and addresses, and Raft would mix
+// the two (the node with the higher term and the longer log wins an
+// election and overwrites the others' logs, never what their state machines
+// applied). Either id missing (a marker or a cluster of an older build, or
+// a cluster whose first leader has not recorded one yet) is no reason.
+func otherCluster(cfg Config, m *dataDirMarker, who, addr string, r *allotv1.GetClusterResponse) error {
+	if m.ClusterID == "" || r.GetClusterId() == "" || r.GetClusterId() == m.ClusterID {
+		return nil
+	}
+	return fmt.Errorf("data dir %s holds the Raft state of node %q of cluster %s (%s, marked %s), but %s (node %s, term %d, "+
+		"members %s) runs cluster %s: %w. One of the two clusters was founded again with the same node ids and addresses; "+
+		"starting would mix their states. If the running cluster is the one to keep, empty this data dir and start the node "+
+		"with -join %s (it catches up from the leader); if this data dir's cluster is, stop the nodes of the other one first "+
+		"(docs/operations.md, \"Recover an allocator node\")", cfg.DataDir, cfg.NodeID, m.ClusterID, m.Origin,
+		m.Created.Format(time.RFC3339), who, r.GetNodeId(), r.GetTerm(), memberIDs(r.GetMembers()), r.GetClusterId(), ErrForeignState, addr)
+}
+
+// probePeersCluster asks the other bootstrap peers (GetCluster, all at
+// once, for at most bootstrapProbeTimeout) which cluster they run, before
+// a node whose data dir is marked with a cluster id (m) starts Raft on it
+// with -bootstrap, and refuses when one answers with another id (see
+// otherCluster). Peers that do not answer are no reason to refuse: the
+// founders restart together.
+func probePeersCluster(cfg Config, m *dataDirMarker, log *zap.Logger) error {
+	for _, a := range askPeers(cfg, log) {
+		if err := otherCluster(cfg, m, fmt.Sprintf("peer %s (%s)", a.peer.ID, a.peer.APIAddr), a.peer.APIAddr, a.resp); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// peerAnswer is a bootstrap peer's answer to GetCluster.
+type peerAnswer struct {
+	peer Peer
+	resp *allotv1.GetClusterResponse
+}
+
+// askPeers asks the other bootstrap peers (their API, GetCluster, all at
+// once, for at most bootstrapProbeTimeout) about their cluster, and returns
+// the answers in the order of cfg.Peers; peers that did not answer are left
+// out.
+func askPeers(cfg Config, log *zap.Logger) []peerAnswer {
+	var others []Peer
+	for _, p := range cfg.Peers {
+		if p.ID != cfg.NodeID {
+			others = append(others, p)
+		}
+	}
+	if len(others) == 0 {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), bootstrapProbeTimeout)
+	defer cancel()
+	hc := NewHTTPClient()
+	defer hc.CloseIdleConnections()
+	resps := make([]*allotv1.GetClusterResponse, len(others))
+	var wg sync.WaitGroup
+	for i, p := range others {
+		wg.Go(func() {
+			op := allotv1connect.NewOperatorServiceClient(hc, "http://"+p.APIAddr)
+			resp, err := op.GetCluster(ctx, connect.NewRequest(&allotv1.GetClusterRequest{}))
+			if err != nil {
+				log.Debug("bootstrap peer did not answer", zap.String("peer", p.ID), zap.Error(err))
+				return
+			}
+			resps[i] = resp.Msg
+		})
+	}
+	wg.Wait()
+	var out []peerAnswer
+	for i, r := range resps {
+		if r != nil {
+			out = append(out, peerAnswer{peer: others[i], resp: r})
+		}
+	}
+	return out
+}
+
 func memberIDs(ms []*allotv1.Member) string {
 	ids := make([]string, len(ms))
 	for i, m := range ms {
@@ -121,7 +170,8 @@ const joinProbeTimeout = 2 * time.Second
 // what the node applied from it is never undone (a leader overwrites a
 // follower's log, not what its state machine applied), so it refuses
 // (ErrForeignState), as when it lists this node's id at another Raft
-// address. A cluster that does not answer is no reason to refuse:
+// address, or lists it but runs another cluster than the data dir's marker
+// names (see otherCluster). A cluster that does not answer is no reason to refuse:
 // its members restart with their -join too, and must not wait for each
 // other.
 func probeJoinTarget(cfg Config, via string, m *dataDirMarker, log *zap.Logger) error {
@@ -141,7 +191,9 @@ func probeJoinTarget(cfg Config, via string, m *dataDirMarker, log *zap.Logger) 
 		switch {
 		case mem.GetId() != cfg.NodeID:
 		case mem.GetRaftAddress() == cfg.RaftAddr:
-			return nil
+			// Listed: this node's state, unless the cluster was founded
+			// again with the same ids and addresses.
+			return otherCluster(cfg, m, "the member at "+via, via, r)
 		default:
 			// Another member holds this id (the cluster refuses to add
 			// it twice), so the state is not that member's either.

@@ -602,6 +602,7 @@ func (s *Server) GetCluster(context.Context, *connect.Request[allotv1.GetCluster
 	out := &allotv1.GetClusterResponse{
 		LeaderId: lid, NodeId: s.node.cfg.NodeID, State: r.State().String(),
 		LastLogIndex: r.LastIndex(), CommitIndex: r.CommitIndex(), AppliedIndex: r.AppliedIndex(), Term: r.CurrentTerm(),
+		ClusterId: s.node.fsm.ClusterID(),
 	}
 	if p, ok := s.node.fsm.Policy(); ok {
 		out.PolicyVersion = p.Version

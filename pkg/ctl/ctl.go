@@ -563,6 +563,9 @@ func (c *cli) cluster(ctx context.Context, args []string) error {
 	}
 	fmt.Fprintf(c.out, "answered by %s (%s), term %d, last %d, commit %d, applied %d, policy v%d\n",
 		resp.GetNodeId(), resp.GetState(), resp.GetTerm(), resp.GetLastLogIndex(), resp.GetCommitIndex(), resp.GetAppliedIndex(), resp.GetPolicyVersion())
+	if id := resp.GetClusterId(); id != "" {
+		fmt.Fprintf(c.out, "cluster %s\n", id)
+	}
 	return c.members(resp.GetMembers())
 }
 

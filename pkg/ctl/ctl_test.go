@@ -100,7 +100,7 @@ func TestCtlAgainstAllocator(t *testing.T) {
 		{"bound one", []string{"bound", "p-global"}, []string{"p-global: G=40000 per 1s; admitted per window <= 48000 (overshoot 8000)",
 			"store_fallback", "200 parked in gateways"}, ""},
 		{"window", []string{"window", "p-tenant-atlas"}, []string{"p-tenant-atlas window", "limit 1000", "remaining 1000"}, ""},
-		{"cluster", []string{"cluster"}, []string{"answered by c1 (Leader)", "c1"}, ""},
+		{"cluster", []string{"cluster"}, []string{"answered by c1 (Leader)", "c1", "\ncluster "}, ""},
 		{"stale publish", []string{"policy", "publish", tighter, "-version", "1", "-author", "a", "-reason", "r"}, nil, "failed_precondition"},
 		{"unknown quota", []string{"window", "nope"}, nil, "not_found"},
 		{"window without quota", []string{"window"}, nil, "QUOTA"},

@@ -1338,6 +1338,10 @@ type GetClusterResponse struct {
 	Term uint64 `protobuf:"varint,8,opt,name=term,proto3" json:"term,omitempty"`
 	// policy_version applied on the answering node.
 	PolicyVersion uint64 `protobuf:"varint,9,opt,name=policy_version,json=policyVersion,proto3" json:"policy_version,omitempty"`
+	// cluster_id is the cluster's id, recorded by its first leader; empty
+	// until then (and on builds before it). A node refuses to start on a data
+	// dir holding the state of a cluster with another id.
+	ClusterId     string `protobuf:"bytes,10,opt,name=cluster_id,json=clusterId,proto3" json:"cluster_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1433,6 +1437,13 @@ func (x *GetClusterResponse) GetPolicyVersion() uint64 {
 		return x.PolicyVersion
 	}
 	return 0
+}
+
+func (x *GetClusterResponse) GetClusterId() string {
+	if x != nil {
+		return x.ClusterId
+	}
+	return ""
 }
 
 // AddMemberRequest describes the new voter.
@@ -1730,7 +1741,7 @@ const file_allot_v1_operator_proto_rawDesc = "" +
 	"\vapi_address\x18\x03 \x01(\tR\n" +
 	"apiAddress\x12\x1a\n" +
 	"\bsuffrage\x18\x04 \x01(\tR\bsuffrage\x12\x16\n" +
-	"\x06leader\x18\x05 \x01(\bR\x06leader\"\xb5\x02\n" +
+	"\x06leader\x18\x05 \x01(\bR\x06leader\"\xd4\x02\n" +
 	"\x12GetClusterResponse\x12\x1b\n" +
 	"\tleader_id\x18\x01 \x01(\tR\bleaderId\x12*\n" +
 	"\amembers\x18\x02 \x03(\v2\x10.allot.v1.MemberR\amembers\x12\x17\n" +
@@ -1740,7 +1751,10 @@ const file_allot_v1_operator_proto_rawDesc = "" +
 	"\fcommit_index\x18\x06 \x01(\x04R\vcommitIndex\x12#\n" +
 	"\rapplied_index\x18\a \x01(\x04R\fappliedIndex\x12\x12\n" +
 	"\x04term\x18\b \x01(\x04R\x04term\x12%\n" +
-	"\x0epolicy_version\x18\t \x01(\x04R\rpolicyVersion\"f\n" +
+	"\x0epolicy_version\x18\t \x01(\x04R\rpolicyVersion\x12\x1d\n" +
+	"\n" +
+	"cluster_id\x18\n" +
+	" \x01(\tR\tclusterId\"f\n" +
 	"\x10AddMemberRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12!\n" +
 	"\fraft_address\x18\x02 \x01(\tR\vraftAddress\x12\x1f\n" +
