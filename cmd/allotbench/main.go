@@ -49,6 +49,9 @@ Modes (-mode, comma-separated; "all" runs them in this order):
                   (-sweep F,F,...: the paced modes at each fraction of sdk's rate)
   paced3          the SDK with 3 rules at the paced rate (not in "all"): what
                   the two extra rules cost a caller in latency at one load
+  sdk13           sdk and sdk3 in alternate -slice slices of one -duration run
+                  (not in "all"): the 3-rule comparison with both sides meeting
+                  the same machine, which moves within seconds on a shared VM
 
 With -suite agent, the region agent's APIs beside the raw ceiling:
   raw           (a)  as above
@@ -99,6 +102,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	memprofile := fs.String("memprofile", "", "write an allocation profile of the benchmark client to this file at the end")
 	suite := fs.String("suite", "admission", "admission: the engine's modes (a), (a'), (b); agent: the region agent's Connect (c) and Envoy RLS (d) beside the raw ceiling (a)")
 	procs := fs.Int("procs", 0, "GOMAXPROCS of this process; 0: for -suite admission one fewer than the machine's CPUs when Redis runs on this machine (a loopback address, or the private server), so that the single-threaded Redis keeps a core as on a host of its own; for -suite agent all of them (the agent's RPC servers and clients share this process)")
+	slice := fs.Duration("slice", bench.DefaultInterleaving.Slice, "admission suite, mode sdk13: how long each slice runs one side; the first tenth of it is not measured")
 	repeat := fs.Int("repeat", 1, "admission suite: run the -mode list this many times in turn (e.g. -mode sdk,sdk3 -repeat 5: the 3-rule comparison is then made pair by pair, with the median)")
 	bracket := fs.Bool("bracket", false, "agent suite: measure (a) before the first mode and after each, and compare each mode with the (a)s beside it")
 	connections := fs.Int("connections", bench.DefaultAgentSuiteConfig().Connections, "agent suite: HTTP/2 connections the clients spread over")
@@ -147,6 +151,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		cfg.Modes = strings.Split(*mode, ",")
 		acfg.Modes = cfg.Modes
 	}
+	cfg.Interleave = bench.Interleaving{Slice: *slice, Guard: *slice / 10}
 	if *repeat < 1 || *repeat > 100 {
 		return fmt.Errorf("-repeat: %d is not between 1 and 100", *repeat)
 	}

@@ -35,6 +35,9 @@ import (
 //	paced3          the SDK with 3 rules at the paced mode's rate: what the
 //	                two extra rules cost a caller in latency at one load
 //	                (not in "all")
+//	sdk13           sdk and sdk3 in alternate slices of one run (see
+//	                Interleave): the 3-rule comparison with both sides
+//	                meeting the same machine (not in "all")
 //
 // Every mode reports Redis CPU microseconds per decision from INFO
 // commandstats (the script's usec per call) and INFO cpu (the whole server,
@@ -44,8 +47,8 @@ import (
 // Modes lists the suite's modes in the order "all" runs them.
 func Modes() []string { return []string{"raw", "pipelined", "sdk", "sdk3", "paced", "paced-raw"} }
 
-// knownModes are the modes a list may name: Modes() and paced3.
-func knownModes() []string { return append(Modes(), "paced3") }
+// knownModes are the modes a list may name: Modes(), paced3 and sdk13.
+func knownModes() []string { return append(Modes(), "paced3", "sdk13") }
 
 // rawModes are the modes that send prepared script calls themselves.
 var rawModes = []string{"raw", "pipelined", "paced-raw"}
@@ -72,6 +75,8 @@ type SuiteConfig struct {
 	// mode's rate (in (0, 1], e.g. 0.1, 0.25, 0.5, 0.75) instead of once at
 	// Rate: latency against load, with the control beside the SDK.
 	Sweep []float64
+	// Interleave shapes the sdk13 mode's slices.
+	Interleave Interleaving
 	// Redis configures the SDK's store and batcher.
 	Redis admission.RedisConfig
 }
@@ -80,14 +85,15 @@ type SuiteConfig struct {
 // calls per mode after 1 s of warmup, pipelines of 16.
 func DefaultSuiteConfig() SuiteConfig {
 	return SuiteConfig{
-		Modes:    Modes(),
-		Workers:  64,
-		Keys:     10_000,
-		Requests: 3_000_000,
-		Duration: 10 * time.Second,
-		Warmup:   time.Second,
-		Pipeline: 16,
-		Redis:    admission.DefaultRedisConfig(),
+		Modes:      Modes(),
+		Workers:    64,
+		Keys:       10_000,
+		Requests:   3_000_000,
+		Duration:   10 * time.Second,
+		Warmup:     time.Second,
+		Pipeline:   16,
+		Interleave: DefaultInterleaving,
+		Redis:      admission.DefaultRedisConfig(),
 	}
 }
 
@@ -116,6 +122,11 @@ func (c SuiteConfig) Validate() error {
 	}
 	if err := c.Redis.Validate(); err != nil {
 		errs = append(errs, err)
+	}
+	if slices.Contains(c.Modes, "sdk13") {
+		if err := c.Interleave.Validate(); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	for _, f := range c.Sweep {
 		if !(f > 0 && f <= 1) {
@@ -329,6 +340,18 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 		case "sdk3":
 			c.Name = "(b) sdk, 3 rules"
 			target = decide(engines["3"])
+		case "sdk13":
+			r, err := Interleave(ctx, client, c, cfg.Interleave, [2]string{interleaved1, interleaved3},
+				[2]Target{decide(engines["1"]), decide(engines["3"])})
+			if err != nil {
+				return figures, fmt.Errorf("%s: %w", mode, err)
+			}
+			fmt.Fprintln(out, r)
+			for _, o := range r.Sides {
+				figures = append(figures, Figure{Result: Result{Name: o.Name, Decisions: o.Decisions, Elapsed: o.Elapsed, PerSecond: o.PerSecond,
+					Errors: r.Errors, FirstErr: r.FirstErr}, ScriptUsec: o.ScriptUsec, ServerUsec: o.ServerUsec, ProcessUsec: o.ProcessUsec})
+			}
+			continue
 		case "paced", "paced3":
 			if c.Rate, err = pacedRate(step.fraction); err != nil {
 				return figures, err
@@ -569,15 +592,22 @@ func scriptStats(ctx context.Context, client redis.UniversalClient) (calls, usec
 	return calls, usec, nil
 }
 
+// The names of the sdk13 mode's sides.
+const (
+	interleaved1 = "(b) sdk, 1 rule, interleaved"
+	interleaved3 = "(b) sdk, 3 rules, interleaved"
+)
+
 // ruleRatios is one comparison of a 3-rule run with a 1-rule run: time per
 // decision, script CPU, server CPU, and this process's CPU plus the server's.
 type ruleRatios [4]float64
 
 // summarizeRules compares the 3-rule runs with the 1-rule runs, pair by
 // pair in the order they ran (-mode sdk,sdk3,sdk,sdk3,...: each pair ran
-// close together, so the machine's slow spells touch both more evenly),
-// and prints the median of each ratio when there is more than one pair.
-func summarizeRules(out io.Writer, ones, threes []Figure) {
+// close together, so the machine's slow spells touch both more evenly; or
+// the two sides of each sdk13 run, kind " (interleaved)"), and prints the
+// median of each ratio when there is more than one pair.
+func summarizeRules(out io.Writer, kind string, ones, threes []Figure) {
 	var rs []ruleRatios
 	for i := 0; i < min(len(ones), len(threes)); i++ {
 		one, three := ones[i], threes[i]
@@ -593,9 +623,9 @@ func summarizeRules(out io.Writer, ones, threes []Figure) {
 	}
 	const line = "  3 rules vs 1%s: time per decision x%.2f, script cpu x%.2f, server cpu x%.2f, cpu of this process and the server x%.2f (target < 1.5)\n"
 	for i, r := range rs {
-		label := ""
+		label := kind
 		if len(rs) > 1 {
-			label = fmt.Sprintf(", pair %d", i+1)
+			label = fmt.Sprintf("%s, pair %d", kind, i+1)
 		}
 		fmt.Fprintf(out, line, label, r[0], r[1], r[2], r[3])
 	}
@@ -608,7 +638,7 @@ func summarizeRules(out io.Writer, ones, threes []Figure) {
 			}
 			med[k] = median(v)
 		}
-		fmt.Fprintf(out, line, fmt.Sprintf(", median of %d pairs", len(rs)), med[0], med[1], med[2], med[3])
+		fmt.Fprintf(out, line, fmt.Sprintf("%s, median of %d pairs", kind, len(rs)), med[0], med[1], med[2], med[3])
 	}
 }
 
@@ -627,7 +657,7 @@ func median(v []float64) float64 {
 // against 1, and the paced p99; after a sweep, the paced figures by rate.
 func Summarize(out io.Writer, figs []Figure) {
 	by := map[string]Figure{}
-	var paced, control, ones, threes []Figure
+	var paced, control, ones, threes, ones13, threes13 []Figure
 	for _, f := range figs {
 		switch {
 		case strings.HasPrefix(f.Name, "(a) raw paced"):
@@ -642,6 +672,10 @@ func Summarize(out io.Writer, figs []Figure) {
 			ones = append(ones, f)
 		case f.Name == "(b) sdk, 3 rules":
 			threes = append(threes, f)
+		case f.Name == interleaved1:
+			ones13 = append(ones13, f)
+		case f.Name == interleaved3:
+			threes13 = append(threes13, f)
 		case strings.HasPrefix(f.Name, "(b) sdk, 3 rules, paced"):
 			by["paced3"] = f
 		case strings.HasPrefix(f.Name, "(b) sdk paced"):
@@ -660,7 +694,8 @@ func Summarize(out io.Writer, figs []Figure) {
 			fmt.Fprintf(out, "  (b)/(a') throughput: %.2f\n", b.PerSecond/a.PerSecond)
 		}
 	}
-	summarizeRules(out, ones, threes)
+	summarizeRules(out, "", ones, threes)
+	summarizeRules(out, " (interleaved)", ones13, threes13)
 	if len(paced) > 1 || len(control) > 1 {
 		summarizeSweep(out, paced, control)
 		return
