@@ -337,26 +337,37 @@ func newClusterID() (string, error) {
 
 // recordClusterID gives the cluster an id when its state has none: a new
 // cluster's first leader, or the first leader of a build with cluster ids.
-// Two leaders in turn may both propose one; the first committed stays
-// (fsm.SetCluster).
+// A proposal that fails is tried again (up to five times, a second apart)
+// while this node leads; two leaders in turn may both propose one, and the
+// first committed stays (fsm.SetCluster).
 func (n *Node) recordClusterID() {
-	if n.fsm.ClusterID() != "" {
+	for attempt := 0; attempt < 5; attempt++ {
+		if attempt > 0 {
+			select {
+			case <-n.stop:
+				return
+			case <-time.After(time.Second):
+			}
+		}
+		if n.fsm.ClusterID() != "" || n.raft.State() != raft.Leader {
+			return
+		}
+		id, err := newClusterID()
+		if err != nil {
+			n.log.Warn("make a cluster id", zap.Error(err))
+			continue
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), n.cfg.ApplyTimeout)
+		res, err := n.Apply(ctx, fsm.Command{Type: fsm.CmdSetCluster, Cluster: &fsm.SetCluster{ID: id}})
+		cancel()
+		if err != nil {
+			n.log.Warn("record the cluster's id", zap.Int("attempt", attempt+1), zap.Error(err))
+			continue
+		}
+		if r, ok := res.(*fsm.SetClusterResult); ok && r.Set {
+			n.log.Info("cluster id recorded", zap.String("cluster", r.ID))
+		}
 		return
-	}
-	id, err := newClusterID()
-	if err != nil {
-		n.log.Warn("make a cluster id", zap.Error(err))
-		return
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), n.cfg.ApplyTimeout)
-	defer cancel()
-	res, err := n.Apply(ctx, fsm.Command{Type: fsm.CmdSetCluster, Cluster: &fsm.SetCluster{ID: id}})
-	if err != nil {
-		n.log.Warn("record the cluster's id; the next leader tries again", zap.Error(err))
-		return
-	}
-	if r, ok := res.(*fsm.SetClusterResult); ok && r.Set {
-		n.log.Info("cluster id recorded", zap.String("cluster", r.ID))
 	}
 }
 
@@ -456,8 +467,8 @@ func (n *Node) runClosers() error {
 }
 
 // watchLeadership counts leader changes and, when this node becomes leader,
-// gives the cluster an id if it has none and records its own API address in
-// the replicated member table so followers can forward to it.
+// records its own API address in the replicated member table so followers
+// can forward to it, then gives the cluster an id if it has none.
 func (n *Node) watchLeadership(obs <-chan raft.Observation) {
 	var lastLeader raft.ServerID
 	for {
@@ -476,8 +487,8 @@ func (n *Node) watchLeadership(obs <-chan raft.Observation) {
 				n.wg.Add(1)
 				go func() {
 					defer n.wg.Done()
+					n.announceMembers() // first: followers forward to the address it records
 					n.recordClusterID()
-					n.announceMembers()
 				}()
 			}
 		}
