@@ -269,3 +269,32 @@ func TestRunRefusesTheStateOfAClusterFoundedAgain(t *testing.T) {
 		t.Fatalf("the refused node's marker changed: %+v (%v)", m, err)
 	}
 }
+
+// TestMarkerOfAnOlderBuildGetsTheClusterID: a marker written before
+// cluster ids (no cluster_id) is completed at the next start, once the
+// state machine has the id; the rest of the marker stays.
+func TestMarkerOfAnOlderBuildGetsTheClusterID(t *testing.T) {
+	dir, cfg := foreignDataDir(t, "o1")
+	m, err := readMarker(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := m.ClusterID
+	m.ClusterID = ""
+	if err := writeMarker(dir, *m); err != nil {
+		t.Fatal(err)
+	}
+	cfg.Bootstrap, cfg.Peers = true, []Peer{{ID: "o1", RaftAddr: cfg.RaftAddr, APIAddr: cfg.APIAddr}}
+	d, err := openDiskNode(t, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.waitLeader(t)
+	if got := waitMarkedCluster(t, dir); got != id {
+		t.Fatalf("the marker records cluster %q, the state's is %q", got, id)
+	}
+	after, err := readMarker(dir)
+	if err != nil || after.NodeID != m.NodeID || after.Origin != m.Origin || !after.Created.Equal(m.Created) {
+		t.Fatalf("marker after %+v (%v), before %+v: only the id may change", after, err, m)
+	}
+}
