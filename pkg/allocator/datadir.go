@@ -41,10 +41,13 @@ var (
 	// published a policy: the node lost its data or was never started, and
 	// must join that cluster rather than found one.
 	ErrClusterRunning = errors.New("the bootstrap peers run a cluster already")
-	// ErrForeignState means a node asked to join a cluster (RunOptions.Join)
-	// with a data dir holding Raft state, and the cluster does not list the
-	// node: the state is another cluster's, or the node was removed.
-	ErrForeignState = errors.New("the data dir holds Raft state of a node the cluster does not list")
+	// ErrForeignState means a node would start Raft on a data dir whose
+	// state the cluster does not know as this node's: with -join, the
+	// cluster does not list the node (the state is another cluster's, or
+	// the node was removed); with -join or -bootstrap, the cluster lists it
+	// but runs another cluster id than the data dir's marker (a cluster
+	// founded again with the same node ids and addresses).
+	ErrForeignState = errors.New("the data dir holds Raft state foreign to the cluster")
 )
 
 // recoverySteps is what an operator can do about lost Raft state; the

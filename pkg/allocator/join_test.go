@@ -229,7 +229,8 @@ func clusterOf(api string) (*allotv1.GetClusterResponse, error) {
 // the state of a cluster that was torn down; a new cluster was founded with
 // a2 among its peers, at a2's address. The new cluster lists a2 where a2
 // is, so only the cluster ids tell the states apart: a2 refuses to start,
-// with -join as with -bootstrap, and names both ids.
+// with -join as with -bootstrap, and names both ids. A -peer of another
+// cluster that does not list a2 does not stop it.
 func TestRunRefusesTheStateOfAClusterFoundedAgain(t *testing.T) {
 	dirA, a2 := foreignDataDir(t, "a2")
 	markedA := waitMarkedCluster(t, dirA)
@@ -268,6 +269,21 @@ func TestRunRefusesTheStateOfAClusterFoundedAgain(t *testing.T) {
 	if m, err := readMarker(dirA); err != nil || m.ClusterID != markedA {
 		t.Fatalf("the refused node's marker changed: %+v (%v)", m, err)
 	}
+	// A -peer that runs another cluster which does not list a2 (an address
+	// reused after its node left a2's cluster) is no reason to refuse.
+	c1, err := openDiskNode(t, diskConfig(t, t.TempDir(), "c1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c1.waitLeader(t)
+	for c1.FSM().ClusterID() == "" {
+		if time.Now().After(deadline) {
+			t.Fatal("c1's cluster never recorded an id")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	founder.Peers = []Peer{{ID: "a2", RaftAddr: a2.RaftAddr, APIAddr: a2.APIAddr}, {ID: "c1", RaftAddr: c1.cfg.RaftAddr, APIAddr: c1.cfg.APIAddr}}
+	runNode(t, founder, RunOptions{}).waitReady(t)
 }
 
 // TestMarkerOfAnOlderBuildGetsTheClusterID: a marker written before

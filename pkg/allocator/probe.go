@@ -90,16 +90,36 @@ func otherCluster(cfg Config, m *dataDirMarker, who, addr string, r *allotv1.Get
 // probePeersCluster asks the other bootstrap peers (GetCluster, all at
 // once, for at most bootstrapProbeTimeout) which cluster they run, before
 // a node whose data dir is marked with a cluster id (m) starts Raft on it
-// with -bootstrap, and refuses when one answers with another id (see
-// otherCluster). Peers that do not answer are no reason to refuse: the
-// founders restart together.
+// with -bootstrap, and refuses when one that lists this node (its id at its
+// Raft address) runs another id (see otherCluster). A peer of another id
+// that does not list this node only gets a warning: an address reused by
+// another cluster after its node left this one (its -peer flag outlives
+// it) never contacts this node. Peers that do not answer are no reason to
+// refuse: the founders restart together.
 func probePeersCluster(cfg Config, m *dataDirMarker, log *zap.Logger) error {
 	for _, a := range askPeers(cfg, log) {
-		if err := otherCluster(cfg, m, fmt.Sprintf("peer %s (%s)", a.peer.ID, a.peer.APIAddr), a.peer.APIAddr, a.resp); err != nil {
+		err := otherCluster(cfg, m, fmt.Sprintf("peer %s (%s)", a.peer.ID, a.peer.APIAddr), a.peer.APIAddr, a.resp)
+		switch {
+		case err == nil:
+		case listsNode(a.resp, cfg):
 			return err
+		default:
+			log.Warn("a -peer runs another cluster, which does not list this node: its address may have been reused "+
+				"since it left this cluster; update the -peer flags", zap.String("peer", a.peer.ID), zap.String("api", a.peer.APIAddr),
+				zap.String("its_cluster", a.resp.GetClusterId()), zap.String("this_cluster", m.ClusterID))
 		}
 	}
 	return nil
+}
+
+// listsNode reports whether r lists this node: its id at its Raft address.
+func listsNode(r *allotv1.GetClusterResponse, cfg Config) bool {
+	for _, mem := range r.GetMembers() {
+		if mem.GetId() == cfg.NodeID && mem.GetRaftAddress() == cfg.RaftAddr {
+			return true
+		}
+	}
+	return false
 }
 
 // peerAnswer is a bootstrap peer's answer to GetCluster.
