@@ -69,12 +69,12 @@ func probeRunningCluster(cfg Config, log *zap.Logger) error {
 
 // otherCluster refuses, with ErrForeignState, to start on a data dir marked
 // with a cluster id (m) when a member (who; its API at addr) answered (r)
-// with another one: the data dir holds the state of a cluster that was torn down and
-// founded again with the same node ids and addresses, and Raft would mix
-// the two (the node with the higher term and the longer log wins an
-// election and overwrites the others' logs, never what their state machines
-// applied). Either id missing (a marker or a cluster of an older build, or
-// a cluster whose first leader has not recorded one yet) is no reason.
+// with another one: one of the two clusters was torn down and founded again
+// with the same node ids and addresses, and Raft would mix their states
+// (the node with the higher term and the longer log wins an election and
+// overwrites the others' logs, never what their state machines applied).
+// Either id missing (a marker or a cluster of an older build, or a cluster
+// whose first leader has not recorded one yet) is no reason.
 func otherCluster(cfg Config, m *dataDirMarker, who, addr string, r *allotv1.GetClusterResponse) error {
 	if m.ClusterID == "" || r.GetClusterId() == "" || r.GetClusterId() == m.ClusterID {
 		return nil
