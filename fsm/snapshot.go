@@ -320,6 +320,22 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	return nil
 }
 
+// SnapshotMembers reads the member table (Raft server ID to API address)
+// and the cluster id from the header of a snapshot Persist wrote (either
+// format), without reading or checking the rest: a hint of whom to ask,
+// not state. It reads at most the header's first MB.
+func SnapshotMembers(r io.Reader) (members map[string]string, clusterID string, err error) {
+	var h snapshotHeader
+	if err := json.NewDecoder(io.LimitReader(r, 1<<20)).Decode(&h); err != nil {
+		return nil, "", fmt.Errorf("snapshot header: %w", err)
+	}
+	members = make(map[string]string, len(h.Members))
+	for _, m := range h.Members {
+		members[m.ID] = m.APIAddress
+	}
+	return members, h.ClusterID, nil
+}
+
 // readSnapshot decodes a snapshot of either format from br, whose buffer
 // must hold more than trailerLen bytes.
 func readSnapshot(br *bufio.Reader) (*state, error) {

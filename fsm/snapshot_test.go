@@ -390,3 +390,16 @@ func TestRestoreAcceptsRecycledTokens(t *testing.T) {
 		t.Fatal("round trip changed the snapshot")
 	}
 }
+
+// TestSnapshotMembers: the member table and the cluster id come from the
+// header alone; what is not a snapshot header is an error.
+func TestSnapshotMembers(t *testing.T) {
+	snap := snapshotBytes(t, busyHarness(t).f)
+	ms, id, err := SnapshotMembers(bytes.NewReader(snap))
+	if err != nil || id != "3f2a9c" || fmt.Sprint(ms) != "map[a1:10.0.0.1:7000 a2:10.0.0.2:7000]" {
+		t.Fatalf("SnapshotMembers = %v, %q, %v", ms, id, err)
+	}
+	if _, _, err := SnapshotMembers(strings.NewReader("not json")); err == nil {
+		t.Fatal("no error for a non-snapshot")
+	}
+}

@@ -11,6 +11,7 @@ import (
 	"github.com/hashicorp/raft"
 	"go.uber.org/zap/zaptest"
 
+	"github.com/allot-dev/allot/fsm"
 	allotv1 "github.com/allot-dev/allot/proto/allot/v1"
 	"github.com/allot-dev/allot/proto/allot/v1/allotv1connect"
 )
@@ -312,5 +313,55 @@ func TestMarkerOfAnOlderBuildGetsTheClusterID(t *testing.T) {
 	after, err := readMarker(dir)
 	if err != nil || after.NodeID != m.NodeID || after.Origin != m.Origin || !after.Created.Equal(m.Created) {
 		t.Fatalf("marker after %+v (%v), before %+v: only the id may change", after, err, m)
+	}
+}
+
+// TestRestartWithNeitherFlagAsksTheSnapshotsMembers: a node restarted with
+// neither -join nor -bootstrap (as the README allows) asks the members its
+// newest snapshot lists; one that runs a cluster founded again, listing
+// this node where it is, makes it refuse.
+func TestRestartWithNeitherFlagAsksTheSnapshotsMembers(t *testing.T) {
+	dirA := t.TempDir()
+	a2 := diskConfig(t, dirA, "a2")
+	d, err := openDiskNode(t, a2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.waitLeader(t)
+	markedA := waitMarkedCluster(t, dirA)
+	b1 := Peer{ID: "b1", RaftAddr: freeAddr(t), APIAddr: freeAddr(t)}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	// The old cluster's member table lists b1 (as a cluster of a2 and b1
+	// would), and a snapshot holds it.
+	if _, err := d.Apply(ctx, fsm.Command{Type: fsm.CmdSetMember, Member: &fsm.SetMember{ID: b1.ID, APIAddress: b1.APIAddr}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Raft().Snapshot().Error(); err != nil {
+		t.Fatal(err)
+	}
+	d.stop()
+	// Founded again: b1 and b2 with a2 at its address.
+	peers := []Peer{b1, {ID: "b2", RaftAddr: freeAddr(t), APIAddr: freeAddr(t)}, {ID: "a2", RaftAddr: a2.RaftAddr, APIAddr: a2.APIAddr}}
+	for _, p := range peers[:2] {
+		cfg := fastConfig(p.ID, p.APIAddr)
+		cfg.RaftAddr, cfg.DataDir, cfg.Bootstrap, cfg.Peers = p.RaftAddr, t.TempDir(), true, peers
+		runNode(t, cfg, RunOptions{}).waitReady(t)
+	}
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		if r, err := clusterOf(b1.APIAddr); err == nil && r.GetClusterId() != "" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the new cluster never recorded an id")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	neither := a2
+	neither.Bootstrap, neither.Peers = false, nil
+	err = Run(ctx, neither, RunOptions{ShutdownGrace: time.Second}, zaptest.NewLogger(t))
+	if !errors.Is(err, ErrForeignState) || !strings.Contains(err.Error(), "cluster "+markedA) || !strings.Contains(err.Error(), "member b1") {
+		t.Fatalf("Run with neither flag = %v, want ErrForeignState naming cluster %s and member b1", err, markedA)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"os"
 	"path/filepath"
@@ -147,6 +148,10 @@ type Node struct {
 	peerAPI map[string]string // from the bootstrap configuration
 
 	dir *dataDir // nil when the stores are injected (WithRaftDeps)
+	// snapMembers is the member table (id to API address) of the newest
+	// snapshot in the data dir: whom to ask about the cluster before Raft
+	// starts; nil without one.
+	snapMembers map[string]string
 
 	proposer *proposer
 
@@ -236,13 +241,16 @@ func NewNode(cfg Config, opts ...Option) (*Node, error) {
 					return nil, err
 				}
 			}
-		} else if n.dir != nil && n.dir.marker != nil && n.dir.marker.ClusterID != "" {
-			// A founder restarting on its state: the peers must not run
-			// another cluster of the same ids and addresses.
-			if err := probePeersCluster(cfg, n.dir.marker, n.log); err != nil {
-				n.runClosers()
-				return nil, err
-			}
+		}
+	}
+	if n.dir != nil && n.dir.marker != nil && n.dir.marker.ClusterID != "" {
+		// A node restarting on its state, whatever its flags: the members
+		// it knows (its -bootstrap peers, its newest snapshot's member
+		// table) must not run another cluster of the same ids and
+		// addresses. A -join target was asked already (Run).
+		if err := probePeersCluster(n.knownPeers(), n.dir.marker, n.log); err != nil {
+			n.runClosers()
+			return nil, err
 		}
 	}
 
@@ -324,6 +332,46 @@ func (n *Node) tendMarker() {
 		case <-t.C:
 		}
 	}
+}
+
+// knownPeers returns n's configuration with Peers set to the members it
+// knows before Raft starts: its -bootstrap peers and its newest snapshot's
+// member table, each id once (the -peer flag's address first), sorted.
+func (n *Node) knownPeers() Config {
+	cfg := n.cfg
+	api := map[string]string{}
+	if cfg.Bootstrap {
+		for _, p := range cfg.Peers {
+			api[p.ID] = p.APIAddr
+		}
+	}
+	for id, a := range n.snapMembers {
+		if _, ok := api[id]; !ok {
+			api[id] = a
+		}
+	}
+	cfg.Peers = nil
+	for _, id := range slices.Sorted(maps.Keys(api)) {
+		cfg.Peers = append(cfg.Peers, Peer{ID: id, APIAddr: api[id]})
+	}
+	return cfg
+}
+
+// snapshotMembers reads the member table of the snapshot at path, or nil
+// (logged) when it cannot: a hint, and Raft checks the snapshot itself.
+func snapshotMembers(path string, log *zap.Logger) map[string]string {
+	f, err := os.Open(path)
+	if err != nil {
+		log.Debug("read the newest snapshot's member table", zap.Error(err))
+		return nil
+	}
+	defer f.Close()
+	ms, _, err := fsm.SnapshotMembers(f)
+	if err != nil {
+		log.Debug("read the newest snapshot's member table", zap.String("snapshot", path), zap.Error(err))
+		return nil
+	}
+	return ms
 }
 
 // newClusterID returns a random cluster id: 128 bits in hex.
@@ -434,6 +482,9 @@ func (n *Node) openDeps() (*RaftDeps, error) {
 	}
 	if err := dir.checkState(st, metas); err != nil {
 		return nil, err
+	}
+	if len(metas) > 0 {
+		n.snapMembers = snapshotMembers(filepath.Join(n.cfg.DataDir, snapshotsName, metas[0].ID, "state.bin"), n.log)
 	}
 	if dir.marker == nil && hasEntries(st, metas) {
 		// State written by a build that predates the marker.

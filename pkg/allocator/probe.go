@@ -87,25 +87,26 @@ func otherCluster(cfg Config, m *dataDirMarker, who, addr string, r *allotv1.Get
 		m.Created.Format(time.RFC3339), who, r.GetNodeId(), r.GetTerm(), memberIDs(r.GetMembers()), r.GetClusterId(), ErrForeignState, addr)
 }
 
-// probePeersCluster asks the other bootstrap peers (GetCluster, all at
-// once, for at most bootstrapProbeTimeout) which cluster they run, before
-// a node whose data dir is marked with a cluster id (m) starts Raft on it
-// with -bootstrap, and refuses when one that lists this node (its id at its
-// Raft address) runs another id (see otherCluster). A peer of another id
-// that does not list this node only gets a warning: an address reused by
-// another cluster after its node left this one (its -peer flag outlives
-// it) never contacts this node. Peers that do not answer are no reason to
-// refuse: the founders restart together.
+// probePeersCluster asks the members a node knows (cfg.Peers: its
+// -bootstrap peers and its newest snapshot's member table; GetCluster, all
+// at once, for at most bootstrapProbeTimeout) which cluster they run,
+// before a node whose data dir is marked with a cluster id (m) starts Raft
+// on it, and refuses when one that lists this node (its id at its Raft
+// address) runs another id (see otherCluster). One of another id that does
+// not list this node only gets a warning: an address reused by another
+// cluster after its node left this one (a -peer flag or an old snapshot
+// outlives it) never contacts this node. Members that do not answer are no
+// reason to refuse: the members restart together.
 func probePeersCluster(cfg Config, m *dataDirMarker, log *zap.Logger) error {
 	for _, a := range askPeers(cfg, log) {
-		err := otherCluster(cfg, m, fmt.Sprintf("peer %s (%s)", a.peer.ID, a.peer.APIAddr), a.peer.APIAddr, a.resp)
+		err := otherCluster(cfg, m, fmt.Sprintf("member %s (%s)", a.peer.ID, a.peer.APIAddr), a.peer.APIAddr, a.resp)
 		switch {
 		case err == nil:
 		case listsNode(a.resp, cfg):
 			return err
 		default:
-			log.Warn("a -peer runs another cluster, which does not list this node: its address may have been reused "+
-				"since it left this cluster; update the -peer flags", zap.String("peer", a.peer.ID), zap.String("api", a.peer.APIAddr),
+			log.Warn("a member this node knows (a -peer, or its newest snapshot's member table) runs another cluster, which "+
+				"does not list this node: its address may have been reused since it left this cluster", zap.String("peer", a.peer.ID), zap.String("api", a.peer.APIAddr),
 				zap.String("its_cluster", a.resp.GetClusterId()), zap.String("this_cluster", m.ClusterID))
 		}
 	}
