@@ -24,6 +24,7 @@ const (
 	raftDBName    = "raft.db"         // BoltDB: the Raft log, term and vote
 	markerName    = "allot-node.json" // dataDirMarker
 	snapshotsName = "snapshots"       // raft's FileSnapshotStore
+	snapStateName = "state.bin"       // a snapshot's data in its directory (FileSnapshotStore's layout)
 )
 
 var (

@@ -484,7 +484,7 @@ func (n *Node) openDeps() (*RaftDeps, error) {
 		return nil, err
 	}
 	if len(metas) > 0 {
-		n.snapMembers = snapshotMembers(filepath.Join(n.cfg.DataDir, snapshotsName, metas[0].ID, "state.bin"), n.log)
+		n.snapMembers = snapshotMembers(filepath.Join(n.cfg.DataDir, snapshotsName, metas[0].ID, snapStateName), n.log)
 	}
 	if dir.marker == nil && hasEntries(st, metas) {
 		// State written by a build that predates the marker.
