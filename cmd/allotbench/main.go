@@ -1,7 +1,8 @@
 // Command allotbench measures the admission engine against Redis: the raw
 // script through go-redis (one call per decision, then pipelined), the SDK
 // with 1 and 3 rules, and the SDK paced at half its maximum rate, with the
-// Redis CPU each decision costs; -suite agent measures the region agent's
+// Redis CPU each decision costs, and the machine's own stalls (the floor
+// under the paced tail); -suite agent measures the region agent's
 // Check, CheckBatch and Envoy endpoints the same way. Run -h for the modes
 // and flags.
 package main
@@ -52,6 +53,12 @@ Modes (-mode, comma-separated; "all" runs them in this order):
   sdk13           sdk and sdk3 in alternate -slice slices of one -duration run
                   (not in "all"): the 3-rule comparison with both sides meeting
                   the same machine, which moves within seconds on a shared VM
+  stalls          no Redis: one spinner per CPU for -duration, counting the
+                  moments the machine takes a busy CPU away; prints the share
+                  of evenly paced calls such stalls alone hold up for 2 ms or
+                  more, the floor under the paced p99 on this machine
+The paced modes also count their calls of 2 ms and more by the 10 ms window they
+ended in: a tail made by stalls shows as a few crowded windows.
 
 With -suite agent, the region agent's APIs beside the raw ceiling:
   raw           (a)  as above

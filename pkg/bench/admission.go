@@ -38,6 +38,9 @@ import (
 //	sdk13           sdk and sdk3 in alternate slices of one run (see
 //	                Interleave): the 3-rule comparison with both sides
 //	                meeting the same machine (not in "all")
+//	stalls          no Redis: one spinner per CPU, counting the moments the
+//	                machine took its CPU away (MeasureStalls), the floor
+//	                under any paced tail on this machine
 //
 // Every mode reports Redis CPU microseconds per decision from INFO
 // commandstats (the script's usec per call) and INFO cpu (the whole server,
@@ -45,7 +48,16 @@ import (
 // shared machine.
 
 // Modes lists the suite's modes in the order "all" runs them.
-func Modes() []string { return []string{"raw", "pipelined", "sdk", "sdk3", "paced", "paced-raw"} }
+func Modes() []string {
+	return []string{"raw", "pipelined", "sdk", "sdk3", "paced", "paced-raw", "stalls"}
+}
+
+// PacedTarget is issue 3's bound on the paced mode's p99; the paced modes
+// count the calls over it by window (Config.SlowOver).
+const PacedTarget = 2 * time.Millisecond
+
+// stallsName names the stalls mode's figure.
+const stallsName = "stalls of this machine"
 
 // knownModes are the modes a list may name: Modes(), paced3 and sdk13.
 func knownModes() []string { return append(Modes(), "paced3", "sdk13") }
@@ -163,14 +175,23 @@ type Figure struct {
 	GCs        uint64
 	// Rate is the rate a paced mode was run at; 0 for the others.
 	Rate float64
+	// Stalls is the stalls mode's result; nil for the others.
+	Stalls *Stalls
 }
 
-// String formats the figure on one line.
+// String formats the figure on one line (the stalls mode's on one per CPU
+// more).
 func (f Figure) String() string {
+	if f.Stalls != nil {
+		return f.Stalls.String()
+	}
 	s := fmt.Sprintf("%s  redis cpu/decision: script %.2f us, server %.2f us; this process %.1f us, %.0f B allocated, %d GCs",
 		f.Result, f.ScriptUsec, f.ServerUsec, f.ProcessUsec, f.AllocBytes, f.GCs)
 	if a := f.ArrivalLine(); a != "" {
 		s += "\n" + a
+	}
+	if sl := f.Slow.String(); sl != "" {
+		s += fmt.Sprintf("\n%-28s %s", "", sl)
 	}
 	return s
 }
@@ -310,8 +331,20 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 		}
 		c := base
 		c.Name = mode
+		if strings.HasPrefix(mode, "paced") {
+			c.SlowOver = PacedTarget
+		}
 		var target Target
 		switch mode {
+		case "stalls":
+			st, err := MeasureStalls(ctx, c.Duration)
+			if err != nil {
+				return figures, fmt.Errorf("%s: %w", mode, err)
+			}
+			f := Figure{Result: Result{Name: stallsName, Elapsed: st.Elapsed}, Stalls: &st}
+			figures = append(figures, f)
+			fmt.Fprintln(out, f)
+			continue
 		case "raw":
 			c.Name = "(a) raw, 1 call/decision"
 			target = rawCall(client, sha, calls)
@@ -681,6 +714,8 @@ func Summarize(out io.Writer, figs []Figure) {
 		case strings.HasPrefix(f.Name, "(b) sdk paced"):
 			by["paced"] = f
 			paced = append(paced, f)
+		case f.Stalls != nil:
+			by["stalls"] = f
 		}
 	}
 	fmt.Fprintln(out, "summary:")
@@ -701,8 +736,12 @@ func Summarize(out io.Writer, figs []Figure) {
 		return
 	}
 	if p, ok := by["paced"]; ok {
-		fmt.Fprintf(out, "  paced p99: %s from the scheduled start, %s from arrival (the generator's timer lag, p99 %s, left out) (target < 2ms)\n",
-			round(p.P99), round(p.Arrival.P99), round(p.Lag.P99))
+		fmt.Fprintf(out, "  paced p99: %s from the scheduled start, %s from arrival (the generator's timer lag, p99 %s, left out) (target < %s)\n",
+			round(p.P99), round(p.Arrival.P99), round(p.Lag.P99), PacedTarget)
+		if p.Slow.Over > 0 && p.Calls > 0 {
+			fmt.Fprintf(out, "  paced calls of %s and more: %.2f%% of the calls, in %d of %d %s windows\n",
+				p.Slow.Over, 100*float64(p.Slow.Calls)/float64(p.Calls), p.Slow.Windows, p.Slow.Spanned, slowWindow)
+		}
 		if p3, ok := by["paced3"]; ok && p.P50 > 0 && p.P99 > 0 && p3.Rate == p.Rate {
 			behind := ""
 			if p3.PerSecond < 0.95*p3.Rate {
@@ -712,6 +751,10 @@ func Summarize(out io.Writer, figs []Figure) {
 				p.Rate, round(p3.P50), round(p.P50), float64(p3.P50)/float64(p.P50), round(p3.P99), round(p.P99), float64(p3.P99)/float64(p.P99),
 				p3.ProcessUsec+p3.ServerUsec, p.ProcessUsec+p.ServerUsec, (p3.ProcessUsec+p3.ServerUsec)/(p.ProcessUsec+p.ServerUsec), behind)
 		}
+	}
+	if st, ok := by["stalls"]; ok {
+		fmt.Fprintf(out, "  this machine with its %d CPUs busy: its stalls alone delay at least %.2f%% of evenly paced calls by %s or more (the paced p99 is under %s only if this is well under 1%%)\n",
+			len(st.Stalls.CPUs), 100*st.Stalls.ShareBeyond(PacedTarget), PacedTarget, PacedTarget)
 	}
 	if r, ok := by["paced-raw"]; ok {
 		fmt.Fprintf(out, "  the same load without the SDK (go-redis, 1 EVALSHA per decision): p50 %s, p99 %s from the scheduled start, %s from arrival; redis server %.2f us, this process %.1f us per decision\n",

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"regexp"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -18,8 +19,12 @@ func TestAdmissionSuiteModes(t *testing.T) {
 	if len(figs) != len(Modes()) {
 		t.Fatalf("want %d figures, got %d\n%s", len(Modes()), len(figs), out)
 	}
-	var sdk, paced, pacedRaw, raw Figure
+	var sdk, paced, pacedRaw, raw, stalls Figure
 	for _, f := range figs {
+		if f.Stalls != nil {
+			stalls = f
+			continue
+		}
 		if f.Calls == 0 || f.Errors != 0 {
 			t.Errorf("%s: %d calls, %d errors; want calls and no errors\n%s", f.Name, f.Calls, f.Errors, out)
 		}
@@ -40,6 +45,14 @@ func TestAdmissionSuiteModes(t *testing.T) {
 	if paced.Calls == 0 || pacedRaw.Calls == 0 || raw.Calls == 0 {
 		t.Fatalf("paced %q and control %q: want both\n%s", paced.Name, pacedRaw.Name, out)
 	}
+	if stalls.Stalls == nil || len(stalls.Stalls.CPUs) != runtime.NumCPU() || stalls.Stalls.Elapsed <= 0 {
+		t.Fatalf("the stalls mode's figure %+v: want one spinner per CPU\n%s", stalls, out)
+	}
+	for _, f := range []Figure{paced, pacedRaw} {
+		if f.Slow.Over != PacedTarget || f.Slow.Spanned == 0 {
+			t.Errorf("%s: slow calls %+v, want them counted over %s", f.Name, f.Slow, PacedTarget)
+		}
+	}
 	// Both paced modes run at half of the sdk mode's rate.
 	half := sdk.PerSecond / 2
 	for _, f := range []Figure{paced, pacedRaw} {
@@ -56,6 +69,8 @@ func TestAdmissionSuiteModes(t *testing.T) {
 		fmt.Sprintf("(b)/(a) throughput: %.2f", sdk.PerSecond/raw.PerSecond),
 		"cpu of this process and the server x",
 		"paced p99: ",
+		"paced calls of 2ms and more: ",
+		"this machine with its ",
 		"the same load without the SDK",
 	} {
 		if !strings.Contains(sum.String(), want) {

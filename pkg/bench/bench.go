@@ -54,6 +54,11 @@ type Config struct {
 	// OpsPerCall is how many decisions one call makes (e.g. a pipeline of
 	// 16); throughput is reported in decisions. 0 means 1.
 	OpsPerCall int
+	// SlowOver, when set, counts the measured calls at least this slow by
+	// the 10 ms window they ended in (Result.Slow): whether a tail comes
+	// from steady queueing (slow calls everywhere) or from stalls (slow
+	// calls bunched in a few windows).
+	SlowOver time.Duration
 }
 
 // Validate says what is wrong with c, or returns nil.
@@ -113,8 +118,32 @@ type Result struct {
 	// about a millisecond late when the process is idle).
 	Arrival Quantiles
 	Lag     Quantiles
+	// Slow counts the calls over Config.SlowOver by window.
+	Slow SlowCalls
 	// FirstErr is the first error a call returned.
 	FirstErr error
+}
+
+// SlowCalls says how the calls at least Over slow fell into the measured
+// time's 10 ms windows.
+type SlowCalls struct {
+	Over time.Duration
+	// Calls counts them; Windows the windows holding one or more, of
+	// Spanned windows measured; Busiest is the most in one window.
+	Calls                     int64
+	Windows, Spanned, Busiest int
+}
+
+// slowWindow is the width of SlowCalls' windows.
+const slowWindow = 10 * time.Millisecond
+
+// String formats the count; "" when Over is not set.
+func (s SlowCalls) String() string {
+	if s.Over <= 0 {
+		return ""
+	}
+	return fmt.Sprintf("calls of %s and more: %d, ending in %d of %d %s windows (the busiest held %d)",
+		s.Over, s.Calls, s.Windows, s.Spanned, slowWindow, s.Busiest)
 }
 
 // Quantiles summarizes one latency distribution.
@@ -186,8 +215,12 @@ func Run(ctx context.Context, cfg Config, target Target) (Result, error) {
 		lags      = make([]*histogram, cfg.Workers) // paced runs only
 		errCounts = make([]int64, cfg.Workers)
 		calls     = make([]int64, cfg.Workers)
+		slow      []atomic.Int32 // calls over SlowOver, by slowWindow since measureFrom
 		wg        sync.WaitGroup
 	)
+	if cfg.SlowOver > 0 {
+		slow = make([]atomic.Int32, max(int((cfg.Duration-cfg.Warmup)/slowWindow), 0)+2)
+	}
 	start := time.Now()
 	measureFrom := start.Add(cfg.Warmup)
 	measuring.Store(cfg.Warmup == 0)
@@ -273,6 +306,10 @@ func Run(ctx context.Context, cfg Config, target Target) (Result, error) {
 				}
 				calls[w]++
 				h.record(end.Sub(t))
+				if slow != nil && end.Sub(t) >= cfg.SlowOver {
+					i := int(max(end.Sub(measureFrom), 0) / slowWindow)
+					slow[min(i, len(slow)-1)].Add(1)
+				}
 				if interval > 0 {
 					arrivals[w].record(end.Sub(arrived))
 					if !woke.IsZero() {
@@ -307,6 +344,16 @@ func Run(ctx context.Context, cfg Config, target Target) (Result, error) {
 	r.Max = time.Duration(total.max)
 	if interval > 0 {
 		r.Arrival, r.Lag = arrival.quantiles(), lag.quantiles()
+	}
+	if slow != nil {
+		r.Slow = SlowCalls{Over: cfg.SlowOver, Spanned: int((elapsed + slowWindow - 1) / slowWindow)}
+		for i := range slow {
+			if n := int(slow[i].Load()); n > 0 {
+				r.Slow.Calls += int64(n)
+				r.Slow.Windows++
+				r.Slow.Busiest = max(r.Slow.Busiest, n)
+			}
+		}
 	}
 	return r, nil
 }
