@@ -25,6 +25,7 @@ import (
 	"fmt"
 	"math"
 	"math/bits"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -132,6 +133,11 @@ type SlowCalls struct {
 	// Spanned windows measured; Busiest is the most in one window.
 	Calls                     int64
 	Windows, Spanned, Busiest int
+	// NearGC counts the calls in windows next to the end of one of this
+	// process's GC cycles (the window it ended in, and the ones before and
+	// after), and GCs the cycles that ended in the measured time.
+	NearGC int64
+	GCs    int
 }
 
 // slowWindow is the width of SlowCalls' windows.
@@ -142,8 +148,8 @@ func (s SlowCalls) String() string {
 	if s.Over <= 0 {
 		return ""
 	}
-	return fmt.Sprintf("calls of %s and more: %d, ending in %d of %d %s windows (the busiest held %d)",
-		s.Over, s.Calls, s.Windows, s.Spanned, slowWindow, s.Busiest)
+	return fmt.Sprintf("calls of %s and more: %d, ending in %d of %d %s windows (the busiest held %d); %d of them next to the end of one of the %d GC cycles",
+		s.Over, s.Calls, s.Windows, s.Spanned, slowWindow, s.Busiest, s.NearGC, s.GCs)
 }
 
 // Quantiles summarizes one latency distribution.
@@ -346,16 +352,45 @@ func Run(ctx context.Context, cfg Config, target Target) (Result, error) {
 		r.Arrival, r.Lag = arrival.quantiles(), lag.quantiles()
 	}
 	if slow != nil {
-		r.Slow = SlowCalls{Over: cfg.SlowOver, Spanned: int((elapsed + slowWindow - 1) / slowWindow)}
-		for i := range slow {
-			if n := int(slow[i].Load()); n > 0 {
-				r.Slow.Calls += int64(n)
-				r.Slow.Windows++
-				r.Slow.Busiest = max(r.Slow.Busiest, n)
+		r.Slow = countSlow(slow, measureFrom, int((elapsed+slowWindow-1)/slowWindow), cfg.SlowOver)
+	}
+	return r, nil
+}
+
+// countSlow sums slow, the counts of slow calls by window since from, and
+// places them against the ends of the GC cycles since from.
+func countSlow(slow []atomic.Int32, from time.Time, spanned int, over time.Duration) SlowCalls {
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	gc := make([]bool, len(slow))
+	s := SlowCalls{Over: over, Spanned: spanned}
+	for i := uint32(0); i < min(ms.NumGC, 256); i++ {
+		end := int64(ms.PauseEnd[(ms.NumGC-1-i)%256]) - from.UnixNano()
+		if end < 0 {
+			continue
+		}
+		w := int(end / int64(slowWindow))
+		if w >= len(slow) {
+			continue
+		}
+		s.GCs++
+		for _, v := range []int{w - 1, w, w + 1} {
+			if v >= 0 && v < len(gc) {
+				gc[v] = true
 			}
 		}
 	}
-	return r, nil
+	for i := range slow {
+		if n := int(slow[i].Load()); n > 0 {
+			s.Calls += int64(n)
+			s.Windows++
+			s.Busiest = max(s.Busiest, n)
+			if gc[i] {
+				s.NearGC += int64(n)
+			}
+		}
+	}
+	return s
 }
 
 // histogram is a log-linear latency histogram in nanoseconds: exact below

@@ -106,13 +106,18 @@ func TestMeasureStalls(t *testing.T) {
 }
 
 func TestRunCountsSlowCallsByWindow(t *testing.T) {
-	// Four workers whose first calls take 20 ms, together (a stall), and
+	// Four workers whose first calls take 20 ms, together (a stall, with a
+	// GC cycle in it), and
 	// whose other calls take 0.2 ms (sleeping: busy workers would be
 	// preempted mid-call, for 10 ms and more).
 	r, err := Run(context.Background(), Config{Workers: 4, Requests: 1 << 40, Duration: 200 * time.Millisecond, SlowOver: 15 * time.Millisecond},
 		func(ctx context.Context, w int, i uint64) error {
 			if i == 0 {
-				time.Sleep(20 * time.Millisecond)
+				time.Sleep(18 * time.Millisecond)
+				if w == 0 {
+					runtime.GC() // ends in the slow calls' window or the one before
+				}
+				time.Sleep(2 * time.Millisecond)
 			} else {
 				time.Sleep(200 * time.Microsecond)
 			}
@@ -124,6 +129,9 @@ func TestRunCountsSlowCallsByWindow(t *testing.T) {
 	s := r.Slow
 	if s.Calls != 4 || s.Windows < 1 || s.Windows > 2 || s.Busiest < 2 || s.Spanned < 19 {
 		t.Fatalf("slow calls %+v: want 4, in one or two of ~20 windows", s)
+	}
+	if s.GCs < 1 || s.NearGC != 4 {
+		t.Fatalf("slow calls %+v: want all 4 next to the forced GC cycle", s)
 	}
 	if !strings.Contains(s.String(), "calls of 15ms and more: 4,") {
 		t.Fatalf("report %q", s)
