@@ -3,6 +3,7 @@ package admission_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -42,6 +43,7 @@ var conformance = []struct {
 	{"refund: a shadow rule that denied is not given back", testRefundSkipsShadow},
 	{"refund: the undone decision leaves no record to replay", testRefundDropsRecord},
 	{"idempotency: a replay holds no slot of its own", testReplayHoldsNoSlot},
+	{"idempotency: a replay recorded under a larger policy", testReplayOfALargerPolicy},
 	{"policy versions", testApply},
 	{"key layout: tags and hashed principals", testKeyLayout},
 	{"numbers beyond 32 bits", testLargeNumbers},
@@ -956,6 +958,49 @@ func testReplayHoldsNoSlot(t *testing.T, b backend) {
 // testApply: versions move forward atomically; an older or invalid version
 // is rejected and the version in force stays; unchanged rules keep their
 // counters; every decision records its version.
+// testReplayOfALargerPolicy: a retry replays a decision recorded under a
+// policy of twelve rules after the policy shrank to one. Its reply carries
+// the twelve rules' numbers, more than a reply to a one-rule call can (the
+// Redis store reads a decision's reply into a buffer sized for the call's
+// rules, and asks again for a replay that does not fit): it is answered as
+// the earlier decision, and charged nothing.
+func testReplayOfALargerPolicy(t *testing.T, b backend) {
+	var big strings.Builder
+	big.WriteString("name: twelve\nrules:\n")
+	for i := range 12 {
+		fmt.Fprintf(&big, "  - {name: w%d, scope: tenant, match: [{key: tenant}], kind: fixed_window, limit: %d, window: 1m}\n", i, 5_000_000_000+i)
+	}
+	h := newHarness(t, b, parse(t, big.String()), nil)
+	req := &admission.Request{Descriptors: entries("tenant", "atlas"), RequestID: "retry-me"}
+	first := h.decideReq(req)
+	wantAllowed(t, first, "under twelve rules")
+	small := parse(t, `
+name: one
+rules:
+  - {name: w0, scope: tenant, match: [{key: tenant}], kind: fixed_window, limit: 5000000000, window: 1m}
+`)
+	if err := h.e.Apply(small, 2); err != nil {
+		t.Fatal(err)
+	}
+	again := h.decideReq(req)
+	wantAllowed(t, again, "the retry under one rule")
+	if again.ID != first.ID || again.Source != admission.SourceReplay {
+		t.Fatalf("retry: id %s source %s; want the earlier id %s from a replay", again.ID, again.Source, first.ID)
+	}
+	other := h.decideReq(&admission.Request{Descriptors: entries("tenant", "atlas"), RequestID: "another"})
+	if got := rule(t, other, "w0").Remaining; got != 5_000_000_000-2 {
+		t.Fatalf("remaining %d after two decisions, want %d: the replay must not be charged", got, int64(5_000_000_000-2))
+	}
+	// The replayed id is the decision's own, not a view of a reply buffer
+	// the next calls read into.
+	for range 20 {
+		h.decideReq(&admission.Request{Descriptors: entries("tenant", "atlas"), RequestID: "more"})
+	}
+	if again.ID != first.ID {
+		t.Fatalf("the replayed id became %q after more decisions, want %q", again.ID, first.ID)
+	}
+}
+
 func testApply(t *testing.T, b backend) {
 	h := newHarness(t, b, northstar(t), nil)
 	h.fund("p-global", 1000)
