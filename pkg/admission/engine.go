@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -476,13 +477,17 @@ func (e *Engine) plan(snap *snapshot, req *Request, ibuf []item, rbuf []RuleResu
 			it.tag = e.hash.ipTag(ip)
 		case sp.scope == policy.ScopeGlobal:
 			it.tag = "g:" + sp.name
+		case ttag == "" && !strings.ContainsAny(tenant, "{}"):
+			// The tenant's first rule: its key holds the tag (tenantTag).
+			it.key, it.hash, ttag = e.hash.tenantCounter(tenant, sp.digest, parts)
+			it.tag = ttag
 		default:
 			if ttag == "" {
 				ttag = tenantTag(tenant)
 			}
 			it.tag = ttag
 		}
-		if sp.kind != kindPool {
+		if sp.kind != kindPool && it.key == "" {
 			it.key, it.hash = e.hash.counter(it.tag, sp.digest, parts)
 		}
 		it.res = &results[i]

@@ -68,10 +68,26 @@ func (h hasher) ipTag(ip string) string {
 // counter returns the key of a rule's counter for one principal, and a
 // 64-bit hash of it for the negative cache.
 func (h hasher) counter(tag, digest string, parts []string) (string, uint64) {
+	return h.counterOf("", tag, digest, parts)
+}
+
+// tenantCounter is counter for the tag of a tenant without braces
+// (tenantTag), which it returns too, as part of the key: a decision's
+// tenant rules then share the tag without a string of its own (one
+// allocation a decision fewer).
+func (h hasher) tenantCounter(tenant, digest string, parts []string) (key string, hash uint64, tag string) {
+	key, hash = h.counterOf("t:", tenant, digest, parts)
+	at := len(h.ns) + len(":{")
+	return key, hash, key[at : at+len("t:")+len(tenant)]
+}
+
+// counterOf is counter of the tag tagPrefix + tagRest.
+func (h hasher) counterOf(tagPrefix, tagRest, digest string, parts []string) (string, uint64) {
 	var stack [512]byte
 	b := stack[:0]
 	b = appendField(b, h.salt)
-	b = appendField(b, tag)
+	b = binary.BigEndian.AppendUint32(b, uint32(len(tagPrefix)+len(tagRest)))
+	b = append(append(b, tagPrefix...), tagRest...)
 	b = appendField(b, digest)
 	for _, p := range parts {
 		b = appendField(b, p)
@@ -80,10 +96,11 @@ func (h hasher) counter(tag, digest string, parts []string) (string, uint64) {
 	var enc [16]byte
 	base64.RawURLEncoding.Encode(enc[:], sum[:12])
 	var sb strings.Builder
-	sb.Grow(len(h.ns) + 2 + len(tag) + 2 + len(digest) + 1 + len(enc))
+	sb.Grow(len(h.ns) + 2 + len(tagPrefix) + len(tagRest) + 2 + len(digest) + 1 + len(enc))
 	sb.WriteString(h.ns)
 	sb.WriteString(":{")
-	sb.WriteString(tag)
+	sb.WriteString(tagPrefix)
+	sb.WriteString(tagRest)
 	sb.WriteString("}:")
 	sb.WriteString(digest)
 	sb.WriteByte(':')
