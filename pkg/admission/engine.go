@@ -181,8 +181,13 @@ func (e *Engine) storeNow(now time.Time) int64 {
 	return 0
 }
 
+// newID returns the next decision id: one allocation, the id itself (a
+// concatenation with strconv.FormatUint made a second string for the
+// number first).
 func (e *Engine) newID() string {
-	return e.idPrefix + strconv.FormatUint(e.idSeq.Add(1), 36)
+	var buf [64]byte
+	b := append(buf[:0], e.idPrefix...)
+	return string(strconv.AppendUint(b, e.idSeq.Add(1), 36))
 }
 
 // item is one matched rule of a request being decided.

@@ -40,3 +40,19 @@ func TestCounterKeysStayPut(t *testing.T) {
 		t.Errorf("tenantCounter allocates %v times, want once (the key)", allocs)
 	}
 }
+
+// TestNewID: decision ids are the engine's prefix and a base-36 sequence,
+// made with one allocation.
+func TestNewID(t *testing.T) {
+	e := &Engine{idPrefix: "d-00ff-"}
+	if a, b := e.newID(), e.newID(); a != "d-00ff-1" || b != "d-00ff-2" {
+		t.Fatalf("ids %q, %q; want d-00ff-1, d-00ff-2", a, b)
+	}
+	e.idSeq.Store(36*36 - 2)
+	if id := e.newID(); id != "d-00ff-zz" {
+		t.Fatalf("id %q, want d-00ff-zz", id)
+	}
+	if n := testing.AllocsPerRun(100, func() { _ = e.newID() }); n != 1 {
+		t.Fatalf("newID allocates %v times, want once", n)
+	}
+}
