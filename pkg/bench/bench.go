@@ -352,24 +352,36 @@ func Run(ctx context.Context, cfg Config, target Target) (Result, error) {
 		r.Arrival, r.Lag = arrival.quantiles(), lag.quantiles()
 	}
 	if slow != nil {
-		r.Slow = countSlow(slow, measureFrom, int((elapsed+slowWindow-1)/slowWindow), cfg.SlowOver)
+		r.Slow = countSlow(slow, measureFrom, int((elapsed+slowWindow-1)/slowWindow), cfg.SlowOver, gcEnds())
 	}
 	return r, nil
 }
 
-// countSlow sums slow, the counts of slow calls by window since from, and
-// places them against the ends of the GC cycles since from.
-func countSlow(slow []atomic.Int32, from time.Time, spanned int, over time.Duration) SlowCalls {
+// gcEnds returns when the collector's last cycles (up to 256) ended, in
+// Unix nanoseconds.
+func gcEnds() []uint64 {
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)
+	ends := make([]uint64, 0, min(ms.NumGC, 256))
+	for i := uint32(0); i < min(ms.NumGC, 256); i++ {
+		ends = append(ends, ms.PauseEnd[(ms.NumGC-1-i)%256])
+	}
+	return ends
+}
+
+// countSlow sums slow, the counts of slow calls by window since from, and
+// places them against ends, the ends of GC cycles (Unix nanoseconds): a
+// call is next to a cycle when it ended in the cycle's window, the one
+// before or the one after.
+func countSlow(slow []atomic.Int32, from time.Time, spanned int, over time.Duration, ends []uint64) SlowCalls {
 	gc := make([]bool, len(slow))
 	s := SlowCalls{Over: over, Spanned: spanned}
-	for i := uint32(0); i < min(ms.NumGC, 256); i++ {
-		end := int64(ms.PauseEnd[(ms.NumGC-1-i)%256]) - from.UnixNano()
-		if end < 0 {
+	for _, e := range ends {
+		at := int64(e) - from.UnixNano()
+		if at < 0 {
 			continue
 		}
-		w := int(end / int64(slowWindow))
+		w := int(at / int64(slowWindow))
 		if w >= len(slow) {
 			continue
 		}
