@@ -75,7 +75,41 @@ func TestParseDecision(t *testing.T) {
 		if err := parseDecision(s, &op{}); err == nil {
 			t.Errorf("%s: parsed without an error", name)
 		}
+		if err := parseDecision([]byte(s), &op{}); err == nil {
+			t.Errorf("%s, from a buffer: parsed without an error", name)
+		}
 	}
+
+	// From a buffer (a reply read in place, see RedisStore.zeroCopy): the
+	// same decision, with the id copied out, since the buffer is reused.
+	buf := []byte(packDecision("d-42", 0, 1, 0, 17, 250, -1))
+	var ob op
+	if err := parseDecision(buf, &ob); err != nil {
+		t.Fatal(err)
+	}
+	clear(buf)
+	if want := []int64{0, 1, 0, 17, 250, -1}; ob.outID != "d-42" || !slices.Equal(ob.out, want) {
+		t.Fatalf("from a buffer overwritten since: id %q numbers %v; want d-42 and %v", ob.outID, ob.out, want)
+	}
+	own := []byte(packDecision32("", 0, 1, 1, -1, 2147483647, -2147483648))
+	if n := testing.AllocsPerRun(100, func() { _ = parseDecision(own, &ob) }); n != 0 {
+		t.Errorf("parseDecision of a buffer without an id allocates %v times, want 0", n)
+	}
+}
+
+// FuzzParseDecision: a reply parses the same from a string and from a
+// buffer, and never panics.
+func FuzzParseDecision(f *testing.F) {
+	f.Add(packDecision("d-42", 0, 1, 0, 17, 250, -1))
+	f.Add(packDecision32("", 0, 1, 1, -1, 2147483647, -2147483648))
+	f.Add("\x08\xff\xff")
+	f.Fuzz(func(t *testing.T, s string) {
+		var a, b op
+		ea, eb := parseDecision(s, &a), parseDecision([]byte(s), &b)
+		if (ea == nil) != (eb == nil) || a.outID != b.outID || !slices.Equal(a.out, b.out) {
+			t.Fatalf("%q: from a string %v %q %v, from a buffer %v %q %v", s, ea, a.outID, a.out, eb, b.outID, b.out)
+		}
+	})
 }
 
 // TestCommandsReusedOnlyOffCluster: a Cluster client memoizes a command's
