@@ -725,15 +725,13 @@ func (s *RedisStore) zeroCopy(ctx context.Context, args []any) (zc *redis.ZeroCo
 			buf = &b
 		}
 		zc = redis.NewZeroCopyStringCmd(ctx, *buf, args...)
-		if len(args) > 3 {
-			zc.SetFirstKeyPos(3)
-		}
+		routeByFirstKey(zc, args)
 		return zc, nil, buf
 	}
 	if r, _ = s.replies[n].Get().(*reusable); r == nil {
 		r = &reusable{args: make([]any, n)}
 		r.zc = redis.NewZeroCopyStringCmd(context.Background(), make([]byte, replyLen(args)), r.args...)
-		r.zc.SetFirstKeyPos(3)
+		routeByFirstKey(r.zc, args)
 	}
 	copy(r.args, args)
 	return r.zc, r, nil
@@ -744,10 +742,17 @@ func (s *RedisStore) zeroCopy(ctx context.Context, args []any) (zc *redis.ZeroCo
 // the list here rather than calling EvalSha saves a copy of it per call.
 func evalCmd(ctx context.Context, args []any) *redis.Cmd {
 	c := redis.NewCmd(ctx, args...)
-	if n, _ := args[2].(int); n > 0 {
-		c.SetFirstKeyPos(3) // the slot of a Cluster call is its first key's
-	}
+	routeByFirstKey(c, args)
 	return c
+}
+
+// routeByFirstKey tells go-redis that the slot of c, a script call of
+// args, is its first key's, when it has keys (a Cluster client routes it
+// there).
+func routeByFirstKey(c interface{ SetFirstKeyPos(int8) }, args []any) {
+	if n, _ := args[2].(int); n > 0 {
+		c.SetFirstKeyPos(3)
+	}
 }
 
 // isShortBuffer reports whether err is go-redis's refusal of a reply
