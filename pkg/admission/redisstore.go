@@ -719,9 +719,9 @@ func replyLen(args []any) int {
 func (s *RedisStore) zeroCopy(ctx context.Context, args []any) (zc *redis.ZeroCopyStringCmd, r *reusable, buf *[]byte) {
 	n := len(args)
 	if !s.reuse || n > maxReusedArgs {
-		buf, _ = s.replyBufs.Get().(*[]byte)
-		if buf == nil || len(*buf) < replyLen(args) {
-			b := make([]byte, replyLen(args))
+		need := replyLen(args)
+		if buf, _ = s.replyBufs.Get().(*[]byte); buf == nil || len(*buf) < need {
+			b := make([]byte, need)
 			buf = &b
 		}
 		zc = redis.NewZeroCopyStringCmd(ctx, *buf, args...)
