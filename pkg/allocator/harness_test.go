@@ -28,6 +28,7 @@ type testCluster struct {
 	addrs   []string
 	gaddrs  []string // each node's gRPC listener (NewGRPCServer)
 	clock   *fakeClock
+	cut     map[int]bool // nodes isolate has cut off, until heal
 }
 
 // fakeClock is the leader clock of the test cluster, settable by tests.
@@ -155,7 +156,12 @@ func (tc *testCluster) close() {
 	}
 }
 
-// leader waits for exactly one leader among the running nodes.
+// leader waits for exactly one leader among the running nodes, which
+// every other running voter that is not cut off follows (knows its ID and
+// API address). A node that believes it leads before the others have
+// heard from it can lose an election a moment later (a follower's
+// heartbeat timeout ran out before the first heartbeat came): a test that
+// then calls a follower would find it knowing no leader.
 func (tc *testCluster) leader() *Node {
 	tc.t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
@@ -166,13 +172,35 @@ func (tc *testCluster) leader() *Node {
 				leaders = append(leaders, n)
 			}
 		}
-		if len(leaders) == 1 {
+		if len(leaders) == 1 && tc.followed(leaders[0]) {
 			return leaders[0]
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	tc.t.Fatal("no single leader within 5s")
+	tc.t.Fatal("no single leader, followed by the running nodes, within 5s")
 	return nil
+}
+
+// followed reports whether every running node of l's configuration that
+// is not cut off knows l as its leader, with l's API address.
+func (tc *testCluster) followed(l *Node) bool {
+	f := l.raft.GetConfiguration()
+	if f.Error() != nil {
+		return false
+	}
+	members := map[string]bool{}
+	for _, s := range f.Configuration().Servers {
+		members[string(s.ID)] = true
+	}
+	for i, n := range tc.nodes {
+		if n == nil || n == l || tc.cut[i] || !members[n.ID()] {
+			continue
+		}
+		if id, api := n.Leader(); id != l.ID() || api != l.Config().APIAddr {
+			return false
+		}
+	}
+	return true
 }
 
 // index returns the position of n in the cluster.
@@ -187,6 +215,10 @@ func (tc *testCluster) index(n *Node) int {
 
 // isolate cuts node i off from every other node (both directions).
 func (tc *testCluster) isolate(i int) {
+	if tc.cut == nil {
+		tc.cut = map[int]bool{}
+	}
+	tc.cut[i] = true
 	for j := range tc.trans {
 		if i != j {
 			tc.trans[i].Disconnect(tc.trans[j].LocalAddr())
@@ -197,6 +229,7 @@ func (tc *testCluster) isolate(i int) {
 
 // heal reconnects every pair of transports.
 func (tc *testCluster) heal() {
+	clear(tc.cut)
 	for i := range tc.trans {
 		for j := range tc.trans {
 			if i != j {
