@@ -175,6 +175,9 @@ type Figure struct {
 	GCs        uint64
 	// Rate is the rate a paced mode was run at; 0 for the others.
 	Rate float64
+	// Fraction is the share of the sdk mode's rate (the last sdk run
+	// before it) a paced mode was run at; 0 when Config.Rate set the rate.
+	Fraction float64
 	// Stalls is the stalls mode's result; nil for the others.
 	Stalls *Stalls
 }
@@ -401,6 +404,9 @@ func RunSuite(ctx context.Context, client redis.UniversalClient, cfg SuiteConfig
 			return figures, fmt.Errorf("%s: %w", mode, err)
 		}
 		f.Rate = c.Rate
+		if c.Rate > 0 && cfg.Rate == 0 {
+			f.Fraction = step.fraction
+		}
 		if mode == "sdk" {
 			sdkRate = f.PerSecond
 		}
@@ -440,6 +446,30 @@ func summarizeSweep(out io.Writer, paced, control []Figure) {
 		fmt.Fprintf(tw, "%.0f\t%s\t%s\t%s\t%s\t%s, %s\t\n", rate.Rate, p50, p99, c50, c99, pcpu, ccpu)
 	}
 	_ = tw.Flush()
+}
+
+// summarizePacedRuns prints how many of the paced runs at half of the sdk
+// rate before them (as -repeat runs them) kept p99 under PacedTarget: the
+// target's reliability on this machine, in one command.
+func summarizePacedRuns(out io.Writer, paced []Figure) {
+	var p99s []string
+	var ms []float64
+	under := 0
+	for _, f := range paced {
+		if f.Fraction != 0.5 || f.Calls == 0 {
+			continue
+		}
+		if f.P99 < PacedTarget {
+			under++
+		}
+		p99s = append(p99s, round(f.P99).String())
+		ms = append(ms, float64(f.P99))
+	}
+	if len(ms) < 2 {
+		return
+	}
+	fmt.Fprintf(out, "  paced p99 at half of the sdk rate before it: under %s in %d of %d runs (%s; median %s)\n",
+		PacedTarget, under, len(ms), strings.Join(p99s, ", "), round(time.Duration(median(ms))))
 }
 
 // sweepStep is one mode to run; the paced modes run at fraction of the sdk
@@ -733,6 +763,7 @@ func Summarize(out io.Writer, figs []Figure) {
 	summarizeRules(out, " (interleaved)", ones13, threes13)
 	if len(paced) > 1 || len(control) > 1 {
 		summarizeSweep(out, paced, control)
+		summarizePacedRuns(out, paced)
 		return
 	}
 	if p, ok := by["paced"]; ok {

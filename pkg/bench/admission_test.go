@@ -62,6 +62,9 @@ func TestAdmissionSuiteModes(t *testing.T) {
 		if f.Arrival.P50 <= 0 {
 			t.Errorf("%s: no arrival latencies recorded", f.Name)
 		}
+		if f.Fraction != 0.5 {
+			t.Errorf("%s: fraction %v, want 0.5", f.Name, f.Fraction)
+		}
 	}
 	var sum strings.Builder
 	Summarize(&sum, figs)
@@ -101,8 +104,8 @@ func TestAdmissionSuiteSweep(t *testing.T) {
 		f      float64
 	}{{"(b) sdk paced at ", 0.1}, {"(a) raw paced at ", 0.1}, {"(b) sdk paced at ", 0.3}, {"(a) raw paced at ", 0.3}} {
 		f := figs[1+i]
-		if name := fmt.Sprintf("%s%.0f/s", want.prefix, sdk*want.f); f.Name != name || f.Rate != sdk*want.f {
-			t.Errorf("step %d: %q at %.0f/s, want %q", i, f.Name, f.Rate, name)
+		if name := fmt.Sprintf("%s%.0f/s", want.prefix, sdk*want.f); f.Name != name || f.Rate != sdk*want.f || f.Fraction != want.f {
+			t.Errorf("step %d: %q at %.0f/s (fraction %v), want %q", i, f.Name, f.Rate, f.Fraction, name)
 		}
 	}
 	var sum strings.Builder

@@ -3,6 +3,7 @@ package bench
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -191,5 +192,32 @@ func TestSummarizeRulePairs(t *testing.T) {
 	}
 	if got := median([]float64{4, 1, 3, 2}); got != 2.5 {
 		t.Errorf("median of 1..4 = %v, want 2.5", got)
+	}
+}
+
+// TestSummarizePacedRuns: paced runs repeated at half of the sdk rate before
+// each are counted against the target; a sweep's other fractions, a run at
+// a set -rate and a run without calls are not.
+func TestSummarizePacedRuns(t *testing.T) {
+	paced := func(rate float64, fraction float64, p99 time.Duration, calls int64) Figure {
+		return Figure{Result: Result{Name: fmt.Sprintf("(b) sdk paced at %.0f/s", rate), P99: p99, Calls: calls}, Rate: rate, Fraction: fraction}
+	}
+	var out strings.Builder
+	Summarize(&out, []Figure{
+		paced(50000, 0.5, 1500*time.Microsecond, 100),
+		paced(25000, 0.25, 9*time.Millisecond, 100), // a sweep's other fraction
+		paced(48000, 0.5, 2*time.Millisecond, 100),  // at the target: not under it
+		paced(45000, 0, 1*time.Millisecond, 100),    // -rate set
+		paced(47000, 0.5, 3*time.Millisecond, 0),    // no call measured
+		paced(52000, 0.5, 1100*time.Microsecond, 100),
+	})
+	want := "paced p99 at half of the sdk rate before it: under 2ms in 2 of 3 runs (1.5ms, 2ms, 1.1ms; median 1.5ms)"
+	if !strings.Contains(out.String(), want) {
+		t.Errorf("summary lacks %q:\n%s", want, out.String())
+	}
+	out.Reset()
+	Summarize(&out, []Figure{paced(50000, 0.5, time.Millisecond, 100), paced(25000, 0.25, time.Millisecond, 100)})
+	if strings.Contains(out.String(), "runs (") {
+		t.Errorf("one run at half the rate is no count of runs:\n%s", out.String())
 	}
 }
