@@ -245,6 +245,9 @@ type Result struct {
 	// ReplayedAdmissions counts admissions answered as replays of an
 	// earlier decision (placed from their first send: see checkLeases).
 	ReplayedAdmissions int
+	// DegradedAdmissions counts admissions an agent's fail mode decided
+	// (history.Event.Degraded: its store did not answer in time).
+	DegradedAdmissions int
 	// DepositsChecked counts the grants whose Deadline (an agent's store
 	// expiry bound, a driver's own deadline) was held to the allocator's
 	// expiry; DepositsUnknown the deposits whose outcome was unknown, and

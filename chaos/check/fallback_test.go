@@ -109,14 +109,17 @@ func TestFallbackJournal(t *testing.T) {
 // admissions no grant covers are matched to the fallback allowances it
 // journaled, each from its send until its store expiry bound (plus
 // AnswerDelay), at most the tokens it added; beyond them, only the
-// in-process share of a window a fault of the region's store touches is
-// excused, and never more than the per-window allowance in all. A region
+// in-process share of a window a fault of the region's store touches, or
+// of an admission the agent reported degraded (its engine's fail mode
+// decided it), is excused, and never more than the per-window allowance
+// in all. A region
 // without a journal keeps the per-window accounting (TestFallbackAllowance).
 func TestFallbackChunks(t *testing.T) {
 	anon := func(region string, n, at int64) history.Event {
 		return history.Event{Kind: history.KindAdmit, Region: region, Quota: "cedar", Tokens: n, At: at}
 	}
 	q := func(e history.Event) history.Event { e.Quota = "cedar"; return e }
+	degraded := func(e history.Event) history.Event { e.Degraded = true; return e }
 	g1 := q(acquire("eu", "r1", 60, 60, 10, 10*sec, 10*sec+50*ms, 10_400, "g1")) // expires at 10.4 s
 	base := []history.Event{
 		g1,
@@ -148,6 +151,14 @@ func TestFallbackChunks(t *testing.T) {
 		{name: "a store fault adds the in-process share", events: []history.Event{chunk, anon("eu", 20, 10*sec+600*ms), anon("eu", 5, 10*sec+980*ms)},
 			spans: []history.Span{storeFault}, unleased: 5, fallback: 20},
 		{name: "the in-process share alone", events: []history.Event{anon("eu", 12, 10*sec+300*ms)}, spans: []history.Span{storeFault}, unleased: 2, fallback: 10},
+		{name: "the engine's fail mode, reported, adds the in-process share", events: []history.Event{degraded(anon("eu", 10, 10*sec+300*ms))},
+			fallback: 10},
+		{name: "the reported share is the in-process one only", events: []history.Event{degraded(anon("eu", 12, 10*sec+300*ms))},
+			unleased: 2, fallback: 10},
+		{name: "with the allowance's chunk", events: []history.Event{chunk, anon("eu", 10, 10*sec+600*ms), degraded(anon("eu", 12, 10*sec+800*ms))},
+			unleased: 2, fallback: 20},
+		{name: "a fault of the region's store adds no more to it", events: []history.Event{degraded(anon("eu", 12, 10*sec+300*ms))},
+			spans: []history.Span{storeFault}, unleased: 2, fallback: 10},
 		{name: "two allowances of one window", events: []history.Event{chunk, anon("eu", 10, 10*sec+600*ms),
 			fb("eu", 10, 10, 10*sec+750*ms, 10*sec+755*ms, 10*sec+900*ms, history.OK, cut(10*sec+450*ms)), anon("eu", 10, 10*sec+800*ms)},
 			unleased: 10, fallback: 20},
@@ -178,6 +189,15 @@ func TestFallbackChunks(t *testing.T) {
 			}
 			if got != tt.fallback {
 				t.Fatalf("fallback admissions %d, want %d", got, tt.fallback)
+			}
+			var reported int
+			for _, e := range tt.events {
+				if e.Degraded {
+					reported++
+				}
+			}
+			if r.DegradedAdmissions != reported {
+				t.Fatalf("%d admissions counted as a fail mode's, want %d", r.DegradedAdmissions, reported)
 			}
 		})
 	}

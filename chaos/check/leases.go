@@ -77,8 +77,11 @@ type leaseAgg struct {
 // from the send until the store expiry bound plus answerDelay, at most the
 // tokens each added); what they leave is charged to the in-process share
 // only, FallbackPerRegion in a window (true clock) that a fault of the
-// region's store touches, none elsewhere; and what a region admits from
-// both in one window is held to FallbackAllowance. In a region without a
+// region's store touches, or for an admission the agent reported as its
+// engine's fail mode's (history.Event.Degraded: its store did not answer
+// in time, whoever made it slow), none elsewhere; and what a region admits
+// from both in one window is held to FallbackAllowance (twice
+// FallbackPerRegion for a degraded admission). In a region without a
 // journal, the anonymous admissions the matching leaves uncovered are
 // charged to the region's allowance of their window (by the true clock;
 // FallbackAllowance), in time order. Both are returned as the fallback
@@ -139,6 +142,9 @@ func checkLeases(h history.History, quotas map[string]Quota, answerDelay, grace 
 		}
 		if e.Replayed {
 			r.ReplayedAdmissions++
+		}
+		if e.Degraded {
+			r.DegradedAdmissions++
 		}
 		if e.GrantID == "" {
 			anonymous[rq{e.Region, e.Quota}] = append(anonymous[rq{e.Region, e.Quota}], e)
@@ -252,6 +258,14 @@ func checkLeases(h history.History, quotas map[string]Quota, answerDelay, grace 
 				// fault of the region's store touches, none elsewhere.
 				uk := leaseKey{region: k.region, quota: k.quota, window: trueWindow(replayStart(e), q.WindowMs)}
 				allow := FallbackAllowance(q, h.Spans, k.region, uk.window, grace)
+				if e.Degraded {
+					// The agent reported its engine's fail mode: its store
+					// did not answer in time, a fault of the run's or not
+					// (an agent just restarted into a burst of retries, a
+					// machine too busy). The in-process share is the
+					// bound's store_fallback term all the same.
+					allow = max(allow, 2*q.FallbackPerRegion)
+				}
 				share := allow - q.FallbackPerRegion
 				take := min(e.Tokens, max(share-inProcess[uk], 0), max(allow-used[uk], 0))
 				inProcess[uk] += take

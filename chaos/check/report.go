@@ -129,8 +129,8 @@ func Render(w io.Writer, title string, h history.History, r *Result, quotas []Qu
 			fmt.Fprintf(&b, "%s\n", MeasureFallback(h, r, q, grace))
 		}
 	}
-	fmt.Fprintf(&b, "grants received %d, replays checked %d, ledger reads %d, acquires never answered %d, ledger grants no region knows %d, admissions answered as replays %d\n",
-		r.Grants, r.Replays, r.LedgerReads, r.Unresolved, r.Unclaimed, r.ReplayedAdmissions)
+	fmt.Fprintf(&b, "grants received %d, replays checked %d, ledger reads %d, acquires never answered %d, ledger grants no region knows %d, admissions answered as replays %d, by a fail mode (degraded) %d\n",
+		r.Grants, r.Replays, r.LedgerReads, r.Unresolved, r.Unclaimed, r.ReplayedAdmissions, r.DegradedAdmissions)
 	fmt.Fprintf(&b, "deposit deadlines checked %d, deposits of unknown outcome %d (%d of them in a fault of their store), fallback allowances journaled %d (%d tokens added)\n",
 		r.DepositsChecked, r.DepositsUnknown, r.DepositsExcused, r.Fallbacks, r.FallbackTokens)
 	names := make([]string, 0, len(r.Linearizability))

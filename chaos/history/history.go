@@ -139,6 +139,11 @@ type Event struct {
 	// request id (the store's idempotency record): that decision was made
 	// at some instant from Call to At, by an attempt whose answer was lost.
 	Replayed bool `json:"rp,omitempty"`
+	// Degraded marks an admission a rule's fail mode decided (the agent's
+	// CheckResponse.degraded): the region's store did not answer in time,
+	// whether or not the run broke it, and the agent's engine admitted from
+	// its in-process fallback share.
+	Degraded bool `json:"dg,omitempty"`
 	// Exhausted is the allocator's pool_exhausted flag.
 	Exhausted bool `json:"ex,omitempty"`
 	// Next marks an Acquire (or probe) that asked for a pre-grant: tokens

@@ -255,7 +255,7 @@ func (g *Generator) check(quota, id string) {
 				// A replay repeats a decision an earlier attempt made,
 				// whose answer was lost: the checkers place it anywhere
 				// from the first send to this answer.
-				ev.Kind, ev.Replayed = history.KindAdmit, m.GetReplayed()
+				ev.Kind, ev.Replayed, ev.Degraded = history.KindAdmit, m.GetReplayed(), m.GetDegraded()
 			case m.GetUnavailable():
 				ev.Kind, ev.Reason = history.KindDeny, history.ReasonUnavailable
 			default:

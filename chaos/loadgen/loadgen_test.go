@@ -17,7 +17,8 @@ import (
 
 // fakeAgent answers by tenant: "ok" allowed, "limited" 429, "down" 503;
 // "flaky" fails the first attempt of every request id, then allows as a
-// replay (the store decided the first attempt; its answer was lost).
+// replay (the store decided the first attempt; its answer was lost);
+// "fallback" allows as a fail mode's decision (degraded).
 type fakeAgent struct {
 	allotv1connect.UnimplementedAdmissionServiceHandler
 	mu   sync.Mutex
@@ -35,6 +36,8 @@ func (f *fakeAgent) Check(_ context.Context, req *connect.Request[allotv1.CheckR
 		resp.Allowed = true
 	case "down":
 		resp.Unavailable = true
+	case "fallback":
+		resp.Allowed, resp.Degraded = true, true
 	case "flaky":
 		if n == 1 {
 			return nil, connect.NewError(connect.CodeUnavailable, errors.New("restarting"))
@@ -71,6 +74,7 @@ func TestGenerator(t *testing.T) {
 		{Name: "limited", WindowMs: 3000, Rate: 100},
 		{Name: "down", WindowMs: 3000, Rate: 100},
 		{Name: "flaky", WindowMs: 3000, Rate: 100},
+		{Name: "fallback", WindowMs: 3000, Rate: 100},
 	}}
 	g, err := New(cfg, clock{}, client, out.emit)
 	if err != nil {
@@ -99,7 +103,7 @@ func TestGenerator(t *testing.T) {
 			t.Fatalf("event %s: want region eu, 1 token, called before answered", e)
 		}
 	}
-	for quota, want := range map[string]string{"ok": "admit/", "limited": "deny/" + history.ReasonLimited, "down": "deny/" + history.ReasonUnavailable, "flaky": "admit/"} {
+	for quota, want := range map[string]string{"ok": "admit/", "limited": "deny/" + history.ReasonLimited, "down": "deny/" + history.ReasonUnavailable, "flaky": "admit/", "fallback": "admit/"} {
 		if len(got[quota]) != 1 || got[quota][want] < 10 {
 			t.Errorf("quota %s: decisions %v, want only %s (at least 10 in 0.4 s at 100/s)", quota, got[quota], want)
 		}
@@ -116,8 +120,8 @@ func TestGenerator(t *testing.T) {
 		}
 	}
 	for _, e := range out.evs {
-		if e.Kind == history.KindAdmit && e.Replayed != (e.Quota == "flaky") {
-			t.Errorf("admission of %s recorded with replayed %t: want the agent's flag", e.Quota, e.Replayed)
+		if e.Kind == history.KindAdmit && (e.Replayed != (e.Quota == "flaky") || e.Degraded != (e.Quota == "fallback")) {
+			t.Errorf("admission of %s recorded with replayed %t, degraded %t: want the agent's flags", e.Quota, e.Replayed, e.Degraded)
 			break
 		}
 	}

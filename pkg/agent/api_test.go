@@ -3,6 +3,7 @@ package agent_test
 import (
 	"context"
 	"io"
+	"net"
 	"net/http"
 	"strings"
 	"testing"
@@ -11,6 +12,7 @@ import (
 	"connectrpc.com/connect"
 	commonrl "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlsv3 "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"github.com/redis/go-redis/v9"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/wrapperspb"
@@ -363,6 +365,65 @@ func TestCheckSaysWhenItReplays(t *testing.T) {
 	other := check(t, s.connect, &allotv1.CheckRequest{Entries: user, RequestId: "retry-2"})
 	if !other.Allowed || other.Replayed || other.Remaining != first.Remaining-1 {
 		t.Fatalf("a new request id: %+v, want decided and charged (%d remaining)", other, first.Remaining-1)
+	}
+	for _, r := range []*allotv1.CheckResponse{first, again, other} {
+		if r.Degraded {
+			t.Errorf("%+v: degraded, but the store decided", r)
+		}
+	}
+}
+
+// degradedPolicy has a rule of each fail mode a store failure can show.
+const degradedPolicy = `
+name: degraded
+regions: [eu]
+rules:
+  - name: open
+    scope: user
+    match: [{key: tenant}, {key: user}]
+    kind: token_bucket
+    capacity: 10
+    refill_per_second: 1
+    fail_mode: open
+  - name: shut
+    scope: route
+    match: [{key: tenant}, {key: route}]
+    kind: fixed_window
+    limit: 5
+    window: 1m
+    fail_mode: closed
+`
+
+// TestCheckSaysWhenAFailModeDecided: when the store cannot answer, the
+// answer says a fail mode made it (degraded), on the Connect API and the
+// gRPC listener: admitted by an open rule, unavailable by a closed one. A
+// gateway counts these, and the chaos checkers charge such admissions to
+// the in-process share rather than to a lease.
+func TestCheckSaysWhenAFailModeDecided(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := ln.Addr().String()
+	_ = ln.Close() // nothing listens there: every store call fails at once
+	rdb := redis.NewClient(&redis.Options{Addr: dead, MaxRetries: -1})
+	defer rdb.Close()
+	a := runAgent(t, newAgent(t, testConfig("eu"), rdb, agent.WithPolicy(mustParse(t, degradedPolicy), 0))).Agent
+	s := serve(t, a)
+	for _, tt := range []struct {
+		name string
+		c    allotv1connect.AdmissionServiceClient
+	}{{"connect", s.connect}, {"grpc", s.grpc}} {
+		t.Run(tt.name, func(t *testing.T) {
+			open := check(t, tt.c, &allotv1.CheckRequest{Entries: entries("tenant", "acme", "user", "u1")})
+			if !open.Allowed || !open.Degraded || open.Unavailable {
+				t.Errorf("an open rule without its store: %+v, want allowed and degraded", open)
+			}
+			shut := check(t, tt.c, &allotv1.CheckRequest{Entries: entries("tenant", "acme", "route", "GET /x")})
+			if shut.Allowed || !shut.Unavailable || !shut.Degraded || shut.Rule != "shut" {
+				t.Errorf("a closed rule without its store: %+v, want unavailable and degraded, naming shut", shut)
+			}
+		})
 	}
 }
 

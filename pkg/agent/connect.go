@@ -77,6 +77,7 @@ func checkResponse(v *Verdict) *allotv1.CheckResponse {
 		WouldDeny:         v.WouldDeny,
 		Unavailable:       v.Unavailable,
 		Replayed:          v.Source == admission.SourceReplay,
+		Degraded:          v.Source == admission.SourceFailMode,
 	}
 }
 

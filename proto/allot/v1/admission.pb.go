@@ -185,7 +185,13 @@ type CheckResponse struct {
 	// the same request_id (the store's idempotency record, e.g. after a retry
 	// whose first answer was lost): this call charged nothing, and
 	// decision_id is the earlier decision's.
-	Replayed      bool `protobuf:"varint,10,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	Replayed bool `protobuf:"varint,10,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	// degraded is true when a rule's fail mode decided this request: the
+	// region's store did not answer within the engine's timeout (or its
+	// breaker was open), and the rule's fail_mode answered instead (open or
+	// fallback admitted from the agent's in-process share, closed made the
+	// answer unavailable). Nothing was charged in the store for that rule.
+	Degraded      bool `protobuf:"varint,11,opt,name=degraded,proto3" json:"degraded,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -286,6 +292,13 @@ func (x *CheckResponse) GetUnavailable() bool {
 func (x *CheckResponse) GetReplayed() bool {
 	if x != nil {
 		return x.Replayed
+	}
+	return false
+}
+
+func (x *CheckResponse) GetDegraded() bool {
+	if x != nil {
+		return x.Degraded
 	}
 	return false
 }
@@ -617,7 +630,7 @@ const file_allot_v1_admission_proto_rawDesc = "" +
 	"\aentries\x18\x01 \x03(\v2\x19.allot.v1.DescriptorEntryR\aentries\x12\x12\n" +
 	"\x04cost\x18\x02 \x01(\x03R\x04cost\x12\x1d\n" +
 	"\n" +
-	"request_id\x18\x03 \x01(\tR\trequestId\"\xc6\x02\n" +
+	"request_id\x18\x03 \x01(\tR\trequestId\"\xe2\x02\n" +
 	"\rCheckResponse\x12\x18\n" +
 	"\aallowed\x18\x01 \x01(\bR\aallowed\x12\x12\n" +
 	"\x04rule\x18\x02 \x01(\tR\x04rule\x12\x14\n" +
@@ -631,7 +644,8 @@ const file_allot_v1_admission_proto_rawDesc = "" +
 	"would_deny\x18\b \x03(\tR\twouldDeny\x12 \n" +
 	"\vunavailable\x18\t \x01(\bR\vunavailable\x12\x1a\n" +
 	"\breplayed\x18\n" +
-	" \x01(\bR\breplayed\"h\n" +
+	" \x01(\bR\breplayed\x12\x1a\n" +
+	"\bdegraded\x18\v \x01(\bR\bdegraded\"h\n" +
 	"\x12ReleaseSlotRequest\x123\n" +
 	"\aentries\x18\x01 \x03(\v2\x19.allot.v1.DescriptorEntryR\aentries\x12\x1d\n" +
 	"\n" +
