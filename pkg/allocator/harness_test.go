@@ -157,7 +157,7 @@ func (tc *testCluster) close() {
 }
 
 // leader waits for exactly one leader among the running nodes, which
-// every other running voter that is not cut off follows (knows its ID and
+// every other running member that is not cut off follows (knows its ID and
 // API address). A node that believes it leads before the others have
 // heard from it can lose an election a moment later (a follower's
 // heartbeat timeout ran out before the first heartbeat came): a test that

@@ -311,8 +311,9 @@ func Run(ctx context.Context, cfg Config, target Target) (Result, error) {
 					continue // a failed call is no decision
 				}
 				calls[w]++
-				h.record(end.Sub(t))
-				if slow != nil && end.Sub(t) >= cfg.SlowOver {
+				took := end.Sub(t)
+				h.record(took)
+				if slow != nil && took >= cfg.SlowOver {
 					i := int(max(end.Sub(measureFrom), 0) / slowWindow)
 					slow[min(i, len(slow)-1)].Add(1)
 				}

@@ -151,15 +151,15 @@ func (s Stalls) String() string {
 	var b strings.Builder
 	secs := s.Elapsed.Seconds()
 	share := func(t time.Duration) float64 { return 100 * float64(t) / float64(s.Elapsed) }
+	per := func(n int) float64 {
+		if secs <= 0 {
+			return 0
+		}
+		return float64(n) / secs
+	}
 	fmt.Fprintf(&b, "%-28s %d CPUs busy for %s; calls delayed %s or more by stalls alone: at least %.2f%%",
 		stallsName, len(s.CPUs), round(s.Elapsed), PacedTarget, 100*s.ShareBeyond(PacedTarget))
 	for i, c := range s.CPUs {
-		per := func(n int) float64 {
-			if secs <= 0 {
-				return 0
-			}
-			return float64(n) / secs
-		}
 		fmt.Fprintf(&b, "\n%-28s spinner %d: stalls >= 0.5 ms %.1f/s, >= 1 ms %.1f/s, >= 2 ms %.1f/s, max %s; stalled 1 ms or more ahead %.2f%% of the time, %s or more %.2f%%",
 			"", i, per(c.Over(500*time.Microsecond)), per(c.Over(time.Millisecond)), per(c.Over(2*time.Millisecond)), round(c.Max()),
 			share(c.Beyond(time.Millisecond)), PacedTarget, share(c.Beyond(PacedTarget)))
