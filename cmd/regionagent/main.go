@@ -111,6 +111,7 @@ func run(ctx context.Context, args []string) error {
 	fs.IntVar(&cfg.Engine.Gateways, "gateways", cfg.Engine.Gateways, "gateways sharing the region's Redis (sizes fallback buckets)")
 	fs.DurationVar(&cfg.Engine.StoreTimeout, "store-timeout", cfg.Engine.StoreTimeout, "bound on one Redis call on the decision path")
 	fs.DurationVar(&cfg.Engine.NegativeCacheTTL, "negative-cache", cfg.Engine.NegativeCacheTTL, "negative cache ceiling (0: off, see package agent)")
+	fs.IntVar(&cfg.Engine.KeyCacheSize, "key-cache", cfg.Engine.KeyCacheSize, "counter keys kept made, about 200 bytes each: a principal seen again costs no hash and no allocation for its keys (0: off)")
 	fs.DurationVar(&cfg.Lease.Tick, "lease-tick", cfg.Lease.Tick, "lease manager tick")
 	fs.DurationVar(&cfg.Lease.Lead, "lease-lead", cfg.Lease.Lead, "renew this long before a pool runs dry at its demand")
 	fs.DurationVar(&cfg.Lease.PregrantLead, "pregrant-lead", cfg.Lease.PregrantLead, "how long before a window ends a clamped pool with demand takes a chunk of the next window; 0 turns pre-grants off")

@@ -124,6 +124,8 @@ func TestConfigValidate(t *testing.T) {
 		{"gateways", func(c *admission.Config) { c.Gateways = 0 }, "Gateways"},
 		{"negative cache", func(c *admission.Config) { c.NegativeCacheTTL = -1 }, "NegativeCacheTTL"},
 		{"cache size", func(c *admission.Config) { c.NegativeCacheSize = 0 }, "NegativeCacheSize"},
+		{"key cache size", func(c *admission.Config) { c.KeyCacheSize = -1 }, "KeyCacheSize"},
+		{"no key cache", func(c *admission.Config) { c.KeyCacheSize = 0 }, ""},
 		{"idempotency", func(c *admission.Config) { c.IdempotencyTTL = 2 * time.Hour }, "IdempotencyTTL"},
 		{"breaker", func(c *admission.Config) { c.BreakerFailures = 0 }, "BreakerFailures"},
 		{"cooldown", func(c *admission.Config) { c.BreakerCooldown = 0 }, "BreakerCooldown"},

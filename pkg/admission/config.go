@@ -30,6 +30,11 @@ type Config struct {
 	// (rounded up to a power of two); older entries are overwritten, so its
 	// memory is fixed.
 	NegativeCacheSize int
+	// KeyCacheSize is the number of counter keys the engine keeps made, so
+	// that a principal seen again costs no hash and no allocation for its
+	// keys (about 200 bytes a key, with short principals; a random key
+	// makes room when it is full). Zero disables it.
+	KeyCacheSize int
 	// IdempotencyTTL is how long the store remembers an admitted request id:
 	// a retry with the same id (and the same descriptors and hits) within it
 	// returns the earlier decision and debits nothing again; the id on
@@ -88,14 +93,16 @@ type Config struct {
 var standardDescriptors = []string{"tenant", "user", "route", "ip", "auth"}
 
 // DefaultConfig returns the defaults: a 50 ms store timeout, one gateway, a
-// 250 ms negative cache of 4096 keys, 2 minutes of idempotency, breakers
-// that open after 5 failures for 1 s, a pool fallback margin of 250 ms.
+// 250 ms negative cache of 4096 keys, a cache of 16,384 counter keys, 2
+// minutes of idempotency, breakers that open after 5 failures for 1 s, a
+// pool fallback margin of 250 ms.
 func DefaultConfig() Config {
 	return Config{
 		StoreTimeout:          50 * time.Millisecond,
 		Gateways:              1,
 		NegativeCacheTTL:      250 * time.Millisecond,
 		NegativeCacheSize:     4096,
+		KeyCacheSize:          16384,
 		IdempotencyTTL:        2 * time.Minute,
 		BreakerFailures:       5,
 		BreakerCooldown:       time.Second,
@@ -121,6 +128,9 @@ func (c Config) Validate() error {
 	}
 	if c.NegativeCacheTTL > 0 && (c.NegativeCacheSize < 1 || c.NegativeCacheSize > 1<<24) {
 		bad("NegativeCacheSize must be in [1, %d], got %d", 1<<24, c.NegativeCacheSize)
+	}
+	if c.KeyCacheSize < 0 || c.KeyCacheSize > 1<<24 {
+		bad("KeyCacheSize must be in [0, %d], got %d", 1<<24, c.KeyCacheSize)
 	}
 	if c.IdempotencyTTL < 0 || c.IdempotencyTTL > time.Hour {
 		bad("IdempotencyTTL must be in [0, 1h], got %s", c.IdempotencyTTL)

@@ -47,6 +47,11 @@
 //     client cannot pass the cache with fresh ids. A retry that reaches
 //     ANOTHER gateway while that gateway holds the key's denial (at most
 //     NegativeCacheTTL, 250 ms by default) still gets the cached 429.
+//   - Key cache: up to Config.KeyCacheSize counter keys (16,384 by
+//     default, about 200 bytes each; when full, a random one makes room)
+//     are kept made, so a principal seen again costs no SHA-256 and no
+//     allocation for its keys; a key is reused only for the exact inputs
+//     it was made from.
 //   - Idempotency: a retry of a request admitted within
 //     Config.IdempotencyTTL (the same request id, descriptors and hits) gets
 //     the earlier decision back and is not charged again.

@@ -84,7 +84,7 @@ func New(cfg Config, store Store, doc *policy.Document, version uint64, opts ...
 		clock:    o.clock,
 		fbClock:  o.fbClock,
 		log:      o.logger.Named("admission"),
-		hash:     hasher{ns: cfg.Namespace, salt: cfg.KeySalt},
+		hash:     hasher{ns: cfg.Namespace, salt: cfg.KeySalt, cache: newKeyCache(cfg.KeyCacheSize)},
 		start:    o.clock.Now(),
 		chunks:   make(map[string]*localChunk),
 		fb:       newFallback(cfg.FallbackKeys),

@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"encoding/binary"
 	"encoding/hex"
+	"hash/maphash"
 	"strings"
 )
 
@@ -39,8 +40,12 @@ func tenantTag(tenant string) string {
 	return "t:" + tenant
 }
 
-// hasher hashes principals into key names with a salt.
-type hasher struct{ ns, salt string }
+// hasher hashes principals into key names with a salt. cache, when set,
+// keeps the counter keys it made (keyCache).
+type hasher struct {
+	ns, salt string
+	cache    *keyCache
+}
 
 // sum hashes the length-prefixed fields into 32 bytes without allocating for
 // small inputs.
@@ -81,31 +86,40 @@ func (h hasher) tenantCounter(tenant, digest string, parts []string) (key string
 	return key, hash, key[at : at+len("t:")+len(tenant)]
 }
 
-// counterOf is counter of the tag tagPrefix + tagRest.
+// counterOf is counter of the tag tagPrefix + tagRest. The key is made on
+// the stack and allocated once: as the key string, or with the cache's
+// entry for it; a key in the cache costs a hash of its inputs and a lookup.
 func (h hasher) counterOf(tagPrefix, tagRest, digest string, parts []string) (string, uint64) {
 	var stack [512]byte
 	b := stack[:0]
 	b = appendField(b, h.salt)
+	salted := len(b) // the salt is the engine's: the cache's inputs skip it
 	b = binary.BigEndian.AppendUint32(b, uint32(len(tagPrefix)+len(tagRest)))
 	b = append(append(b, tagPrefix...), tagRest...)
 	b = appendField(b, digest)
 	for _, p := range parts {
 		b = appendField(b, p)
 	}
+	in := b[salted:]
+	cache := h.cache != nil && len(in) <= maxCachedInput
+	var ch uint64
+	if cache {
+		ch = maphash.Bytes(h.cache.seed, in)
+		if key, hash, ok := h.cache.get(ch, in); ok {
+			return key, hash
+		}
+	}
 	sum := sha256.Sum256(b)
-	var enc [16]byte
-	base64.RawURLEncoding.Encode(enc[:], sum[:12])
-	var sb strings.Builder
-	sb.Grow(len(h.ns) + 2 + len(tagPrefix) + len(tagRest) + 2 + len(digest) + 1 + len(enc))
-	sb.WriteString(h.ns)
-	sb.WriteString(":{")
-	sb.WriteString(tagPrefix)
-	sb.WriteString(tagRest)
-	sb.WriteString("}:")
-	sb.WriteString(digest)
-	sb.WriteByte(':')
-	sb.Write(enc[:])
-	return sb.String(), binary.LittleEndian.Uint64(sum[:8]) | 1
+	hash := binary.LittleEndian.Uint64(sum[:8]) | 1
+	var kstack [256]byte
+	k := append(kstack[:0], h.ns...)
+	k = append(append(append(k, ":{"...), tagPrefix...), tagRest...)
+	k = append(append(append(k, "}:"...), digest...), ':')
+	k = base64.RawURLEncoding.AppendEncode(k, sum[:12])
+	if cache {
+		return h.cache.put(ch, in, k, hash), hash
+	}
+	return string(k), hash
 }
 
 // idemKey is the key of req's idempotency record in a tag. It hashes the

@@ -8,9 +8,12 @@ import (
 // TestCounterKeysStayPut pins counter keys and their hashes: a key that
 // changes between builds starts every counter afresh on upgrade (and a
 // hash that changes, the negative cache's and the fallback's entries).
-// The values were computed by the build before tenantCounter.
+// The values were computed by the build before tenantCounter. With a key
+// cache (keyCache) they are the same, made (a miss) or found (a hit).
 func TestCounterKeysStayPut(t *testing.T) {
 	h := hasher{ns: "al", salt: "pepper"}
+	cached := h
+	cached.cache = newKeyCache(64)
 	for _, tt := range []struct {
 		parts []string
 		key   string
@@ -22,6 +25,11 @@ func TestCounterKeysStayPut(t *testing.T) {
 		key, hash := h.counter("t:atlas", "0123abcd", tt.parts)
 		if key != tt.key || hash != tt.hash {
 			t.Errorf("counter(%q): %q %d, want %q %d", tt.parts, key, hash, tt.key, tt.hash)
+		}
+		for _, pass := range []string{"made", "found"} {
+			if key, hash, _ := cached.tenantCounter("atlas", "0123abcd", tt.parts); key != tt.key || hash != tt.hash {
+				t.Errorf("tenantCounter(%q) with a cache, key %s: %q %d, want %q %d", tt.parts, pass, key, hash, tt.key, tt.hash)
+			}
 		}
 		key, hash, tag := h.tenantCounter("atlas", "0123abcd", tt.parts)
 		if key != tt.key || hash != tt.hash || tag != tenantTag("atlas") {
