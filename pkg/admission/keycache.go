@@ -10,9 +10,9 @@ import (
 // principal seen again costs neither the SHA-256 of its key (~120 ns on a
 // 2-core EPYC VM) nor the key's allocation (~48 bytes a rule). Without it
 // the key string was the largest part of a decision's garbage: measured with
-// allotbench, the 1-rule SDK's garbage fell from 87 to 39 bytes a decision,
-// and the client's GC cycles at half rate from 5-7 to 2 in 4 s
-// (docs/admission-bench.md, "2026-12-05 21:51-22:30Z").
+// allotbench, the 1-rule SDK's garbage fell from 87 to 39 bytes a decision
+// and its GC cycles to about a third (docs/admission-bench.md,
+// "2026-12-05 21:51-22:31Z").
 //
 // An entry is found by a seeded 64-bit hash of the key's inputs (every
 // field counterOf hashes but the salt, which is the engine's) and used only
